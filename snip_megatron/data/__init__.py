@@ -1,0 +1,1 @@
+"""Real text in: corpus sources, a local BPE tokenizer and Megatron indexed datasets."""

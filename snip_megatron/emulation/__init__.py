@@ -1,0 +1,1 @@
+"""Emulated quantized linear layers: one autograd function (three GEMMs) and Megatron subclasses."""

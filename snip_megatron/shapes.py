@@ -1,0 +1,84 @@
+"""Model shapes: the few numbers that fix a Llama-like GPT's linear layers (no torch, no Megatron)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """A Llama-like decoder: RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, untied embeddings."""
+
+    num_layers: int
+    """Transformer layers."""
+    hidden_size: int
+    """Model width."""
+    ffn_hidden_size: int
+    """SwiGLU inner width (linear_fc1 produces 2x this: gate and up)."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (GQA); equal to num_attention_heads for plain multi-head attention."""
+    vocab_size: int = 32000
+    """Vocabulary size (padded by Megatron to a TP-friendly multiple)."""
+    seq_length: int = 2048
+    """Training sequence length."""
+    name: str = field(default="custom", compare=False)
+    """Preset name, for logs."""
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                  "num_query_groups", "vocab_size", "seq_length"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"ModelShape.{f} must be a positive integer, got {v!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"ModelShape.hidden_size={self.hidden_size} is not divisible by "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"ModelShape.num_attention_heads={self.num_attention_heads} is not "
+                             f"divisible by num_query_groups={self.num_query_groups}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of each planned linear, unsharded."""
+        qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+        return {
+            "linear_qkv": (qkv_out, self.hidden_size),
+            "linear_proj": (self.hidden_size, self.num_attention_heads * self.head_dim),
+            "linear_fc1": (2 * self.ffn_hidden_size, self.hidden_size),  # SwiGLU: gate and up
+            "linear_fc2": (self.hidden_size, self.ffn_hidden_size),
+        }
+
+    def with_(self, **changes) -> "ModelShape":
+        return replace(self, **changes)
+
+
+PRESETS: dict[str, ModelShape] = {
+    # Runs on a laptop CPU in minutes; the default of the demo, tests and benchmarks.
+    "llama_tiny": ModelShape(name="llama_tiny", num_layers=6, hidden_size=128, ffn_hidden_size=352,
+                             num_attention_heads=4, num_query_groups=2, vocab_size=4096,
+                             seq_length=128),
+    # TinyLlama-1.1B.
+    "llama_1b": ModelShape(name="llama_1b", num_layers=22, hidden_size=2048, ffn_hidden_size=5632,
+                           num_attention_heads=32, num_query_groups=4),
+    # OpenLLaMA-3B.
+    "llama_3b": ModelShape(name="llama_3b", num_layers=26, hidden_size=3200, ffn_hidden_size=8640,
+                           num_attention_heads=32, num_query_groups=32),
+    "llama_7b": ModelShape(name="llama_7b", num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
+                           num_attention_heads=32, num_query_groups=32),
+    "llama_70b": ModelShape(name="llama_70b", num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+                            num_attention_heads=64, num_query_groups=8, vocab_size=32000,
+                            seq_length=4096),
+}
+
+
+def get_shape(name: str) -> ModelShape:
+    """A preset by name; unknown names raise ValueError listing the presets."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; presets: {', '.join(PRESETS)}") from None

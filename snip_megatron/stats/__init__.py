@@ -1,0 +1,1 @@
+"""Per-layer statistics and the two noise-injected passes, collected with hooks on a measurement step."""
