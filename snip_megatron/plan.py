@@ -44,6 +44,11 @@ def parse_key(key: "LayerKey | tuple | str") -> LayerKey:
     return LayerKey(layer, name)
 
 
+def forward_order(key: LayerKey) -> tuple[int, int]:
+    """Sort key: layer, then the linear's position in the forward pass."""
+    return key.layer, LINEAR_NAMES.index(key.name)
+
+
 def all_keys(num_layers: int) -> list[LayerKey]:
     """Every planned linear of a model with `num_layers` transformer layers, in forward order."""
     return [LayerKey(layer, name) for layer in range(1, num_layers + 1) for name in LINEAR_NAMES]
@@ -55,7 +60,7 @@ class Plan(Mapping):
     def __init__(self, assignment: "Mapping | Iterable[tuple]" = ()):
         items = assignment.items() if isinstance(assignment, Mapping) else assignment
         table = {parse_key(k): Precision.parse(p) for k, p in items}
-        self._table = dict(sorted(table.items()))
+        self._table = dict(sorted(table.items(), key=lambda kv: forward_order(kv[0])))
 
     @classmethod
     def uniform(cls, num_layers: int, precision: "Precision | str") -> "Plan":
