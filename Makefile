@@ -1,0 +1,33 @@
+# snip-megatron: `make demo` runs the quickstart, `make test` runs the suite in both lanes.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+LANES := prod compat
+PYTEST_ARGS ?=
+
+.PHONY: help demo test test-prod test-compat env env-prod env-compat clean
+
+help:
+	@echo "make demo        tiny Llama-like pretraining with SNIP on CPU, on real text"
+	@echo "make test        create both environments if missing, run the tests in both lanes"
+	@echo "make env-prod    Python 3.12, torch 2.14.1, megatron-core 0.19.2 (.venv-prod)"
+	@echo "make env-compat  Python 3.11, torch 2.13.0 CPU, megatron-core 0.16.1 (.venv-compat)"
+
+env: env-prod env-compat
+env-prod:
+	@scripts/make_env.sh prod
+env-compat:
+	@scripts/make_env.sh compat
+
+demo: env-prod
+	.venv-prod/bin/python -m snip_megatron.demo
+
+test: env
+	@scripts/run_tests.sh $(LANES) -- $(PYTEST_ARGS)
+
+test-prod: env-prod
+	@scripts/run_tests.sh prod -- $(PYTEST_ARGS)
+test-compat: env-compat
+	@scripts/run_tests.sh compat -- $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venv-prod .venv-compat .pytest_cache

@@ -1,0 +1,53 @@
+"""Causal-LM micro-batches in the form Megatron's GPTModel.forward takes."""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_batch(tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                 loss_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """tokens [b, s] (and labels, default tokens shifted left) -> GPTModel inputs + loss mask."""
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+    b, s = tokens.shape
+    if labels is None:
+        labels = torch.roll(tokens, -1, dims=1)
+        if loss_mask is None:
+            loss_mask = torch.ones(b, s)
+            loss_mask[:, -1] = 0.0  # the rolled-in last label is not a real next token
+    if loss_mask is None:
+        loss_mask = torch.ones(b, s)
+    # Megatron's local attention takes a boolean mask where True means "masked out".
+    attention_mask = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    return dict(tokens=tokens, labels=labels, position_ids=position_ids,
+                attention_mask=attention_mask, loss_mask=loss_mask.float())
+
+
+def random_batch(batch_size: int, seq_length: int, vocab_size: int,
+                 generator: torch.Generator) -> dict[str, torch.Tensor]:
+    return causal_batch(torch.randint(0, vocab_size, (batch_size, seq_length), generator=generator))
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    mask = loss_mask.to(per_token_loss.device).float()
+    return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def make_forward_step(loss_key: str = "lm loss"):
+    """A `forward_step_func` for Megatron's schedules: batch dicts in, masked mean loss out."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
+                       labels=batch["labels"])
+
+        def loss_func(output_tensor):
+            loss = masked_mean_loss(output_tensor, batch["loss_mask"])
+            # The schedule divides the returned loss in place: report a detached copy.
+            return loss, {loss_key: loss.detach().clone()}
+
+        return output, loss_func
+
+    return forward_step

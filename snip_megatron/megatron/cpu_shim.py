@@ -1,0 +1,136 @@
+"""Run Megatron-Core's training paths on a CPU-only machine.
+
+Megatron-Core assumes CUDA in ~50 places (``device="cuda"`` factories in the schedules, p2p,
+RoPE, clip_grads and the optimizer; the CUDA RNG tracker that attention forks on every forward;
+streams and events in the DDP grad sync). `install()` makes those work on CPU, process-locally:
+
+1. a ``TorchFunctionMode`` maps ``device="cuda"``/``"cuda:N"``/int devices to CPU for factory
+   functions and ``Tensor.to``, makes ``Tensor.cuda()`` a no-op, and reports CUDA type names from
+   ``Tensor.type()`` (``clip_grads.py`` asserts ``'torch.cuda.FloatTensor'``);
+2. ``torch.cuda.{current_device, synchronize, current_stream, default_stream, Stream, Event,
+   stream, get_rng_state, set_rng_state, manual_seed, manual_seed_all}`` get CPU stand-ins;
+   ``torch.cuda.is_available()`` stays False;
+3. Megatron's ``_get/_set_cuda_rng_state`` point at the CPU RNG so
+   ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` work.
+
+`uninstall()` restores every patched attribute. Both are no-ops when CUDA is available.
+Order: init the process group -> import megatron.core -> install() -> initialize_model_parallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_SAVED: dict[tuple[object, str], object] = {}
+_MODE: "CudaToCpuMode | None" = None
+
+
+def _to_cpu_device(device):
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, int) and not isinstance(device, bool):  # torch.cuda.current_device() -> 0
+        return torch.device("cpu")
+    return device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU for every torch function call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": _to_cpu_device(kwargs["device"])}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if (func is torch.Tensor.to and len(args) > 1
+                and isinstance(args[1], (str, torch.device, int)) and not isinstance(args[1], bool)):
+            args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _Event:
+    def __init__(self, *args, **kwargs): pass
+    def record(self, *args, **kwargs): pass
+    def wait(self, *args, **kwargs): pass
+    def synchronize(self): pass
+    def query(self): return True
+    def elapsed_time(self, other): return 0.0
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs): pass
+    def wait_event(self, *args, **kwargs): pass
+    def wait_stream(self, *args, **kwargs): pass
+    def synchronize(self): pass
+    def record_event(self, *args, **kwargs): return _Event()
+    def query(self): return True
+
+
+def _patch(obj, name: str, value) -> None:
+    _SAVED.setdefault((obj, name), getattr(obj, name, None))
+    setattr(obj, name, value)
+
+
+def needed() -> bool:
+    """The shim is needed only where CUDA is not available."""
+    return not torch.cuda.is_available()
+
+
+def is_installed() -> bool:
+    return bool(_SAVED)
+
+
+def install() -> bool:
+    """Install the shim; returns True if it did something (False on a CUDA machine or if already in)."""
+    global _MODE
+    if not needed() or is_installed():
+        return False
+    stream = _Stream()
+    _patch(torch.cuda, "current_device", lambda: 0)  # 0 is mapped to cpu by the mode
+    _patch(torch.cuda, "synchronize", lambda *a, **k: None)
+    _patch(torch.cuda, "current_stream", lambda *a, **k: stream)
+    _patch(torch.cuda, "default_stream", lambda *a, **k: stream)
+    _patch(torch.cuda, "Stream", _Stream)
+    _patch(torch.cuda, "Event", _Event)
+    _patch(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    _patch(torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+    _patch(torch.cuda, "set_rng_state", lambda state, device="cuda": torch.set_rng_state(state))
+    _patch(torch.cuda, "manual_seed", lambda seed: None)  # the CPU RNG is seeded by torch.manual_seed
+    _patch(torch.cuda, "manual_seed_all", lambda seed: None)
+    import torch.cuda.random as cuda_random
+
+    _patch(cuda_random, "get_rng_state", torch.cuda.get_rng_state)
+    # The tracker warns that the CPU RNG changed inside a "GPU" RNG context: here they are one RNG.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    try:
+        import megatron.core.tensor_parallel.random as mrandom
+    except Exception:  # megatron missing or broken: the torch part of the shim still helps
+        mrandom = None
+    if mrandom is not None:
+        _patch(mrandom, "_get_cuda_rng_state",
+               lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
+        _patch(mrandom, "_set_cuda_rng_state",
+               lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+    return True
+
+
+def uninstall() -> None:
+    """Undo install(): every patched attribute gets its original value back."""
+    global _MODE
+    if _MODE is not None:
+        _MODE.__exit__(None, None, None)
+        _MODE = None
+    for (obj, name), value in reversed(list(_SAVED.items())):
+        setattr(obj, name, value)
+    _SAVED.clear()

@@ -1,0 +1,132 @@
+"""Build a Llama-like Megatron-Core GPTModel (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from snip_megatron.shapes import ModelShape
+
+# name -> (activation function, gated): SwiGLU is silu with a gated linear unit, as in Llama.
+ACTIVATIONS = {
+    "swiglu": (F.silu, True),
+    "geglu": (F.gelu, True),
+    "gelu": (F.gelu, False),
+    "relu": (F.relu, False),
+}
+
+# Flags without which Megatron-Core's local path needs fused CUDA kernels (notes/platform.md).
+CPU_SAFE_FLAGS = dict(
+    use_cpu_initialization=True,
+    gradient_accumulation_fusion=False,
+    masked_softmax_fusion=False,
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    persist_layer_norm=False,
+)
+
+
+def validate_layout(shape: ModelShape, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                    activation: str = "swiglu") -> None:
+    """Raise ValueError naming the field when `shape` cannot be split TP x PP (x VPP)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; valid: {', '.join(ACTIVATIONS)}")
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if shape.num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads={shape.num_attention_heads} is not divisible by "
+                         f"tensor_model_parallel_size={tp}")
+    if shape.num_query_groups % tp:
+        raise ValueError(f"num_query_groups={shape.num_query_groups} is not divisible by "
+                         f"tensor_model_parallel_size={tp}")
+    if shape.ffn_hidden_size % tp:
+        raise ValueError(f"ffn_hidden_size={shape.ffn_hidden_size} is not divisible by "
+                         f"tensor_model_parallel_size={tp}")
+    chunks = pp * (vpp or 1)
+    if shape.num_layers % chunks:
+        what = f"pipeline_model_parallel_size={pp}" + (f" x virtual_pipeline_model_parallel_size={vpp}" if vpp else "")
+        raise ValueError(f"num_layers={shape.num_layers} is not divisible by {what}")
+
+
+def make_transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                            activation: str = "swiglu", params_dtype: torch.dtype = torch.float32,
+                            quant_recipe=None, sequence_parallel: bool = False, **overrides):
+    """A TransformerConfig for `shape`; CPU-safe flags where there is no GPU."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    validate_layout(shape, tp, pp, vpp, activation)
+    activation_func, gated = ACTIVATIONS[activation]
+    bf16 = params_dtype == torch.bfloat16
+    kwargs = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        activation_func=activation_func,
+        gated_linear_unit=gated,
+        add_bias_linear=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        quant_recipe=quant_recipe,
+    )
+    if not torch.cuda.is_available():
+        kwargs.update(CPU_SAFE_FLAGS)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(shape: ModelShape, *, config=None, backend: str = "emulated",
+                    vp_stage: int | None = None, **config_kwargs):
+    """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`).
+
+    Parallel state must be initialised (snip_megatron.megatron.runtime). `config_kwargs` go to
+    `make_transformer_config` when no `config` is given.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from snip_megatron.megatron.spec import get_layer_spec
+
+    if config is None:
+        config = make_transformer_config(
+            shape, tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            vpp=ps.get_virtual_pipeline_model_parallel_world_size(), **config_kwargs)
+    if backend == "te" and not torch.cuda.is_available():
+        raise ValueError("backend='te' needs a GPU with Transformer Engine; use backend='emulated'")
+    kwargs = dict(vp_stage=vp_stage) if vp_stage is not None else {}
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_layer_spec(backend),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.seq_length,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        **kwargs,
+    )
+
+
+def build_model_chunks(shape: ModelShape, *, config=None, backend: str = "emulated",
+                       **config_kwargs) -> list:
+    """Every model chunk of this rank: one, or `vpp` with virtual pipelining."""
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return [build_gpt_model(shape, config=config, backend=backend, **config_kwargs)]
+    return [build_gpt_model(shape, config=config, backend=backend, vp_stage=i, **config_kwargs)
+            for i in range(vpp)]

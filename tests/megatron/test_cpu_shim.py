@@ -1,0 +1,60 @@
+"""The CUDA->CPU shim: installs, works, uninstalls cleanly; a no-op where CUDA exists."""
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from snip_megatron.megatron import cpu_shim
+
+CHECK = textwrap.dedent("""
+    import torch, torch.cuda.random
+    import megatron.core.tensor_parallel.random as mrandom
+    from snip_megatron.megatron import cpu_shim
+    names = ["current_device", "synchronize", "current_stream", "default_stream", "Stream", "Event",
+             "stream", "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"]
+    before = {n: getattr(torch.cuda, n) for n in names}
+    before_m = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, torch.cuda.random.get_rng_state)
+    assert cpu_shim.install() is True
+    assert cpu_shim.is_installed()
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.ones(1).to("cuda:0").device.type == "cpu"
+    assert torch.ones(1).cuda().device.type == "cpu"
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+    assert not torch.cuda.is_available()
+    state = torch.cuda.get_rng_state(); torch.cuda.set_rng_state(state)
+    assert cpu_shim.install() is False  # idempotent
+    changed = [n for n in names if getattr(torch.cuda, n) is before[n]]
+    assert not changed, changed
+    cpu_shim.uninstall()
+    assert not cpu_shim.is_installed()
+    after = {n: getattr(torch.cuda, n) for n in names}
+    assert after == before, [n for n in names if after[n] is not before[n]]
+    assert (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, torch.cuda.random.get_rng_state) == before_m
+    assert torch.ones(1).type() == "torch.FloatTensor"
+    try:
+        torch.zeros(1, device="cuda")
+    except (RuntimeError, AssertionError) as e:
+        print("cuda factory fails again after uninstall:", type(e).__name__)
+    else:
+        raise SystemExit("cuda factory still redirected after uninstall")
+    print("OK")
+""")
+
+
+def test_install_uninstall_restores_torch_cuda():
+    # A fresh interpreter: other tests in this process keep the shim installed.
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK" in out.stdout
+
+
+def test_noop_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(cpu_shim, "_SAVED", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = torch.cuda.current_device
+    assert cpu_shim.needed() is False
+    assert cpu_shim.install() is False
+    assert torch.cuda.current_device is before
+    assert not cpu_shim.is_installed()
