@@ -1,0 +1,26 @@
+"""Settings of the cost estimator."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class EstimateConfig:
+    """How statistics become per-layer costs Q_l(p) = dL_l(p) / L + lam * WD_l(p)."""
+
+    lam: float = 0.3
+    """Weight of the (normalised) weight divergence against the relative loss divergence.
+    Default chosen from the long-horizon score of bench/estimator_fidelity.py (docs/method.md)."""
+    first_order: bool = False
+    """Add the signed first-order loss term <G_X, E_X> + <G_W, E_W>. Off by default: it was noise
+    late in training in our measurements; turn on only when averaged over many batches."""
+    kappa_floor: float = 0.0
+    """Curvatures below this are clamped to it (a negative one-sample estimate is noise)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lam, (int, float)) and math.isfinite(self.lam) and self.lam >= 0):
+            raise ValueError(f"EstimateConfig.lam must be a finite number >= 0, got {self.lam!r}")
+        if not (isinstance(self.kappa_floor, (int, float)) and math.isfinite(self.kappa_floor)):
+            raise ValueError(f"EstimateConfig.kappa_floor must be a finite number, got {self.kappa_floor!r}")

@@ -1,0 +1,89 @@
+"""Loss and weight divergence per layer: pure numpy over the columns of a StatsTable.
+
+Every function returns one float64 value per layer (forward order). NaN/Inf in the inputs stay
+NaN/Inf in the outputs. docs/method.md derives each formula.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.stats.table import StatsTable, precision_field
+
+
+def _c(t: StatsTable, name: str, p: "Precision | None" = None) -> np.ndarray:
+    return t.column(precision_field(name, p) if p is not None else name)
+
+
+def _div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den with 0 where den == 0 (an empty row), NaN kept."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = num / den
+    return np.where(den == 0, np.where(np.isfinite(num), 0.0, num), out)
+
+
+def curvature(t: StatsTable, floor: float = 0.0) -> np.ndarray:
+    """kappa_l = <eps, G~_Y - G_Y> / ||eps||^2 from the forward-noise pass, clamped below at floor."""
+    kappa = _div(_c(t, "fwd_zg_noisy") - _c(t, "fwd_zg_clean"), _c(t, "noise_scale") * _c(t, "fwd_z_sq"))
+    return np.where(np.isnan(kappa), kappa, np.maximum(kappa, floor))
+
+
+def output_error_sq(t: StatsTable, p: Precision) -> np.ndarray:
+    """||dY||^2 ~ (||E_X||^2 ||W||^2 + ||X||^2 ||E_W||^2) / k (random-error model)."""
+    return _div(_c(t, "ex", p) * _c(t, "w_sq") + _c(t, "x_sq") * _c(t, "ew", p), _c(t, "k"))
+
+
+def loss_divergence(t: StatsTable, p: Precision, *, first_order: bool = False,
+                    kappa_floor: float = 0.0) -> np.ndarray:
+    """dL_l(p) = 1/2 kappa_l ||dY||^2 (+ <G_X, E_X> + <G_W, E_W> when first_order)."""
+    dl = 0.5 * curvature(t, kappa_floor) * output_error_sq(t, p)
+    if first_order:
+        dl = dl + _c(t, "gx_ex", p) + _c(t, "gw_ew", p)
+    return dl
+
+
+def own_grad_error_sq(t: StatsTable, p: Precision) -> np.ndarray:
+    """||dG_W||^2 ~ (||E_GY||^2 ||X||^2 + ||G_Y||^2 ||E_X'||^2) / n, wgrad operands."""
+    return _div(_c(t, "egy_w", p) * _c(t, "x_sq") + _c(t, "gy_sq") * _c(t, "ex_w", p), _c(t, "n"))
+
+
+def upstream_grad_error_sq(t: StatsTable, p: Precision) -> np.ndarray:
+    """||dG_X||^2 ~ (||E_GY||^2 ||W||^2 + ||G_Y||^2 ||E_W'||^2) / m, dgrad operands."""
+    return _div(_c(t, "egy_d", p) * _c(t, "w_sq") + _c(t, "gy_sq") * _c(t, "ew_d", p), _c(t, "m"))
+
+
+def propagation_gain(t: StatsTable) -> np.ndarray:
+    """g_j = D_j / sum_{l after j} ||eta_l||^2: weight-gradient energy per unit of noise energy
+    injected into the input gradients of all later layers (backward-noise pass)."""
+    eta = _c(t, "bwd_eta_sq")
+    later = np.concatenate([np.cumsum(eta[::-1])[::-1][1:], [0.0]])  # sum over l > j
+    return _div(_c(t, "bwd_dgw_sq"), later)
+
+
+def adam_scales(t: StatsTable) -> tuple[np.ndarray, float]:
+    """(a_l, U): squared AdamW update change per unit squared gradient change (mean over the
+    layer's elements), and the squared norm of the BF16 update over all planned linears.
+    Without optimizer state (before the first step) falls back to plain SGD: a = 1, U = sum ||G_W||^2."""
+    numel = _c(t, "adam_numel")
+    if (numel > 0).all():
+        return _div(_c(t, "adam_du_sq"), numel), float(_c(t, "adam_upd_sq").sum())
+    return np.ones(len(t.keys)), float(_c(t, "gw_sq").sum())
+
+
+def weight_divergence(t: StatsTable, p: Precision) -> np.ndarray:
+    """WD_l(p) = [a_l ||dG_W,l||^2 + ||dG_X,l||^2 sum_{j before l} g_j a_j] / (dp * U).
+
+    Own weight-gradient error plus the error sent upstream, each turned into an AdamW update
+    error, relative to the whole BF16 update. dp: replicas average their independent errors."""
+    a, total = adam_scales(t)
+    ga = propagation_gain(t) * a
+    before = np.concatenate([[0.0], np.cumsum(ga)[:-1]])  # sum over j < l
+    dp = max(t.globals_.get("dp_size", 1.0), 1.0)
+    wd = a * own_grad_error_sq(t, p) + upstream_grad_error_sq(t, p) * before
+    return wd / (dp * total) if total > 0 else np.full(len(t.keys), np.nan)
+
+
+def relative_error(t: StatsTable, p: Precision) -> np.ndarray:
+    """The proxy: ||E_X||^2 / ||X||^2 + ||E_W||^2 / ||W||^2 (fprop operands; no sensitivity)."""
+    return _div(_c(t, "ex", p), _c(t, "x_sq")) + _div(_c(t, "ew", p), _c(t, "w_sq"))
