@@ -1,0 +1,98 @@
+"""PlannerConfig: the budget, the allowed precisions and the solver settings of one re-plan."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from snip_megatron.formats.precision import Precision
+
+BUDGETS = ("fp4_fraction", "speedup")
+SOLVERS = ("auto", "cbc", "exact")
+
+# Relative GEMM time per precision (Hopper FP8 = 2x BF16, Blackwell FP4 = 2x FP8).
+DEFAULT_GEMM_COST = {Precision.BF16: 1.0, Precision.FP8: 0.5, Precision.FP4: 0.25}
+
+
+def _default_gemm_cost() -> dict[Precision, float]:
+    return dict(DEFAULT_GEMM_COST)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """What one solve must achieve and how hard it may try."""
+
+    budget: str = "fp4_fraction"
+    """"fp4_fraction": at least `rho` of the linear FLOPs in FP4. "speedup": the modelled linear-GEMM
+    time (FLOPs x `gemm_cost`) at least `speedup` times faster than all-BF16."""
+    rho: float = 0.75
+    """FP4 budget: the fraction of linear FLOPs that must run in FP4 (budget="fp4_fraction")."""
+    speedup: float = 2.0
+    """Target speed-up of the linear GEMMs over all-BF16 (budget="speedup")."""
+    gemm_cost: dict = field(default_factory=_default_gemm_cost)
+    """Relative GEMM time per precision for the time model; every Precision needs a positive entry."""
+    allowed: tuple = (Precision.FP8, Precision.FP4)
+    """Precisions the planner may choose (the paper: FP8 and FP4); add BF16 for a third choice.
+    Pinned layers may hold any precision."""
+    per_stage: bool = True
+    """When `stages` are given to solve_plan, every pipeline stage must meet the budget on its own, so
+    no stage becomes the bottleneck (the global budget then follows)."""
+    switch_penalty: float = 0.0
+    """Cost added for each linear whose precision differs from the previous plan (same units as the
+    cost table), so plans do not flap on measurement noise. 0 disables it."""
+    solver: str = "auto"
+    """"auto": CBC, and the exact fallback if CBC is missing, fails or times out; "cbc": the same
+    (the fallback still answers on failure, and the result says so); "exact": the fallback only."""
+    time_limit_s: float = 10.0
+    """Wall-clock limit handed to CBC, seconds."""
+    gap_rel: float = 1e-6
+    """Relative optimality gap at which CBC may stop."""
+    threads: int | None = None
+    """CBC threads; None lets CBC choose."""
+    cbc_path: str | None = None
+    """A CBC binary to use instead of the one PuLP finds (PuLP < 4 bundles one; PuLP >= 4 uses the
+    `cbcbox` wheel, i.e. `pulp[cbc]`, or `cbc` on PATH)."""
+    exact_max_states: int = 1 << 17
+    """Budget states per pipeline stage of the exact dynamic programme. Integer FLOP tables fit exactly
+    (the budget is counted in units of the FLOPs' greatest common divisor); beyond this the budget is
+    discretised conservatively and the result's status says "feasible" instead of "optimal"."""
+
+    def __post_init__(self) -> None:
+        if self.budget not in BUDGETS:
+            raise ValueError(f"PlannerConfig.budget={self.budget!r} is unknown; valid: {', '.join(BUDGETS)}")
+        if not isinstance(self.rho, (int, float)) or not 0.0 <= self.rho <= 1.0:
+            raise ValueError(f"PlannerConfig.rho={self.rho!r} must be a fraction in [0, 1]")
+        if not isinstance(self.speedup, (int, float)) or not math.isfinite(self.speedup) or self.speedup <= 0:
+            raise ValueError(f"PlannerConfig.speedup={self.speedup!r} must be a positive number")
+        cost = {Precision.parse(p): c for p, c in dict(self.gemm_cost).items()}
+        for p in Precision:
+            c = cost.get(p)
+            if c is None or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+                raise ValueError(f"PlannerConfig.gemm_cost[{p.value}]={c!r} must be a positive number")
+        allowed = tuple(Precision.parse(p) for p in self.allowed)
+        if not allowed or len(set(allowed)) != len(allowed):
+            raise ValueError(f"PlannerConfig.allowed={self.allowed!r} must list at least one precision, "
+                             "each once")
+        if not isinstance(self.switch_penalty, (int, float)) or not math.isfinite(self.switch_penalty) \
+                or self.switch_penalty < 0:
+            raise ValueError(f"PlannerConfig.switch_penalty={self.switch_penalty!r} must be >= 0")
+        if self.solver not in SOLVERS:
+            raise ValueError(f"PlannerConfig.solver={self.solver!r} is unknown; valid: {', '.join(SOLVERS)}")
+        if not isinstance(self.time_limit_s, (int, float)) or not self.time_limit_s > 0:
+            raise ValueError(f"PlannerConfig.time_limit_s={self.time_limit_s!r} must be > 0")
+        if not isinstance(self.gap_rel, (int, float)) or not 0.0 <= self.gap_rel < 1.0:
+            raise ValueError(f"PlannerConfig.gap_rel={self.gap_rel!r} must be in [0, 1)")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"PlannerConfig.threads={self.threads!r} must be None or a positive integer")
+        if not isinstance(self.exact_max_states, int) or self.exact_max_states < 16:
+            raise ValueError(f"PlannerConfig.exact_max_states={self.exact_max_states!r} must be an "
+                             "integer >= 16")
+
+    # User spellings ("fp4", ["fp8", "fp4"]) are kept as given; these read them canonically.
+    def allowed_precisions(self) -> tuple[Precision, ...]:
+        """`allowed` as Precision members, in the given order."""
+        return tuple(Precision.parse(p) for p in self.allowed)
+
+    def gemm_costs(self) -> dict[Precision, float]:
+        """`gemm_cost` keyed by Precision, as floats."""
+        return {Precision.parse(p): float(c) for p, c in dict(self.gemm_cost).items()}
