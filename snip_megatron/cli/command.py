@@ -1,0 +1,135 @@
+"""A RunRecipe as the exact command that runs it: Megatron-LM arguments, the training target, torchrun.
+
+Pure functions of the recipe (no torch, no Megatron), so `snip-train --dry-run` is instant and the
+launchers in `launch/` can ask for the target without importing the training stack.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+from snip_megatron.cli.recipe import RunRecipe
+from snip_megatron.megatron.args import snip_args_from_config
+
+PRETRAIN_MODULE = "snip_megatron.megatron.pretrain_gpt"
+COMPACT_MODULE = "snip_megatron.train"
+
+
+def _num(v: float) -> str:
+    """Short, exact decimal text for a float flag (3e-4, not 0.00030000000000000003)."""
+    return repr(float(v)) if v != int(v) else str(int(v))
+
+
+def megatron_args(recipe: RunRecipe) -> list[str]:
+    """Megatron-LM / snip-pretrain-gpt arguments for the recipe (model, layout, data, schedule, SNIP)."""
+    m, par, d, t = recipe.model, recipe.parallel, recipe.data, recipe.train
+    args = [
+        # Llama-like model.
+        "--num-layers", str(m.num_layers),
+        "--hidden-size", str(m.hidden_size),
+        "--ffn-hidden-size", str(m.ffn_hidden_size),
+        "--num-attention-heads", str(m.num_attention_heads),
+    ]
+    if m.num_query_groups != m.num_attention_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
+    args += [
+        "--seq-length", str(m.seq_length),
+        "--max-position-embeddings", str(m.seq_length),
+        "--position-embedding-type", "rope",
+        "--normalization", "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0",
+        # Parallel layout.
+        "--tensor-model-parallel-size", str(par.tp),
+        "--pipeline-model-parallel-size", str(par.pp),
+    ]
+    if par.vpp is not None:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(m.num_layers // (par.pp * par.vpp))]
+    if par.sequence_parallel:
+        args.append("--sequence-parallel")
+    if par.distributed_optimizer:
+        args.append("--use-distributed-optimizer")
+    # Schedule.
+    args += [
+        "--micro-batch-size", str(t.micro_batch_size),
+        "--global-batch-size", str(t.global_batch_size),
+        "--train-iters", str(t.train_iters),
+        "--lr", _num(t.lr),
+        "--min-lr", _num(t.min_lr),
+        "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", str(t.lr_warmup_iters),
+        "--weight-decay", _num(t.weight_decay),
+        "--clip-grad", _num(t.clip_grad),
+        "--seed", str(t.seed),
+    ]
+    if t.bf16:
+        args.append("--bf16")
+    # Data: Megatron's NullTokenizer carries the vocabulary size; the corpus tokenizer is ours.
+    args += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size)]
+    if d.kind == "mock":
+        args.append("--mock-data")
+    elif d.kind == "corpus":
+        args += ["--corpus", d.corpus, "--corpus-cache", d.cache_dir, "--split", d.split]
+        if d.tokenizer:
+            args += ["--corpus-tokenizer", d.tokenizer]
+    else:
+        args += ["--data-path", d.path, "--corpus-tokenizer", d.tokenizer, "--split", d.split]
+    # Bookkeeping.
+    args += [
+        "--log-interval", str(t.log_interval),
+        "--eval-interval", str(t.eval_interval),
+        "--eval-iters", str(t.eval_iters),
+        "--save", t.run_dir,
+        "--load", t.load or t.run_dir,
+        "--save-interval", str(t.save_interval or t.train_iters),
+    ]
+    return args + snip_args_from_config(recipe.snip.snip_config())
+
+
+def compact_args(overrides: list[str]) -> list[str]:
+    """The compact loop takes the same Hydra overrides and composes the same recipe itself."""
+    return list(overrides)
+
+
+def training_target(recipe: RunRecipe, overrides: list[str]) -> list[str]:
+    """What follows `python` (one process) or torchrun's options: `-m <module> <args>`."""
+    if recipe.entry == "compact":
+        return ["-m", COMPACT_MODULE, *compact_args(overrides)]
+    return ["-m", PRETRAIN_MODULE, *megatron_args(recipe)]
+
+
+def torchrun_prefix(recipe: RunRecipe, *, rdzv_endpoint: str | None = None, rdzv_id: str | None = None,
+                    python: str | None = None) -> list[str]:
+    """`python -m torch.distributed.run ...` for the recipe's nodes and processes.
+
+    One node: `--standalone`. Several: c10d rendezvous at `rdzv_endpoint` (host:port) under
+    `rdzv_id`; every node runs the same line (SLURM: one task per node).
+    """
+    par = recipe.parallel
+    cmd = [python or sys.executable, "-m", "torch.distributed.run"]
+    if par.nnodes == 1:
+        return cmd + ["--standalone", "--nnodes", "1", "--nproc-per-node", str(par.nproc_per_node)]
+    if not rdzv_endpoint:
+        raise ValueError(f"parallel.nnodes={par.nnodes} needs a rendezvous endpoint (host:port); "
+                         "launch/slurm.sbatch sets it from the SLURM environment")
+    return cmd + ["--nnodes", str(par.nnodes), "--nproc-per-node", str(par.nproc_per_node),
+                  "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+                  "--rdzv-id", rdzv_id or "snip"]
+
+
+def launch_command(recipe: RunRecipe, overrides: list[str], *, rdzv_endpoint: str | None = None,
+                   rdzv_id: str | None = None, python: str | None = None) -> list[str]:
+    """The whole command: plain `python -m ...` for one process, torchrun otherwise."""
+    target = training_target(recipe, overrides)
+    if recipe.parallel.world_size == 1:
+        return [python or sys.executable, *target]
+    return torchrun_prefix(recipe, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, python=python) + target
+
+
+def shell_line(cmd: list[str]) -> str:
+    """The command as one copy-pasteable shell line."""
+    return " ".join(shlex.quote(c) for c in cmd)

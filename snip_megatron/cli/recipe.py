@@ -1,0 +1,325 @@
+"""Recipe schema (model / parallel / data / train + SnipConfig), layout checks and Hydra composition.
+
+The dataclasses are the source of truth: they are registered in Hydra's ConfigStore and every YAML
+file under `configs/` only picks values of their fields (an unknown key or a wrong type fails at
+composition). `compose_recipe(overrides)` -> a validated `RunRecipe`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from snip_megatron.config import SnipConfig
+from snip_megatron.shapes import ModelShape
+
+ENTRIES = ("auto", "compact", "megatron")
+DATA_KINDS = ("mock", "corpus", "indexed")
+CONFIG_DIR_ENV = "SNIP_CONFIG_DIR"
+
+
+def _positive(owner: str, name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class ModelRecipe:
+    """A Llama-like decoder (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings)."""
+
+    name: str = "llama_tiny"
+    """Preset name (logs, run folder)."""
+    num_layers: int = 6
+    """Transformer layers."""
+    hidden_size: int = 128
+    """Model width."""
+    ffn_hidden_size: int = 352
+    """SwiGLU inner width."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA); equal to num_attention_heads for plain multi-head attention."""
+    vocab_size: int = 4096
+    """Vocabulary size (the tokenizer's; Megatron pads it for TP)."""
+    seq_length: int = 128
+    """Training sequence length."""
+
+    def shape(self) -> ModelShape:
+        """The ModelShape (validates divisibility of heads and groups)."""
+        try:
+            return ModelShape(name=self.name, num_layers=self.num_layers, hidden_size=self.hidden_size,
+                              ffn_hidden_size=self.ffn_hidden_size,
+                              num_attention_heads=self.num_attention_heads,
+                              num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
+                              seq_length=self.seq_length)
+        except ValueError as e:
+            raise ValueError(str(e).replace("ModelShape.", "model.")) from None
+
+
+@dataclass(kw_only=True)
+class ParallelRecipe:
+    """How the model and the batch are split over ranks (world = nnodes x nproc_per_node)."""
+
+    name: str = "single"
+    """Layout name (logs)."""
+    tp: int = 1
+    """Tensor-parallel size: divides heads, query groups and the FFN width."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per pipeline rank (interleaved 1F1B); None: not interleaved."""
+    dp: Optional[int] = None
+    """Data-parallel size; None: whatever the world leaves (world / (tp x pp))."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks."""
+    nnodes: int = 1
+    """Nodes."""
+    nproc_per_node: int = 1
+    """Processes (GPUs) per node."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp if self.dp is not None else self.world_size // (self.tp * self.pp)
+
+
+@dataclass(kw_only=True)
+class DataRecipe:
+    """Training text."""
+
+    name: str = "mock"
+    """Data recipe name (logs)."""
+    kind: str = "mock"
+    """mock: Megatron's random tokens; corpus: a text corpus tokenized here (cached);
+    indexed: an existing Megatron .bin/.idx prefix with its tokenizer."""
+    corpus: str = "stdlib"
+    """kind=corpus: "stdlib" (the built-in Python standard library text), a folder, glob or .jsonl."""
+    path: Optional[str] = None
+    """kind=indexed: the .bin/.idx path prefix."""
+    tokenizer: Optional[str] = None
+    """A tokenizers JSON file; kind=corpus trains one of `model.vocab_size` when None."""
+    cache_dir: str = ".cache/snip-data"
+    """Where tokenized corpora are cached."""
+    split: str = "95,5,0"
+    """Train/valid/test split by documents (Megatron --split)."""
+
+
+@dataclass(kw_only=True)
+class TrainRecipe:
+    """The optimisation and bookkeeping of one run."""
+
+    name: str = "tiny"
+    """Train recipe name (logs)."""
+    entry: str = "auto"
+    """auto: the compact loop for llama_tiny, snip-pretrain-gpt otherwise; or compact / megatron."""
+    train_iters: int = 300
+    """Optimizer steps."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch per data-parallel rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all data-parallel ranks."""
+    lr: float = 3.0e-3
+    """Peak learning rate."""
+    min_lr: float = 3.0e-4
+    """Final learning rate (cosine decay)."""
+    lr_warmup_iters: int = 30
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    clip_grad: float = 1.0
+    """Gradient-norm clip (0: off)."""
+    bf16: bool = False
+    """BF16 parameters and activations (GPU runs); False: FP32 (CPU runs)."""
+    seed: int = 1234
+    """Model init and data order seed."""
+    log_interval: int = 10
+    """Steps between log lines."""
+    eval_interval: int = 100
+    """Steps between validations."""
+    eval_iters: int = 10
+    """Validation batches per validation."""
+    save_interval: int = 0
+    """Steps between checkpoints (0: only at the end)."""
+    run_dir: str = "runs/${model.name}-${snip.name}"
+    """Run folder: checkpoints, plans, logs, heat map."""
+    load: Optional[str] = None
+    """Checkpoint folder to resume from (None: `run_dir` when it holds a checkpoint)."""
+    cpu: Optional[bool] = None
+    """Force the CPU path (gloo, CPU shim); None: CPU when there is no GPU."""
+
+    def check(self) -> None:
+        for name in ("train_iters", "micro_batch_size", "global_batch_size", "log_interval",
+                     "eval_interval", "eval_iters"):
+            _positive("train", name, getattr(self, name))
+        if self.entry not in ENTRIES:
+            raise ValueError(f"train.entry={self.entry!r} is not valid; choose one of: {', '.join(ENTRIES)}")
+        if not isinstance(self.save_interval, int) or self.save_interval < 0:
+            raise ValueError(f"train.save_interval must be an integer >= 0, got {self.save_interval!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"train.lr={self.lr} must be > 0 and train.min_lr={self.min_lr} in [0, lr]")
+        if not isinstance(self.lr_warmup_iters, int) or not 0 <= self.lr_warmup_iters < self.train_iters:
+            raise ValueError(f"train.lr_warmup_iters={self.lr_warmup_iters!r} must be in [0, train_iters)")
+
+
+@dataclass(kw_only=True)
+class SnipRecipe(SnipConfig):
+    """SnipConfig plus the recipe's name."""
+
+    name: str = "default"
+    """SNIP recipe name (logs, run folder)."""
+
+    def snip_config(self) -> SnipConfig:
+        values = {k: v for k, v in vars(self).items() if k != "name"}
+        return SnipConfig(**values)
+
+
+@dataclass(kw_only=True)
+class RunRecipe:
+    """One training run: what model, split how, with which SNIP settings, on what data, how long."""
+
+    model: ModelRecipe = field(default_factory=ModelRecipe)
+    """Model shape."""
+    parallel: ParallelRecipe = field(default_factory=ParallelRecipe)
+    """Parallel layout."""
+    snip: SnipRecipe = field(default_factory=SnipRecipe)
+    """SNIP settings."""
+    data: DataRecipe = field(default_factory=DataRecipe)
+    """Training text."""
+    train: TrainRecipe = field(default_factory=TrainRecipe)
+    """Optimisation and bookkeeping."""
+
+    @property
+    def entry(self) -> str:
+        """compact or megatron, with "auto" resolved."""
+        if self.train.entry != "auto":
+            return self.train.entry
+        return "compact" if self.model.name.startswith("llama_tiny") else "megatron"
+
+
+def validate_layout(recipe: RunRecipe) -> None:
+    """Raise ValueError naming the recipe field when the parallel layout cannot run this model."""
+    par, model, train = recipe.parallel, recipe.model, recipe.train
+    for name in ("tp", "pp", "nnodes", "nproc_per_node"):
+        _positive("parallel", name, getattr(par, name))
+    if par.vpp is not None:
+        _positive("parallel", "vpp", par.vpp)
+        if par.pp < 2:
+            raise ValueError(f"parallel.vpp={par.vpp} needs parallel.pp > 1 (interleaving needs stages)")
+    if par.dp is not None:
+        _positive("parallel", "dp", par.dp)
+    recipe.model.shape()  # heads vs groups vs width
+    world = par.world_size
+    if par.dp is not None and par.tp * par.pp * par.dp != world:
+        raise ValueError(f"parallel.tp x parallel.pp x parallel.dp = {par.tp} x {par.pp} x {par.dp} = "
+                         f"{par.tp * par.pp * par.dp} != world size {world} "
+                         f"(parallel.nnodes={par.nnodes} x parallel.nproc_per_node={par.nproc_per_node})")
+    if world % (par.tp * par.pp):
+        raise ValueError(f"world size {world} (parallel.nnodes x parallel.nproc_per_node) is not "
+                         f"divisible by parallel.tp x parallel.pp = {par.tp * par.pp}")
+    if model.num_attention_heads % par.tp:
+        raise ValueError(f"model.num_attention_heads={model.num_attention_heads} is not divisible "
+                         f"by parallel.tp={par.tp}")
+    if model.num_query_groups % par.tp:
+        raise ValueError(f"model.num_query_groups={model.num_query_groups} is not divisible by "
+                         f"parallel.tp={par.tp}")
+    if model.ffn_hidden_size % par.tp:
+        raise ValueError(f"model.ffn_hidden_size={model.ffn_hidden_size} is not divisible by "
+                         f"parallel.tp={par.tp}")
+    chunks = par.pp * (par.vpp or 1)
+    if model.num_layers % chunks:
+        raise ValueError(f"model.num_layers={model.num_layers} is not divisible by parallel.pp"
+                         + (f" x parallel.vpp = {par.pp} x {par.vpp}" if par.vpp else f"={par.pp}"))
+    if par.sequence_parallel and par.tp < 2:
+        raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
+    dp = par.data_parallel_size
+    if train.global_batch_size % (train.micro_batch_size * dp):
+        raise ValueError(f"train.global_batch_size={train.global_batch_size} is not divisible by "
+                         f"train.micro_batch_size x data-parallel size = {train.micro_batch_size} x {dp}")
+
+
+def validate(recipe: RunRecipe) -> RunRecipe:
+    """Every check of a recipe: fields, layout, data and SNIP (ValueError naming the field)."""
+    recipe.train.check()
+    validate_layout(recipe)
+    if recipe.data.kind not in DATA_KINDS:
+        raise ValueError(f"data.kind={recipe.data.kind!r} is not valid; choose one of: {', '.join(DATA_KINDS)}")
+    if recipe.data.kind == "indexed" and not recipe.data.path:
+        raise ValueError("data.kind=indexed needs data.path (the .bin/.idx prefix)")
+    if recipe.data.kind == "indexed" and not recipe.data.tokenizer:
+        raise ValueError("data.kind=indexed needs data.tokenizer (its tokenizers JSON file)")
+    if recipe.snip.enabled and recipe.snip.warmup < 1:
+        recipe.snip.warmup_steps(recipe.train.train_iters)
+    return recipe
+
+
+# -- Hydra ---------------------------------------------------------------------------------------
+
+
+def register_configs() -> None:
+    """Put the schema into Hydra's ConfigStore (`run_schema` and `<group>/schema`)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunRecipe)
+    for group, node in (("model", ModelRecipe), ("parallel", ParallelRecipe), ("snip", SnipRecipe),
+                        ("data", DataRecipe), ("train", TrainRecipe)):
+        cs.store(group=group, name="schema", node=node)
+
+
+def default_config_dir() -> Path:
+    """`$SNIP_CONFIG_DIR`, else the `configs/` folder next to the package (source checkout, Docker)."""
+    env = os.environ.get(CONFIG_DIR_ENV)
+    if env:
+        return Path(env).resolve()
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+def compose_config(overrides: list[str] | None = None, *, config_dir: "str | Path | None" = None,
+                   config_name: str = "config"):
+    """The composed OmegaConf config (interpolations unresolved) for Hydra `overrides`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    cdir = Path(config_dir) if config_dir is not None else default_config_dir()
+    if not (cdir / f"{config_name}.yaml").is_file():
+        raise ValueError(f"no recipe {config_name!r} in {cdir} (set ${CONFIG_DIR_ENV} or --config-dir)")
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(cdir.resolve()), version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def to_recipe(cfg) -> RunRecipe:
+    """OmegaConf config -> validated RunRecipe; dataclass ValueErrors keep their field names."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.resolve(cfg)
+        recipe = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None
+        msg = str(cause).replace("SnipConfig.", "snip.") if cause else f"bad recipe: {e}"
+        raise ValueError(msg) from None
+    return validate(recipe)
+
+
+def compose_recipe(overrides: list[str] | None = None, *, config_dir=None,
+                   config_name: str = "config") -> RunRecipe:
+    """Compose, resolve and validate: `compose_recipe(["model=llama_7b", "parallel=tp4_pp2"])`."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose_config(overrides, config_dir=config_dir, config_name=config_name)
+    except (HydraException, OmegaConfBaseException) as e:
+        detail = f"{e} ({e.__cause__})" if e.__cause__ is not None else str(e)
+        raise ValueError(f"cannot compose recipe with overrides {list(overrides or [])}: {detail}") from None
+    return to_recipe(cfg)

@@ -1,0 +1,67 @@
+"""snip-train: compose a Hydra recipe, check its layout, print or run the exact launch command.
+
+    snip-train                                              # llama_tiny, mock data, SNIP default
+    snip-train model=llama_7b parallel=tp4_pp2 snip.fp4_budget=0.8 --dry-run
+    snip-train --print-target model=llama_70b parallel=tp8_pp8   # for launch/*.sh: one arg a line
+
+The tiny recipe runs the compact loop (`python -m snip_megatron.train <overrides>`); bigger ones run
+`snip-pretrain-gpt` (Megatron-LM's loop) with the recipe as Megatron arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from snip_megatron.cli.command import launch_command, shell_line, training_target
+from snip_megatron.cli.recipe import compose_config, to_recipe
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="snip-train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="Hydra overrides: group=option or a.b=value")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the resolved recipe and the launch command; run nothing")
+    p.add_argument("--print-target", action="store_true",
+                   help="print the training target (what follows torchrun's options), one argument a line")
+    p.add_argument("--config-dir", default=None, help="recipe folder (default: $SNIP_CONFIG_DIR or ./configs)")
+    p.add_argument("--config-name", default="config", help="top recipe file without .yaml (default config)")
+    p.add_argument("--rdzv-endpoint", default=os.environ.get("SNIP_RDZV_ENDPOINT"),
+                   help="host:port of the c10d rendezvous for multi-node runs")
+    p.add_argument("--rdzv-id", default=os.environ.get("SNIP_RDZV_ID"), help="rendezvous id (multi-node)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    try:
+        cfg = compose_config(opts.overrides, config_dir=opts.config_dir, config_name=opts.config_name)
+        from omegaconf import OmegaConf
+
+        resolved_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+        recipe = to_recipe(cfg)
+        if opts.print_target:
+            print("\n".join(training_target(recipe, opts.overrides)))
+            return 0
+        cmd = launch_command(recipe, opts.overrides, rdzv_endpoint=opts.rdzv_endpoint,
+                             rdzv_id=opts.rdzv_id)
+    except ValueError as e:
+        print(f"snip-train: error: {e}", file=sys.stderr)
+        return 2
+    if opts.dry_run:
+        print("# resolved recipe")
+        print(resolved_yaml.rstrip())
+        print(f"# entry: {recipe.entry}; world size {recipe.parallel.world_size} = "
+              f"tp {recipe.parallel.tp} x pp {recipe.parallel.pp} x dp {recipe.parallel.data_parallel_size}")
+        print("# launch command")
+        print(shell_line(cmd))
+        return 0
+    sys.stdout.flush()
+    os.execvp(cmd[0], cmd)  # replaces this process: signals and exit codes reach the trainer directly
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
