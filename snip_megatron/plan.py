@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 from snip_megatron.formats.precision import Precision
+
+# Bumped when the serialised layout changes; readers refuse versions they do not know.
+PLAN_FORMAT_VERSION = 1
 
 # The four planned linears of a Megatron transformer layer, in forward order.
 LINEAR_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -54,8 +60,25 @@ def all_keys(num_layers: int) -> list[LayerKey]:
     return [LayerKey(layer, name) for layer in range(1, num_layers + 1) for name in LINEAR_NAMES]
 
 
+class PlanChange(NamedTuple):
+    """One linear whose precision differs between two plans (None: the key is absent there)."""
+
+    key: LayerKey
+    old: "Precision | None"
+    new: "Precision | None"
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.old} -> {self.new}"
+
+
 class Plan(Mapping):
-    """An immutable mapping LayerKey -> Precision, kept in forward order."""
+    """An immutable mapping LayerKey -> Precision, kept in forward order.
+
+    Serialised form (JSON or YAML)::
+
+        {"version": 1, "num_layers": 2,
+         "layers": {"1": {"linear_qkv": "fp8", "linear_proj": "fp4", ...}, "2": {...}}}
+    """
 
     def __init__(self, assignment: "Mapping | Iterable[tuple]" = ()):
         items = assignment.items() if isinstance(assignment, Mapping) else assignment
@@ -66,6 +89,8 @@ class Plan(Mapping):
     def uniform(cls, num_layers: int, precision: "Precision | str") -> "Plan":
         p = Precision.parse(precision)
         return cls({k: p for k in all_keys(num_layers)})
+
+    # -- Mapping -----------------------------------------------------------------------------
 
     def __getitem__(self, key) -> Precision:
         return self._table[parse_key(key)]
@@ -83,5 +108,172 @@ class Plan(Mapping):
         return hash(tuple(self._table.items()))
 
     def __repr__(self) -> str:
-        counts = {p.value: sum(1 for v in self._table.values() if v is p) for p in Precision}
-        return f"Plan({len(self)} linears: {counts})"
+        return f"Plan({len(self)} linears: {self.counts()}, digest {self.digest()[:12]})"
+
+    # -- views ---------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        """The highest layer number planned (0 for an empty plan)."""
+        return max((k.layer for k in self._table), default=0)
+
+    def counts(self) -> dict[str, int]:
+        """Number of linears per precision, e.g. {"bf16": 0, "fp8": 10, "fp4": 14}."""
+        return {p.value: sum(1 for v in self._table.values() if v is p) for p in Precision}
+
+    def replace(self, updates: "Mapping | Iterable[tuple]") -> "Plan":
+        """A new plan with `updates` ({key: precision}) applied on top of this one."""
+        items = updates.items() if isinstance(updates, Mapping) else updates
+        return Plan({**self._table, **{parse_key(k): Precision.parse(p) for k, p in items}})
+
+    # -- checks against a model ----------------------------------------------------------------
+
+    def check_model(self, num_layers: int, names: Iterable[str] = LINEAR_NAMES) -> "Plan":
+        """Raise ValueError unless this plan covers exactly the planned linears of a model with
+        `num_layers` layers (each with the linears `names`). Returns self for chaining."""
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+        names = tuple(names)
+        expected = {LayerKey(layer, n) for layer in range(1, num_layers + 1) for n in names}
+        extra = sorted(set(self._table) - expected, key=forward_order)
+        if extra:
+            raise ValueError(f"plan has {len(extra)} key(s) the model lacks (model: {num_layers} "
+                             f"layers x {', '.join(names)}): {_preview(extra)}")
+        missing = sorted(expected - set(self._table), key=forward_order)
+        if missing:
+            layers = sorted({k.layer for k in missing})
+            raise ValueError(f"plan is missing {len(missing)} linear(s) of the model, in layer(s) "
+                             f"{_preview(layers)}: {_preview(missing)}")
+        return self
+
+    # -- comparison ----------------------------------------------------------------------------
+
+    def diff(self, other: "Plan") -> list[PlanChange]:
+        """The linears whose precision differs from `self` to `other`, in forward order."""
+        if not isinstance(other, Plan):
+            raise ValueError(f"can only diff against a Plan, got {type(other).__name__}")
+        keys = sorted(set(self._table) | set(other._table), key=forward_order)
+        return [PlanChange(k, self._table.get(k), other._table.get(k)) for k in keys
+                if self._table.get(k) is not other._table.get(k)]
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the canonical JSON form: equal plans have equal digests anywhere."""
+        return hashlib.sha256(self.to_json(indent=None).encode()).hexdigest()
+
+    # -- efficiency ----------------------------------------------------------------------------
+
+    def fp4_fraction(self, flops: "Mapping[LayerKey, float]") -> float:
+        """Fraction of this plan's linear FLOPs that run in FP4, by the FLOP table `flops`."""
+        return self.fraction_in(Precision.FP4, flops)
+
+    def fraction_in(self, precision: "Precision | str", flops: "Mapping[LayerKey, float]") -> float:
+        """Fraction of this plan's linear FLOPs that run in `precision`."""
+        p = Precision.parse(precision)
+        table = {parse_key(k): float(v) for k, v in flops.items()}
+        missing = [k for k in self._table if k not in table]
+        if missing:
+            raise ValueError(f"FLOP table lacks {len(missing)} planned linear(s): {_preview(missing)}")
+        bad = [k for k in self._table if not table[k] >= 0.0]  # also catches NaN
+        if bad:
+            raise ValueError(f"FLOP table has negative or NaN entries for: {_preview(bad)}")
+        total = sum(table[k] for k in self._table)
+        if total <= 0.0:
+            raise ValueError("FLOP table sums to zero over the planned linears")
+        return sum(table[k] for k, v in self._table.items() if v is p) / total
+
+    # -- serialisation -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """Plain, JSON/YAML-safe dict (see the class docstring)."""
+        layers: dict[str, dict[str, str]] = {}
+        for key, p in self._table.items():
+            layers.setdefault(str(key.layer), {})[key.name] = p.value
+        return {"version": PLAN_FORMAT_VERSION, "num_layers": self.num_layers, "layers": layers}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Plan":
+        """Inverse of `to_dict`; ValueError on anything malformed (never half-built)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"plan must be a mapping, got {type(data).__name__}")
+        version = data.get("version")
+        if version != PLAN_FORMAT_VERSION:
+            raise ValueError(f"unsupported plan version {version!r}; expected {PLAN_FORMAT_VERSION}")
+        layers = data.get("layers")
+        if not isinstance(layers, Mapping):
+            raise ValueError("plan 'layers' must be a mapping {layer: {linear name: precision}}")
+        items = []
+        for layer, linears in layers.items():
+            if not isinstance(linears, Mapping):
+                raise ValueError(f"plan layer {layer!r} must map linear names to precisions")
+            items.extend(((layer, name), p) for name, p in linears.items())
+        plan = cls(items)
+        declared = data.get("num_layers")
+        if declared is not None and declared != plan.num_layers:
+            raise ValueError(f"plan declares num_layers={declared!r} but its highest layer is "
+                             f"{plan.num_layers}")
+        return plan
+
+    def to_json(self, indent: "int | None" = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent, separators=None if indent else (",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"plan is not valid JSON: {e}") from None
+        return cls.from_dict(data)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "Plan":
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)  # safe_load: plans never build Python objects
+        except yaml.YAMLError as e:
+            raise ValueError(f"plan is not valid YAML: {e}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: "str | Path") -> Path:
+        """Write JSON, or YAML when the suffix is .yaml/.yml."""
+        path = Path(path)
+        text = self.to_yaml() if path.suffix in (".yaml", ".yml") else self.to_json()
+        path.write_text(text)
+        return path
+
+    @classmethod
+    def load(cls, path: "str | Path") -> "Plan":
+        path = Path(path)
+        text = path.read_text()
+        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+
+    # -- compact integer form (one collective to broadcast a plan) ------------------------------
+
+    def to_ids(self, num_layers: int) -> list[int]:
+        """Precision ids (index in `Precision`) over `all_keys(num_layers)`; the plan must cover
+        them exactly."""
+        self.check_model(num_layers)
+        order = list(Precision)
+        return [order.index(self._table[k]) for k in all_keys(num_layers)]
+
+    @classmethod
+    def from_ids(cls, ids: Iterable[int], num_layers: int) -> "Plan":
+        ids = [int(i) for i in ids]
+        keys = all_keys(num_layers)
+        if len(ids) != len(keys):
+            raise ValueError(f"expected {len(keys)} precision ids for {num_layers} layers, got {len(ids)}")
+        order = list(Precision)
+        bad = [i for i in ids if not 0 <= i < len(order)]
+        if bad:
+            raise ValueError(f"unknown precision id(s) {sorted(set(bad))}; valid: 0..{len(order) - 1}")
+        return cls(zip(keys, (order[i] for i in ids)))
+
+
+def _preview(items: list, limit: int = 6) -> str:
+    shown = ", ".join(str(x) for x in items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
