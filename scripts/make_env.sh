@@ -12,9 +12,16 @@ case "$lane" in
 esac
 venv="$root/.venv-$lane"
 pins="$root/requirements/$lane.txt"
-stamp="$venv/.snip-stamp"
-hash=$(sha256sum "$pins" "$root/setup.py" | sha256sum | cut -c1-16)
+stamp="$venv/.snip-stamp"            # pins installed
+pkg_stamp="$venv/.snip-package-stamp"  # this package installed (editable), entry points current
+hash=$(sha256sum "$pins" | cut -c1-16)
+pkg_hash=$(sha256sum "$root/setup.py" | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$hash" ]; then
+  if [ ! -f "$pkg_stamp" ] || [ "$(cat "$pkg_stamp")" != "$pkg_hash" ]; then
+    "$venv/bin/python" -m pip install -q --no-deps -e "$root" >/dev/null 2>&1 \
+      || { echo "[make_env] $lane: installing the package failed" >&2; exit 1; }
+    echo "$pkg_hash" > "$pkg_stamp"
+  fi
   exit 0
 fi
 
@@ -47,3 +54,4 @@ pip_install -r "$pins"
 pip_install --no-deps -e "$root"
 "$venv/bin/python" -c "import torch, megatron.core, pulp, snip_megatron; print('[make_env] $lane ok: torch', torch.__version__, 'megatron-core', megatron.core.__version__)"
 echo "$hash" > "$stamp"
+echo "$pkg_hash" > "$pkg_stamp"
