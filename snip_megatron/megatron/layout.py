@@ -1,0 +1,226 @@
+"""Every rank's planned linears for a model layout, without building the model.
+
+    python -m snip_megatron.megatron.layout --model llama_70b --tp 8 --pp 8 [--vpp N]
+
+Layers per pipeline stage / virtual chunk come from Megatron's own `get_num_layers_to_build` and
+`get_transformer_layer_offset` (both take `pp_rank`, so no process group is needed); module paths
+are the ones `GPTModel.named_modules()` gives. The command checks that every LayerKey is owned by
+exactly one pipeline chunk and by all TP ranks of it, and that a random plan round-trips through
+each rank's matcher (Megatron's `get_quant_config_or_none`). Last line:
+`RESULT layers=<n_linears> ranks=<n> seconds=<t> ok=1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan, all_keys, forward_order
+from snip_megatron.shapes import ModelShape, get_shape
+
+# Where each planned linear sits inside a TransformerLayer, and how TP shards its weight.
+SUBMODULE = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
+             "linear_fc1": "mlp", "linear_fc2": "mlp"}
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # output dim sharded; the others shard the input dim
+
+
+@dataclass(frozen=True)
+class LinearSlot:
+    """One planned linear on one rank."""
+
+    key: LayerKey
+    """Global layer number and linear name."""
+    chunk: int
+    """Model chunk on this rank (the virtual pipeline stage; 0 without VPP)."""
+    module_path: str
+    """Path inside the chunk's GPTModel, with the stage-local layer index."""
+    local_shape: tuple[int, int]
+    """(out_features, in_features) of this rank's weight shard."""
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """A rank's coordinates and planned linears."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    layer_offsets: tuple[int, ...]
+    """Global layers before each chunk (Megatron's layer offset), one per chunk."""
+    linears: tuple[LinearSlot, ...]
+
+
+def module_path(local_index: int, name: str) -> str:
+    """The path Megatron gives a planned linear inside a GPTModel chunk."""
+    return f"decoder.layers.{local_index}.{SUBMODULE[name]}.{name}"
+
+
+def layout_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: "int | None" = None):
+    """A TransformerConfig with the shape and split (a dataclass: no weights, no process group)."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if vpp is not None and (pp < 2 or vpp < 1):
+        raise ValueError(f"vpp={vpp!r} needs pp >= 2 and vpp >= 1")
+    if shape.num_layers % (pp * (vpp or 1)):
+        raise ValueError(f"num_layers={shape.num_layers} is not divisible by pp={pp}"
+                         + (f" x vpp={vpp}" if vpp else ""))
+    for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        if getattr(shape, field) % tp:
+            raise ValueError(f"{field}={getattr(shape, field)} is not divisible by tp={tp}")
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups, kv_channels=shape.head_dim,
+        gated_linear_unit=True, add_bias_linear=False,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.bfloat16,
+        params_dtype=torch.bfloat16, bf16=True)
+
+
+def chunk_layers(config, pp_rank: int, vp_stage: "int | None") -> tuple[int, int]:
+    """(layer offset, number of layers) of one pipeline chunk, by Megatron's own functions."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return int(offset), int(count)
+
+
+def rank_layout(shape: ModelShape, config, *, tp_rank: int, pp_rank: int, dp_rank: int = 0,
+                dp: int = 1) -> RankLayout:
+    """One rank's planned linears. Rank order is Megatron's default 'tp-cp-ep-dp-pp' (cp=ep=1)."""
+    tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    full = shape.linear_shapes()
+    slots, offsets = [], []
+    for chunk, vp_stage in enumerate(range(vpp) if vpp else [None]):
+        offset, count = chunk_layers(config, pp_rank, vp_stage)
+        offsets.append(offset)
+        for local in range(count):
+            for name in LINEAR_NAMES:
+                out_f, in_f = full[name]
+                local_shape = (out_f // tp, in_f) if name in COLUMN_PARALLEL else (out_f, in_f // tp)
+                slots.append(LinearSlot(LayerKey(offset + local + 1, name), chunk,
+                                        module_path(local, name), local_shape))
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    return RankLayout(rank, tp_rank, pp_rank, dp_rank, tuple(offsets), tuple(slots))
+
+
+def enumerate_layout(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: "int | None" = None,
+                     dp: int = 1) -> list[RankLayout]:
+    """Every rank's layout, in global rank order."""
+    config = layout_config(shape, tp=tp, pp=pp, vpp=vpp)
+    ranks = [rank_layout(shape, config, tp_rank=t, pp_rank=p, dp_rank=d, dp=dp)
+             for p in range(pp) for d in range(dp) for t in range(tp)]
+    return sorted(ranks, key=lambda r: r.rank)
+
+
+def check_ownership(shape: ModelShape, ranks: list[RankLayout], tp: int) -> None:
+    """Every LayerKey of the model is owned by exactly one (PP stage, chunk) and by every TP rank
+    of it; nothing else is planned. ValueError naming the first offending key otherwise."""
+    owners: dict[LayerKey, set] = defaultdict(set)
+    tp_ranks: dict[tuple, set] = defaultdict(set)
+    for r in ranks:
+        for s in r.linears:
+            owners[s.key].add((r.pp_rank, s.chunk))
+            tp_ranks[(s.key, r.pp_rank, r.dp_rank)].add(r.tp_rank)
+    expected = set(all_keys(shape.num_layers))
+    if set(owners) != expected:
+        missing = sorted(expected - set(owners), key=forward_order)
+        extra = sorted(set(owners) - expected, key=forward_order)
+        raise ValueError(f"layout does not cover the model: missing {missing[:4]}, extra {extra[:4]}")
+    for key, where in owners.items():
+        if len(where) != 1:
+            raise ValueError(f"{key} is owned by {len(where)} pipeline chunks: {sorted(where)}")
+    for (key, pp_rank, dp_rank), got in tp_ranks.items():
+        if got != set(range(tp)):
+            raise ValueError(f"{key} on pp stage {pp_rank} (dp {dp_rank}) is on TP ranks "
+                             f"{sorted(got)}, expected all of 0..{tp - 1}")
+
+
+def random_plan(num_layers: int, seed: int = 0) -> Plan:
+    rng = random.Random(seed)
+    return Plan({k: rng.choice(list(Precision)) for k in all_keys(num_layers)})
+
+
+def roundtrip_plan(plan: Plan, ranks: list[RankLayout]) -> Plan:
+    """Each rank resolves its linears' precisions through its own matcher, exactly as
+    GPTModel.__init__ does (`get_quant_config_or_none(path, recipe)`); the union of what the
+    ranks got is returned. ValueError if two ranks disagree on a key."""
+    from megatron.core.quantization.utils import get_quant_config_or_none
+
+    from snip_megatron.megatron.quant_recipe import build_recipe
+
+    seen: dict[LayerKey, Precision] = {}
+    for r in ranks:
+        recipes = [build_recipe(plan, layer_offset=off) for off in r.layer_offsets]
+        for s in r.linears:
+            qc = get_quant_config_or_none(s.module_path, recipes[s.chunk])
+            got = Precision.parse(qc.config["precision"])
+            if seen.setdefault(s.key, got) is not got:
+                raise ValueError(f"ranks disagree on {s.key}: {seen[s.key]} vs {got}")
+    return Plan(seen)
+
+
+def describe(r: RankLayout, verbose: bool = False) -> str:
+    chunks = []
+    for c, off in enumerate(r.layer_offsets):
+        layers = sorted({s.key.layer for s in r.linears if s.chunk == c})
+        chunks.append(f"{layers[0]}-{layers[-1]}" if layers else "none")
+    line = (f"rank {r.rank:4d} tp={r.tp_rank} pp={r.pp_rank} dp={r.dp_rank} "
+            f"layers {' | '.join(chunks)} linears={len(r.linears)}")
+    if verbose:
+        line += "".join(f"\n    chunk {s.chunk} {s.module_path:45s} {str(s.key):18s} "
+                        f"{s.local_shape[0]}x{s.local_shape[1]}" for s in r.linears)
+    return line
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama_tiny", help="preset name (snip_megatron.shapes)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (ranks = tp*pp*dp)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random plan round-tripped")
+    ap.add_argument("--verbose", action="store_true", help="print every module of every rank")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    shape = get_shape(args.model)
+    if not isinstance(args.dp, int) or args.dp < 1:
+        raise ValueError(f"dp must be a positive integer, got {args.dp!r}")
+    ranks = enumerate_layout(shape, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp)
+    check_ownership(shape, ranks, args.tp)
+    plan = random_plan(shape.num_layers, args.seed)
+    back = roundtrip_plan(plan, ranks)
+    if back != plan:
+        diff = plan.diff(back)
+        raise ValueError(f"plan did not round-trip through the matchers: {diff[:4]}")
+    seconds = time.perf_counter() - t0
+
+    print(f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+          f"ffn {shape.ffn_hidden_size}, heads {shape.num_attention_heads}, "
+          f"query groups {shape.num_query_groups}; tp={args.tp} pp={args.pp} "
+          f"vpp={args.vpp} dp={args.dp}")
+    for r in ranks:
+        print(describe(r, args.verbose))
+    print(f"plan digest {plan.digest()[:16]} round-tripped on every rank; each of "
+          f"{len(plan)} linears owned by one pipeline chunk and all {args.tp} TP ranks of it")
+    print(f"RESULT layers={len(plan)} ranks={len(ranks)} seconds={seconds:.2f} ok=1")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""A Plan as Megatron's `TransformerConfig.quant_recipe`: a matcher keyed by global layer number.
+
+Megatron (0.16.1 and 0.19.2) calls `get_quant_config_or_none(name, config.quant_recipe)` for every
+module with `finish_init` at the end of `GPTModel.__init__`. `name` is the module path inside
+that model chunk, e.g. `decoder.layers.3.mlp.linear_fc1`, where 3 is the index *local to the
+pipeline stage / virtual chunk*, 0-based; `MatchContext.layer_number` is that same local index
+(parsed from the path), not the global `TransformerLayer.layer_number`. A Plan is keyed by the
+global 1-based layer number, so each chunk's matcher carries that chunk's layer offset.
+"""
+
+from __future__ import annotations
+
+import re
+
+from megatron.core.quantization.quant_config import MatchContext, Matcher, RecipeConfig
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.plan import LayerKey, Plan
+from snip_megatron.te.options import TEOptions
+from snip_megatron.te.translate import emulated_params, te_config_dict
+
+BACKENDS = ("emulated", "te")
+
+# A planned linear inside a GPTModel chunk: the decoder's attention and dense-MLP linears.
+# MTP layers (`mtp.layers...`) and MoE experts (`mlp.experts...`) do not match: not planned.
+PLANNED_PATH = re.compile(
+    r"(?:^|\.)decoder\.layers\.(\d+)\.(?:self_attention|mlp)\."
+    r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)$")
+
+
+def parse_planned_path(module_path: str) -> "tuple[int, str] | None":
+    """(stage-local 0-based layer index, linear name) of a planned linear's path, else None."""
+    m = PLANNED_PATH.search(module_path)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def key_for_path(module_path: str, layer_offset: int) -> "LayerKey | None":
+    """The global LayerKey of a module path in a chunk whose first layer is `layer_offset` + 1."""
+    parsed = parse_planned_path(module_path)
+    if parsed is None:
+        return None
+    local, name = parsed
+    return LayerKey(layer_offset + local + 1, name)
+
+
+class PlanMatcher(Matcher):
+    """Matches the planned linears of one model chunk to the config key of their precision.
+
+    First match wins in a RecipeConfig, so other matchers (e.g. a GlobMatcher for modules the
+    plan does not cover) may follow it.
+    """
+
+    def __init__(self, plan: Plan, *, layer_offset: int = 0):
+        if not isinstance(plan, Plan):
+            raise ValueError(f"PlanMatcher needs a Plan, got {type(plan).__name__}")
+        if not isinstance(layer_offset, int) or isinstance(layer_offset, bool) or layer_offset < 0:
+            raise ValueError(f"layer_offset must be a non-negative integer, got {layer_offset!r}")
+        self.plan = plan
+        self.layer_offset = layer_offset
+
+    def key_for(self, module_path: str) -> "LayerKey | None":
+        return key_for_path(module_path, self.layer_offset)
+
+    def match(self, context: MatchContext) -> "str | None":
+        key = self.key_for(context.module_path)
+        if key is None:
+            return None
+        if key not in self.plan:
+            # Never fall back silently: a linear left at the global default would mis-state the plan.
+            raise ValueError(f"plan has no precision for {key} (module {context.module_path!r}, "
+                             f"layer offset {self.layer_offset}); the plan covers layers "
+                             f"1..{self.plan.num_layers}")
+        return self.plan[key].value
+
+    def __repr__(self) -> str:
+        return f"PlanMatcher(plan={self.plan!r}, layer_offset={self.layer_offset})"
+
+
+def config_dict_for(backend: str = "emulated", *, sm: "int | None" = None,
+                    te_options: "TEOptions | None" = None, fp8_recipe: str = "blockwise",
+                    fp4_recipe: str = "nvfp4") -> dict[str, dict]:
+    """{precision name: config dict} that the planned linears of `backend` read in finish_init.
+
+    backend='emulated': SNIP's emulated linears ({"precision": "fp4", "fp4_recipe": "nvfp4"}).
+    backend='te': TEQuantizationParams dicts for compute capability `sm` (see snip_megatron.te);
+    on GPUs without native FP4 the 'fp4' entry is the emulated linear's dict.
+    """
+    if backend == "emulated":
+        return {p.value: emulated_params(p, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+                for p in Precision}
+    if backend == "te":
+        if sm is None:
+            sm = current_sm()
+        return {name: mc.config for name, mc in
+                te_config_dict(sm=sm, options=te_options or TEOptions()).items()}
+    raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+
+
+def current_sm() -> int:
+    """Compute capability of the current CUDA device as major*10+minor (90 for H100)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("backend='te' needs a CUDA GPU (or pass sm=<compute capability>)")
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def build_recipe(plan: Plan, *, layer_offset: int = 0, backend: str = "emulated",
+                 num_layers: "int | None" = None, sm: "int | None" = None,
+                 te_options: "TEOptions | None" = None, fp8_recipe: str = "blockwise",
+                 fp4_recipe: str = "nvfp4") -> RecipeConfig:
+    """Plan -> RecipeConfig for one model chunk (`layer_offset`: global layers before it).
+
+    With `num_layers`, the plan must cover exactly that model's planned linears (ValueError
+    otherwise), so a mismatched plan is refused before any module is configured.
+    """
+    if num_layers is not None:
+        plan.check_model(num_layers)
+    configs = config_dict_for(backend, sm=sm, te_options=te_options, fp8_recipe=fp8_recipe,
+                              fp4_recipe=fp4_recipe)
+    if backend == "te":
+        used = {p.value for p in plan.values()}
+        emulated = sorted(name for name in used if "precision" in configs[name])
+        if emulated:
+            raise ValueError(f"plan puts linears in {', '.join(emulated)}, which this GPU runs only "
+                             f"in the emulated linear; build the model with backend='emulated'")
+    return RecipeConfig(matchers=[PlanMatcher(plan, layer_offset=layer_offset)], config_dict=configs)
+
+
+def layer_offset(config, *, vp_stage: "int | None" = None, pp_rank: "int | None" = None) -> int:
+    """Global layers before this chunk, by Megatron's own `get_transformer_layer_offset`
+    (even split, uneven first/last stage, embedding/loss accounting, custom layouts).
+
+    `pp_rank` defaults to this process's pipeline rank; it is 0 without pipelining.
+    """
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if pp_rank is None and config.pipeline_model_parallel_size == 1:
+        pp_rank = 0
+    return int(get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank))
+
+
+def recipe_for_chunk(plan: Plan, config, *, vp_stage: "int | None" = None,
+                     pp_rank: "int | None" = None, **kwargs) -> RecipeConfig:
+    """`build_recipe` for the chunk (`vp_stage`) of this rank's pipeline stage, checking the plan
+    against `config.num_layers`. Set it as `config.quant_recipe` before building that chunk."""
+    kwargs.setdefault("num_layers", config.num_layers)
+    return build_recipe(plan, layer_offset=layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank),
+                        **kwargs)
