@@ -103,7 +103,7 @@ def _status(pulp, prob, ret) -> tuple[str, bool]:
     """("optimal" | "feasible" | other, has_solution) across PuLP 3 (int status) and 4 (stats)."""
     if hasattr(ret, "has_solution"):  # PuLP >= 4: LpSolveStats
         name = getattr(ret.status, "name", str(ret.status))
-        if name == "Optimal":
+        if name in ("Optimal", "GapLimit"):  # GapLimit: proven within gap_rel, which we asked for
             return "optimal", bool(ret.has_solution)
         return (f"feasible ({name})" if ret.has_solution else name), bool(ret.has_solution)
     # PuLP 3: status is the problem status; sol_status says whether the solution is proven optimal.

@@ -1,0 +1,171 @@
+"""Heuristic baselines behind the same result type and FP4-budget semantics as solve_plan.
+
+Every rule except the uniform ones is "a priority order over the eligible linears": FP4 is given in
+that order, per group (each pipeline stage when `stages` is given, else the whole model), until the
+group's FP4 FLOPs reach rho of its linear FLOPs (so it may overshoot by at most one linear); every
+other linear runs in `high`. Linears a rule keeps high by definition are never eligible; if the
+eligible ones cannot reach rho, ValueError names the largest rho the rule can meet. So methods are
+compared at equal FP4 budgets, as in the paper's table.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterable, Mapping
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan, forward_order, parse_key
+from snip_megatron.planner.config import DEFAULT_GEMM_COST
+from snip_megatron.planner.costs import CostTable
+from snip_megatron.planner.flops import validate_flops
+from snip_megatron.planner.problem import BUDGET_RTOL, measure, measure_stages
+from snip_megatron.planner.solve import PlanResult
+
+BASELINES = ("uniform_bf16", "uniform_fp8", "uniform_fp4", "first_last_k", "last_fraction",
+             "layer_type", "min_rel_error", "random")
+
+
+def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
+                  high: Precision | str = Precision.FP8, rel_error: Mapping | None = None,
+                  seed: int = 0, k: int = 1, fraction: float = 0.15, keep_type: str = "linear_fc2",
+                  stages: Mapping | None = None, costs: Mapping | None = None,
+                  gemm_cost: Mapping | None = None) -> PlanResult:
+    """The plan of baseline `name` at FP4 budget `rho`.
+
+    - uniform_bf16 / uniform_fp8 / uniform_fp4: every linear in that precision (rho is ignored).
+    - first_last_k: the linears of the first k and last k transformer layers stay high (Megatron's
+      --first-last-layers-bf16); FP4 goes to the others from the middle layer outwards.
+    - last_fraction: the last ceil(fraction * layers) transformer layers stay high (NVIDIA's NVFP4
+      recipe keeps the last ~15%); FP4 goes to the others in forward order.
+    - layer_type: every `keep_type` linear stays high; FP4 goes to the others in forward order.
+    - min_rel_error: FP4 goes first to the linears whose relative FP4 quantization error (`rel_error`:
+      LayerKey -> float, or LayerKey -> {Precision: float}) is smallest.
+    - random: FP4 in a random order drawn from `seed`.
+    `costs` (optional, a cost table) only fills the result's objective; `gemm_cost` the speed-up model.
+    """
+    start = time.perf_counter()
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(BASELINES)}")
+    keys = sorted({parse_key(key) for key in keys}, key=forward_order)
+    if not keys:
+        raise ValueError("baseline_plan needs at least one layer key")
+    flop_of = validate_flops(flops, keys)
+    high = Precision.parse(high)
+    if high is Precision.FP4:
+        raise ValueError("high=fp4: the precision of the non-FP4 linears must be bf16 or fp8")
+    if not isinstance(rho, (int, float)) or not 0.0 <= rho <= 1.0:
+        raise ValueError(f"rho={rho!r} must be a fraction in [0, 1]")
+    stage_of = None
+    if stages is not None:
+        stage_of = {parse_key(key): s for key, s in stages.items()}
+        missing = [str(key) for key in keys if key not in stage_of]
+        if missing:
+            raise ValueError(f"stages has no pipeline stage for layer(s) {', '.join(missing[:5])}")
+
+    if name.startswith("uniform_"):
+        p = Precision.parse(name.removeprefix("uniform_"))
+        assignment = {key: p for key in keys}
+    else:
+        order = _priority(name, keys, rel_error=rel_error, seed=seed, k=k, fraction=fraction,
+                          keep_type=keep_type)
+        assignment = _fill(name, keys, order, flop_of, rho, high, stage_of)
+
+    gemm = {Precision.parse(p): float(c) for p, c in (gemm_cost or DEFAULT_GEMM_COST).items()}
+    return PlanResult(
+        plan=Plan(assignment),
+        solver=name,
+        status="rule",
+        objective=_objective(assignment, costs),
+        achieved=measure(assignment, flop_of, gemm),
+        per_stage=measure_stages(assignment, flop_of, gemm, stage_of) if stage_of else {},
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _priority(name: str, keys: list[LayerKey], *, rel_error, seed, k, fraction,
+              keep_type) -> list[LayerKey]:
+    """The eligible linears of rule `name`, the first to get FP4 first."""
+    layers = sorted({key.layer for key in keys})
+    pos = {layer: i for i, layer in enumerate(layers)}
+    n = len(layers)
+    if name == "first_last_k":
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"k={k!r} must be a non-negative integer")
+        eligible = [key for key in keys if k <= pos[key.layer] < n - k]
+        centre = (n - 1) / 2
+        return sorted(eligible, key=lambda key: (abs(pos[key.layer] - centre), forward_order(key)))
+    if name == "last_fraction":
+        if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction={fraction!r} must be in [0, 1]")
+        kept = math.ceil(fraction * n - 1e-9)
+        return [key for key in keys if pos[key.layer] < n - kept]
+    if name == "layer_type":
+        if keep_type not in LINEAR_NAMES:
+            raise ValueError(f"keep_type={keep_type!r} is unknown; valid: {', '.join(LINEAR_NAMES)}")
+        return [key for key in keys if key.name != keep_type]
+    if name == "min_rel_error":
+        err = _fp4_errors(rel_error, keys)
+        return sorted(keys, key=lambda key: (err[key], forward_order(key)))
+    # random
+    order = list(keys)
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def _fp4_errors(rel_error: Mapping | None, keys: list[LayerKey]) -> dict[LayerKey, float]:
+    if rel_error is None:
+        raise ValueError("baseline 'min_rel_error' needs rel_error (LayerKey -> relative FP4 error)")
+    table = {parse_key(key): v for key, v in rel_error.items()}
+    out = {}
+    for key in keys:
+        if key not in table:
+            raise ValueError(f"rel_error has no value for layer {key}")
+        v = table[key]
+        if isinstance(v, Mapping):
+            v = {Precision.parse(p): e for p, e in v.items()}.get(Precision.FP4)
+            if v is None:
+                raise ValueError(f"rel_error of layer {key} has no fp4 entry")
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"rel_error of layer {key} is not a number: {v!r}") from None
+        if not math.isfinite(v):
+            raise ValueError(f"rel_error of layer {key} is {v} (NaN/Inf)")
+        out[key] = v
+    return out
+
+
+def _fill(name, keys, order, flop_of, rho, high, stage_of) -> dict[LayerKey, Precision]:
+    """FP4 in `order`, per group, until each group's FP4 FLOPs reach rho of its FLOPs."""
+    group_of = stage_of or {key: 0 for key in keys}
+    total: dict = {}
+    reachable: dict = {}
+    for key in keys:
+        total[group_of[key]] = total.get(group_of[key], 0.0) + flop_of[key]
+    for key in order:
+        reachable[group_of[key]] = reachable.get(group_of[key], 0.0) + flop_of[key]
+    worst = min(total, key=lambda g: reachable.get(g, 0.0) / total[g])
+    best_rho = reachable.get(worst, 0.0) / total[worst]
+    if best_rho < rho - BUDGET_RTOL:
+        where = f" (limited by pipeline stage {worst})" if stage_of else ""
+        raise ValueError(f"infeasible budget: baseline {name!r} keeps too many linears high to reach "
+                         f"rho={rho}; the largest rho it can meet is {best_rho:.6g}{where}")
+    assignment = {key: high for key in keys}
+    got = {g: 0.0 for g in total}
+    for key in order:
+        g = group_of[key]
+        if got[g] >= (rho - BUDGET_RTOL) * total[g]:
+            continue
+        assignment[key] = Precision.FP4
+        got[g] += flop_of[key]
+    return assignment
+
+
+def _objective(assignment, costs) -> float:
+    if costs is None:
+        return math.nan
+    table = CostTable.of(costs)
+    return sum(table[key].get(p, math.nan) if key in table else math.nan
+               for key, p in assignment.items())
