@@ -1,0 +1,108 @@
+import math
+
+import numpy as np
+import pytest
+
+from snip_megatron.formats.precision import Precision as P
+from snip_megatron.planner.baselines import BASELINES, baseline_plan
+from snip_megatron.planner.flops import flop_table, stage_of_layers, stages_for_keys
+from snip_megatron.shapes import get_shape
+
+SHAPE = get_shape("llama_1b")  # 22 layers
+FLOPS = flop_table(SHAPE)
+KEYS = list(FLOPS)
+REL = {k: float(v) for k, v in zip(KEYS, np.random.default_rng(0).random(len(KEYS)))}
+RULES = [b for b in BASELINES if not b.startswith("uniform_")]
+
+
+def test_names_and_unknown():
+    assert BASELINES == ("uniform_bf16", "uniform_fp8", "uniform_fp4", "first_last_k", "last_fraction",
+                         "layer_type", "min_rel_error", "random")
+    with pytest.raises(ValueError, match="uniform_bf16, uniform_fp8.*random"):
+        baseline_plan("heuristic", KEYS, FLOPS, 0.5)
+
+
+@pytest.mark.parametrize("name", RULES)
+@pytest.mark.parametrize("rho", [0.0, 0.3, 0.6, 0.75])
+@pytest.mark.parametrize("pp", [None, 2])
+def test_every_rule_meets_the_budget_globally_and_per_stage(name, rho, pp):
+    if rho == 0.75 and name in ("layer_type", "last_fraction"):
+        # fc2 is 26% of llama_1b's linear FLOPs; with PP=2 the last 4 layers are 36% of stage 1.
+        rho = 0.7 if (name, pp) == ("last_fraction", None) else 0.6
+    stages = stages_for_keys(KEYS, stage_of_layers(22, pp)) if pp else None
+    r = baseline_plan(name, KEYS, FLOPS, rho, rel_error=REL, stages=stages)
+    assert r.solver == name and r.status == "rule" and len(r.plan) == len(KEYS)
+    biggest = max(FLOPS.values()) / sum(FLOPS.values())
+    assert rho - 1e-9 <= r.achieved.fp4_fraction <= rho + (pp or 1) * biggest + 1e-9  # overshoot < 1 linear
+    if pp:
+        assert len(r.per_stage) == 2 and all(a.fp4_fraction >= rho - 1e-9 for a in r.per_stage.values())
+    assert set(r.plan.values()) <= {P.FP8, P.FP4}
+
+
+def test_uniform():
+    for name, p in (("uniform_bf16", P.BF16), ("uniform_fp8", P.FP8), ("uniform_fp4", P.FP4)):
+        r = baseline_plan(name, KEYS, FLOPS, 0.75)
+        assert set(r.plan.values()) == {p}
+    assert baseline_plan("uniform_fp4", KEYS, FLOPS, 0.9).achieved.fp4_fraction == 1.0
+    assert baseline_plan("uniform_fp8", KEYS, FLOPS, 0.9).achieved.speedup == pytest.approx(2.0)
+
+
+def layers_with(plan, p):
+    return {k.layer for k, v in plan.items() if v is p}
+
+
+def test_first_last_k_keeps_the_edges_high():
+    for k in (1, 2):
+        plan = baseline_plan("first_last_k", KEYS, FLOPS, 0.75, k=k).plan
+        edges = set(range(1, k + 1)) | set(range(23 - k, 23))
+        assert not (layers_with(plan, P.FP4) & edges)
+    # Budget below what the rule leaves: FP4 grows from the middle layer outwards.
+    plan = baseline_plan("first_last_k", KEYS, FLOPS, 0.08).plan  # 1.76 layers' worth
+    assert layers_with(plan, P.FP4) == {11, 12}
+
+
+def test_last_fraction_keeps_the_last_fifteen_percent_high():
+    plan = baseline_plan("last_fraction", KEYS, FLOPS, 0.5, high=P.BF16).plan
+    assert not (layers_with(plan, P.FP4) & {19, 20, 21, 22})  # ceil(0.15 * 22) = 4
+    assert set(plan.values()) == {P.BF16, P.FP4} and plan[(1, "linear_qkv")] is P.FP4
+    with pytest.raises(ValueError, match=r"largest rho it can meet is 0\.818"):
+        baseline_plan("last_fraction", KEYS, FLOPS, 0.9)
+
+
+def test_layer_type_keeps_one_linear_high():
+    plan = baseline_plan("layer_type", KEYS, FLOPS, 0.6, keep_type="linear_fc2").plan
+    assert all(plan[k] is P.FP8 for k in KEYS if k.name == "linear_fc2")
+    with pytest.raises(ValueError, match="keep_type"):
+        baseline_plan("layer_type", KEYS, FLOPS, 0.6, keep_type="fc2")
+
+
+def test_min_rel_error_quantizes_the_least_damaged_first():
+    plan = baseline_plan("min_rel_error", KEYS, FLOPS, 0.5, rel_error=REL).plan
+    fp4 = [REL[k] for k in KEYS if plan[k] is P.FP4]
+    rest = [REL[k] for k in KEYS if plan[k] is not P.FP4]
+    assert max(fp4) <= min(rest)
+    nested = {k: {"fp8": 0.0, "fp4": v} for k, v in REL.items()}  # per-precision form works too
+    assert baseline_plan("min_rel_error", KEYS, FLOPS, 0.5, rel_error=nested).plan == plan
+    with pytest.raises(ValueError, match="needs rel_error"):
+        baseline_plan("min_rel_error", KEYS, FLOPS, 0.5)
+    bad = dict(REL)
+    bad[KEYS[5]] = math.nan
+    with pytest.raises(ValueError, match=str(KEYS[5]).replace(".", r"\.")):
+        baseline_plan("min_rel_error", KEYS, FLOPS, 0.5, rel_error=bad)
+
+
+def test_random_is_seeded():
+    a = baseline_plan("random", KEYS, FLOPS, 0.5, seed=1).plan
+    assert a == baseline_plan("random", KEYS, FLOPS, 0.5, seed=1).plan
+    assert a != baseline_plan("random", KEYS, FLOPS, 0.5, seed=2).plan
+
+
+def test_objective_from_costs_and_bad_inputs():
+    costs = {k: {"fp8": 0.01, "fp4": 0.1} for k in KEYS}
+    r = baseline_plan("uniform_fp4", KEYS, FLOPS, 0.5, costs=costs)
+    assert r.objective == pytest.approx(0.1 * len(KEYS))
+    assert math.isnan(baseline_plan("uniform_fp4", KEYS, FLOPS, 0.5).objective)
+    with pytest.raises(ValueError, match="high=fp4"):
+        baseline_plan("random", KEYS, FLOPS, 0.5, high="fp4")
+    with pytest.raises(ValueError, match="rho"):
+        baseline_plan("random", KEYS, FLOPS, 1.5)
