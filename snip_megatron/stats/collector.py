@@ -1,0 +1,210 @@
+"""Hooks on the planned linears that collect the statistics of one pass.
+
+A pass is the forward and backward of every micro-batch of the measured step, in one of three
+modes:
+  clean      norms of X, W, Y, G_Y, G_X, G_W, quantization errors per precision and role, the
+             first-order inner products, and <z, G_Y> for the curvature;
+  fwd_noise  s_l * z_l added to every layer output at once; <z, G~_Y>;
+  bwd_noise  t_l * eta_l added to every layer's input gradient at once, with a zero loss
+             gradient, so every G_Y is exactly the propagated noise; ||G_Y^T X||^2 and ||eta||^2.
+Parameters never get gradients here: measure.py freezes them and makes layer inputs leaves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.plan import LayerKey
+from snip_megatron.stats import noise
+from snip_megatron.stats.quant_error import ErrorFn
+from snip_megatron.stats.reduce import COLUMN_PARALLEL
+from snip_megatron.stats.table import StatsTable, precision_field
+
+MODES = ("clean", "fwd_noise", "bwd_noise")
+
+
+def _sq(t: torch.Tensor) -> float:
+    return float(t.float().pow(2).sum())
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() * b.float()).sum())
+
+
+class LinearProbe:
+    """The hooks of one planned linear (a Megatron Column/RowParallelLinear or subclass)."""
+
+    def __init__(self, key: LayerKey, module, collector: "Collector"):
+        self.key, self.module, self.c = key, module, collector
+        self.column = key.name in COLUMN_PARALLEL
+        w = module.weight
+        tp = collector.tp_size
+        self.stride = int(getattr(w, "partition_stride", 1) or 1)
+        self.k = w.shape[1] * (1 if self.column else tp)
+        self.m = w.shape[0] * (tp if self.column else 1)
+        self.calls = 0
+        self.w_errors: dict = {}
+        self.handles = [module.register_forward_pre_hook(self._pre),
+                        module.register_forward_hook(self._post)]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.w_errors = {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _add(self, name: str, value: float, p: "Precision | None" = None) -> None:
+        self.c.table.add(self.key, precision_field(name, p) if p is not None else name, value)
+
+    def _noise(self, shape, mb: int, stream: int, sharded: bool, stride: int, like: torch.Tensor):
+        return noise.layer_noise(shape, seed=self.c.seed, key=self.key, microbatch=mb, stream=stream,
+                                 tp_rank=self.c.tp_rank, tp_size=self.c.tp_size, sharded=sharded,
+                                 stride=stride, device=like.device)
+
+    def _err(self, t: torch.Tensor, p: Precision, role: str, sharded: bool) -> torch.Tensor:
+        group = self.c.tp_group if sharded and self.c.tp_size > 1 else None
+        return self.c.error_fn(t, p, role, group=group)
+
+    def _weight_stats(self) -> None:
+        w = self.module.weight.detach().float()
+        self._add("w_sq", _sq(w))
+        for p in self.c.precisions:
+            e = self._err(w, p, "fprop_weight", True)
+            self._add("ew", _sq(e), p)
+            self._add("ew_d", _sq(self._err(w, p, "dgrad_weight", True)), p)
+            self.w_errors[p] = e
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _pre(self, module, args):
+        mode = self.c.mode
+        if mode is None:
+            return None
+        x = args[0]
+        if not x.requires_grad:  # parameters are frozen: make the input a leaf so gradients flow
+            x = x.detach().requires_grad_(True)
+        mb = self.calls
+        self.calls += 1
+        if mode == "clean":
+            x2 = x.detach().reshape(-1, x.shape[-1]).float()
+            if mb == 0:
+                self._weight_stats()
+            self._add("x_sq", _sq(x2))
+            self._add("n", float(x2.shape[0]))
+            e_fprop = {}
+            for p in self.c.precisions:
+                e = self._err(x2, p, "fprop_input", not self.column)
+                self._add("ex", _sq(e), p)
+                self._add("ex_w", _sq(self._err(x2, p, "wgrad_input", not self.column)), p)
+                if self.c.first_order:
+                    e_fprop[p] = e.reshape(x.shape)
+
+            def on_gx(g):
+                self._add("gx_sq", _sq(g))
+                for p, e in e_fprop.items():
+                    self._add("gx_ex", _dot(g, e), p)
+
+            x.register_hook(on_gx)
+        elif mode == "bwd_noise":
+            t = self.c.scales[self.key][1]
+            eta = self._noise(x.shape, mb, noise.BACKWARD, not self.column, 1, x) * t
+            self._add("bwd_eta_sq", _sq(eta))
+            x.register_hook(lambda g: g + eta.to(g.dtype))
+        return (x,) + tuple(args[1:])
+
+    def _post(self, module, args, output):
+        mode = self.c.mode
+        if mode is None:
+            return None
+        y, rest = (output[0], tuple(output[1:])) if isinstance(output, tuple) else (output, None)
+        x = args[0]
+        mb = self.calls - 1
+        if mode == "clean":
+            self._add("y_sq", _sq(y.detach()))
+
+            def on_gy(g):
+                g2 = g.reshape(-1, g.shape[-1]).float()
+                x2 = x.detach().reshape(-1, x.shape[-1]).float()
+                self._add("gy_sq", _sq(g2))
+                for p in self.c.precisions:
+                    self._add("egy_d", _sq(self._err(g2, p, "dgrad_grad_output", self.column)), p)
+                    self._add("egy_w", _sq(self._err(g2, p, "wgrad_grad_output", self.column)), p)
+                gw = g2.t() @ x2  # wgrad: G_W = G_Y^T X
+                self._add("gw_sq", _sq(gw))
+                for p, e in self.w_errors.items():
+                    self._add("gw_ew", _dot(gw, e), p)
+                z = self._noise(g.shape, mb, noise.FORWARD, self.column, self.stride, g)
+                self._add("fwd_zg_clean", _dot(z, g))
+
+            y.register_hook(on_gy)
+            return None
+        if mode == "fwd_noise":
+            z = self._noise(y.shape, mb, noise.FORWARD, self.column, self.stride, y)
+            self._add("fwd_z_sq", _sq(z))
+            y = y + (self.c.scales[self.key][0] * z).to(y.dtype)
+            y.register_hook(lambda g: self._add("fwd_zg_noisy", _dot(z, g)))
+            return (y,) + rest if rest is not None else y
+        # bwd_noise: G_Y is the propagated noise only (zero loss gradient)
+
+        def on_dgy(g):
+            g2 = g.reshape(-1, g.shape[-1]).float()
+            self._add("bwd_dgw_sq", _sq(g2.t() @ x.detach().reshape(-1, x.shape[-1]).float()))
+
+        y.register_hook(on_dgy)
+        return None
+
+
+class Collector:
+    """Attach probes to a rank's planned linears; `begin(mode)` ... run a pass ... `end()`."""
+
+    def __init__(self, linears: list, *, num_layers: int, error_fn: ErrorFn, precisions=None,
+                 seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group=None):
+        from snip_megatron.plan import all_keys
+        from snip_megatron.stats.table import CANDIDATES
+
+        self.precisions = tuple(Precision.parse(p) for p in (precisions or CANDIDATES))
+        self.keys = all_keys(num_layers)
+        self.error_fn, self.seed, self.first_order = error_fn, seed, first_order
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.mode = None
+        self.scales: dict = {}
+        self.table = StatsTable(keys=self.keys, precisions=self.precisions)
+        self.probes = [LinearProbe(LayerKey(*k), m, self) for k, m in linears]
+
+    def begin(self, mode: str, table: "StatsTable | None" = None) -> StatsTable:
+        """Start a pass; statistics accumulate into `table` (a fresh one by default)."""
+        if mode not in MODES:
+            raise ValueError(f"unknown collector mode {mode!r}; valid: {', '.join(MODES)}")
+        missing = [p.key for p in self.probes if mode != "clean" and p.key not in self.scales]
+        if missing:
+            raise ValueError(f"noise pass {mode} needs noise scales from a clean pass for {missing[:3]}")
+        self.table = table if table is not None else StatsTable(keys=self.keys, precisions=self.precisions)
+        for p in self.probes:
+            p.reset()
+            self.table.set(p.key, "present", 1.0)
+            self.table.set(p.key, "k", float(p.k))
+            self.table.set(p.key, "m", float(p.m))
+        self.mode = mode
+        return self.table
+
+    def end(self) -> StatsTable:
+        self.mode = None
+        for p in self.probes:
+            p.reset()
+        return self.table
+
+    def set_scales(self, reduced_clean: StatsTable, noise_frac: float, bwd_noise_frac: float) -> None:
+        """Noise scales from the TP/DP-reduced clean statistics: s = frac * rms(Y), t = frac * rms(G_X)."""
+        for p in self.probes:
+            r = reduced_clean.row(p.key)
+            s = noise_frac * (r["y_sq"] / max(r["n"] * r["m"], 1.0)) ** 0.5
+            t = bwd_noise_frac * (r["gx_sq"] / max(r["n"] * r["k"], 1.0)) ** 0.5
+            self.scales[p.key] = (s, t)
+
+    def remove(self) -> None:
+        for p in self.probes:
+            p.remove()

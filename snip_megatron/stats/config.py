@@ -1,0 +1,40 @@
+"""Settings of a measurement (statistics step + the two noise passes)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.stats.table import CANDIDATES
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureConfig:
+    """What one measurement collects and how it injects noise."""
+
+    noise_frac: float = 0.05
+    """Forward noise standard deviation as a fraction of rms(Y) of each layer (kappa did not depend
+    on it between 2% and 5% in our measurements)."""
+    bwd_noise_frac: float = 1.0
+    """Backward noise standard deviation as a fraction of rms(G_X). The backward-noise pass runs
+    with a zero loss gradient, so it is exactly linear and the gains do not depend on this."""
+    seed: int = 0
+    """Seed of the dedicated noise and stochastic-rounding generators (never the global RNG)."""
+    precisions: tuple = CANDIDATES
+    """Candidate precisions whose quantization errors are collected."""
+    first_order: bool = True
+    """Collect <G_X, E_X> (keeps each layer's fprop input error until its backward)."""
+    fp8_recipe: str = "blockwise"
+    """FP8 recipe of the quantization errors (formats.FP8_RECIPES)."""
+    fp4_recipe: str = "nvfp4"
+    """FP4 recipe of the quantization errors (formats.FP4_RECIPES)."""
+
+    def __post_init__(self) -> None:
+        for name in ("noise_frac", "bwd_noise_frac"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"MeasureConfig.{name} must be a finite number > 0, got {v!r}")
+        ps = tuple(Precision.parse(p) for p in self.precisions)
+        if not ps or Precision.BF16 in ps:
+            raise ValueError(f"MeasureConfig.precisions must list fp8 and/or fp4, got {self.precisions!r}")

@@ -1,0 +1,74 @@
+"""Quantization error of a GEMM operand, E = Q(T) - T, for a candidate precision and role.
+
+The collector calls an `ErrorFn(tensor_2d, precision, role) -> error tensor` on operands in their
+natural 2D layout (X: n x k, W: m x k, G_Y: n x m; `Role.contraction_dim` says which dim a GEMM
+contracts). The default quantizes with `snip_megatron.formats` (the same fake quantizers the
+emulated linears use); tests and benchmarks may pass their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from snip_megatron.formats.precision import Precision
+
+ErrorFn = Callable[..., torch.Tensor]  # (tensor_2d, precision, role, group=None) -> error
+
+# Stats field of each role's squared error (table.ERROR_ROLES), by formats.Role value.
+ROLE_FIELDS = {
+    "fprop_input": "ex",
+    "fprop_weight": "ew",
+    "dgrad_grad_output": "egy_d",
+    "dgrad_weight": "ew_d",
+    "wgrad_grad_output": "egy_w",
+    "wgrad_input": "ex_w",
+}
+
+
+def formats_error_fn(fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4", seed: int = 0) -> ErrorFn:
+    """E = Q(T) - T with the project's fake quantizers; stochastic rounding draws from a dedicated
+    generator (seeded once), never from the global RNG."""
+    from snip_megatron import formats
+    from snip_megatron.formats.spec import FormatSpec, Role
+
+    quantize = formats.quantize_for_role
+    specs = {p: FormatSpec.for_precision(p, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+             for p in (Precision.FP8, Precision.FP4)}
+    generator = torch.Generator().manual_seed(seed)
+
+    def error(t: torch.Tensor, precision: Precision, role: str, group=None) -> torch.Tensor:
+        # group: the TP group of a sharded operand, so per-tensor scales see the whole tensor
+        t = t.float()
+        q = quantize(t, specs[Precision.parse(precision)], Role(role), out_dtype=torch.float32,
+                     generator=generator, amax_group=group)
+        return q - t
+
+    return error
+
+
+def blockwise_error_fn(block: dict | None = None, mantissa_bits: dict | None = None) -> ErrorFn:
+    """A simple, exact-to-reason-about stand-in quantizer for tests: per block of `block[p]`
+    elements along the contraction dim, scale by the block amax and round to `mantissa_bits[p]`
+    bits of a fixed-point grid. Deterministic and shard-local like real block formats."""
+    block = block or {Precision.FP8: 16, Precision.FP4: 16}
+    bits = mantissa_bits or {Precision.FP8: 6, Precision.FP4: 2}
+
+    def error(t: torch.Tensor, precision: Precision, role: str, group=None) -> torch.Tensor:
+        p = Precision.parse(precision)
+        t = t.float()
+        contract_last = role in ("fprop_input", "fprop_weight", "dgrad_grad_output")
+        x = t if contract_last else t.t()
+        b = block[p]
+        rows, cols = x.shape
+        if cols % b:
+            raise ValueError(f"blockwise_error_fn: dim {cols} is not a multiple of block {b}")
+        xb = x.reshape(rows, cols // b, b)
+        amax = xb.abs().amax(-1, keepdim=True).clamp(min=1e-30)
+        step = amax / 2 ** bits[p]
+        q = (torch.round(xb / step) * step).reshape(rows, cols)
+        e = q - x
+        return e if contract_last else e.t()
+
+    return error

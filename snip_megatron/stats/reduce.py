@@ -1,0 +1,101 @@
+"""Reduce a statistics table across ranks: one fixed-size collective per parallel dimension.
+
+- TP: squared norms (and inner products) of sharded tensors are summed over the TP group;
+  replicated ones are counted once (zeroed on TP ranks > 0 before the sum, NaN-safely).
+- DP: replicas are averaged (AdamW state of a distributed optimizer is sharded over DP: summed).
+- PP: every stage fills its own rows; a sum over the PP group gathers them on the first stage
+  (or on every stage with `pp_to_all`). Global rank 0 then holds the whole table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from snip_megatron.stats.table import StatsTable
+
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # output dim sharded, input replicated
+
+# Fields that are sums over a TP-sharded tensor, per kind of layer (anything else is replicated).
+_SHARDED_ALWAYS = {"w_sq", "gw_sq", "bwd_dgw_sq", "adam_du_sq", "adam_upd_sq", "adam_numel",
+                   "ew", "ew_d", "gw_ew"}
+_SHARDED_COLUMN = {"y_sq", "gy_sq", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq", "egy_d", "egy_w"}
+_SHARDED_ROW = {"x_sq", "gx_sq", "bwd_eta_sq", "ex", "ex_w", "gx_ex"}
+ADAM_FIELDS = ("adam_du_sq", "adam_upd_sq", "adam_numel")
+
+
+def tp_sharded(field: str, linear_name: str) -> bool:
+    """Is `field` of a `linear_name` layer a sum over TP shards (True) or replicated (False)?"""
+    base = field.split(".", 1)[0]
+    sharded = _SHARDED_ALWAYS | (_SHARDED_COLUMN if linear_name in COLUMN_PARALLEL else _SHARDED_ROW)
+    return base in sharded
+
+
+def tp_sharded_mask(table: StatsTable) -> np.ndarray:
+    """Bool mask over `table.to_array()`; the run-level row counts as replicated."""
+    mask = np.zeros((len(table.keys) + 1, len(table.fields)), dtype=bool)
+    for i, k in enumerate(table.keys):
+        mask[i] = [tp_sharded(f, k.name) for f in table.fields]
+    return mask
+
+
+def _device():
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+            ps.get_pipeline_model_parallel_group())
+
+
+def reduce_tp_dp(table: StatsTable, *, tp_group=None, dp_group=None, adam_dp_sharded: bool = False,
+                 use_megatron_groups: bool = True) -> StatsTable:
+    """TP sum (replicated counted once), then DP mean. Every rank gets the values of its rows."""
+    if not dist.is_initialized():
+        return table.copy()
+    if use_megatron_groups and tp_group is None and dp_group is None:
+        tp_group, dp_group, _ = _groups()
+    arr = table.to_array()
+    tp_rank = dist.get_rank(tp_group)
+    if tp_rank > 0:
+        arr = np.where(tp_sharded_mask(table), arr, 0.0)  # where(), not *0: NaN must survive
+    t = torch.from_numpy(arr).to(_device())
+    if dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(t, group=tp_group)
+    dp = dist.get_world_size(dp_group)
+    if dp > 1:
+        if adam_dp_sharded:  # shards of the optimizer state: the mean of dp * shard sums = the sum
+            for f in ADAM_FIELDS:
+                t[:-1, table.col(f)] *= dp
+        dist.all_reduce(t, group=dp_group)
+        t /= dp
+    return StatsTable.from_array(table.keys, t.cpu().numpy(), table.precisions)
+
+
+def gather_pp(table: StatsTable, *, pp_group=None, to_all: bool = False,
+              use_megatron_groups: bool = True) -> StatsTable:
+    """Sum the stages' rows over the PP group onto its first stage (every stage with to_all)."""
+    if not dist.is_initialized():
+        return table.copy()
+    if use_megatron_groups and pp_group is None:
+        pp_group = _groups()[2]
+    if dist.get_world_size(pp_group) == 1:
+        return table.copy()
+    t = torch.from_numpy(table.to_array()).to(_device())
+    if to_all:
+        dist.all_reduce(t, group=pp_group)
+    else:
+        dst = dist.get_global_rank(pp_group, 0) if hasattr(dist, "get_global_rank") else 0
+        dist.reduce(t, dst=dst, group=pp_group)
+    return StatsTable.from_array(table.keys, t.cpu().numpy(), table.precisions)
+
+
+def reduce_stats(table: StatsTable, *, adam_dp_sharded: bool = False, pp_to_all: bool = False) -> StatsTable:
+    """The full reduction with Megatron's groups: TP, DP, then PP onto global rank 0."""
+    return gather_pp(reduce_tp_dp(table, adam_dp_sharded=adam_dp_sharded), to_all=pp_to_all)
+
