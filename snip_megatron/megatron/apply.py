@@ -1,0 +1,170 @@
+"""Find the planned linears of live model chunks by global LayerKey, and re-apply a plan to them.
+
+Works on what Megatron builds on any rank: one GPTModel or a list of chunks (VPP), wrapped in
+Megatron DDP or not. Keys come from each enclosing `TransformerLayer.layer_number` (global,
+1-based), so stage-local module paths under PP/VPP never matter here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.quantization.quant_config import MatchContext, QuantizationConfig
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.megatron.quant_recipe import config_dict_for, parse_planned_path
+from snip_megatron.plan import LayerKey, Plan, PlanChange, forward_order
+from snip_megatron.te.options import TEOptions
+from snip_megatron.te.translate import precision_of_te_params
+
+
+@dataclass(frozen=True)
+class PlannedLinear:
+    """A planned linear of this rank."""
+
+    key: LayerKey
+    """Global layer number and linear name."""
+    chunk: int
+    """Index of the model chunk holding it (0 without virtual pipelining)."""
+    module_path: str
+    """Its name in that chunk's `named_modules()` (stage-local layer index)."""
+    module: object
+    """The module itself."""
+
+    def __iter__(self):
+        # Unpacks as a (key, module) pair: `for key, module in list_planned_linears(chunks)`.
+        return iter((self.key, self.module))
+
+
+@dataclass(frozen=True)
+class AppliedChange:
+    """One linear whose precision `apply_plan` changed on this rank."""
+
+    key: LayerKey
+    module_path: str
+    chunk: int
+    old: "Precision | None"
+    """None: the module had no precision of its own (e.g. a TE linear following the global autocast)."""
+    new: Precision
+
+    def as_plan_change(self) -> PlanChange:
+        return PlanChange(self.key, self.old, self.new)
+
+
+def _chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def list_planned_linears(model) -> list[PlannedLinear]:
+    """Every planned linear (qkv, proj, fc1, fc2 of each decoder layer) of this rank's chunk(s),
+    in forward order of their global keys."""
+    found: list[PlannedLinear] = []
+    seen: dict[LayerKey, str] = {}
+    for c, chunk in enumerate(_chunks(model)):
+        for path, module in chunk.named_modules():
+            parsed = parse_planned_path(path)
+            if parsed is None:
+                continue
+            layer_path = path.rsplit(".", 2)[0]  # ...decoder.layers.<i>
+            layer = chunk.get_submodule(layer_path)
+            number = getattr(layer, "layer_number", None)
+            if not isinstance(number, int):
+                raise ValueError(f"{layer_path!r} has no integer layer_number; not a TransformerLayer?")
+            key = LayerKey(number, parsed[1])
+            if key in seen:
+                raise ValueError(f"{key} appears twice on this rank: {seen[key]!r} and chunk {c} {path!r}")
+            seen[key] = f"chunk {c} {path}"
+            found.append(PlannedLinear(key, c, path, module))
+    return sorted(found, key=lambda pl: forward_order(pl.key))  # modules register proj before qkv
+
+
+def is_te_linear(module) -> bool:
+    """Megatron's TE linears (TELinear, TELayerNormColumnParallelLinear, ...) by their interface."""
+    return callable(getattr(module, "will_execute_quantized", None)) and hasattr(module, "finish_init")
+
+
+def is_emulated_linear(module) -> bool:
+    """SNIP's emulated linears: they carry a precision and can switch it."""
+    return callable(getattr(module, "set_precision", None))
+
+
+def precision_of(module) -> "Precision | None":
+    """The precision a planned linear runs in now; None if it has none of its own."""
+    if is_emulated_linear(module):
+        p = getattr(module, "precision", None)
+        return None if p is None else Precision.parse(p)
+    if is_te_linear(module):
+        params = getattr(module, "te_quant_params", None)
+        return None if params is None else precision_of_te_params(params)
+    return None
+
+
+def current_plan(model) -> Plan:
+    """The plan this rank's chunk(s) run now (only linears that have a precision of their own)."""
+    return Plan({pl.key: p for pl in list_planned_linears(model)
+                 if (p := precision_of(pl.module)) is not None})
+
+
+def _num_layers(model) -> "int | None":
+    for chunk in _chunks(model):
+        config = getattr(chunk, "config", None)
+        if config is not None and isinstance(getattr(config, "num_layers", None), int):
+            return config.num_layers
+    return None
+
+
+def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOptions | None" = None,
+               fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4",
+               num_layers: "int | None" = None) -> list[AppliedChange]:
+    """Set every planned linear of this rank to its precision in `plan`; returns what changed.
+
+    Call it on every rank at the same step boundary (between optimizer step and next forward).
+    The whole plan is checked first (against the model's `num_layers`, and every local linear
+    must be plannable and have a precision the backend can run), so a bad plan is refused with
+    ValueError before any module changes. Emulated linears switch through `set_precision`, TE
+    linears through `finish_init` with the TEQuantizationParams of `sm` (default: this GPU).
+    Parameters are untouched: optimizer state and checkpoints carry over.
+    """
+    if not isinstance(plan, Plan):
+        raise ValueError(f"apply_plan needs a Plan, got {type(plan).__name__}")
+    num_layers = num_layers if num_layers is not None else _num_layers(model)
+    if num_layers is not None:
+        plan.check_model(num_layers)
+    linears = list_planned_linears(model)
+
+    emulated_configs = te_configs = None
+    todo = []
+    for pl in linears:  # check everything before touching anything
+        if pl.key not in plan:
+            raise ValueError(f"plan has no precision for {pl.key} (chunk {pl.chunk} {pl.module_path!r})")
+        new = plan[pl.key]
+        if is_emulated_linear(pl.module):
+            if emulated_configs is None:
+                emulated_configs = config_dict_for("emulated", fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+            config = emulated_configs[new.value]
+        elif is_te_linear(pl.module):
+            if te_configs is None:
+                te_configs = config_dict_for("te", sm=sm, te_options=te_options)
+            config = te_configs[new.value]
+            if "precision" in config:  # FP4 without native kernels: only the emulated linear has it
+                raise ValueError(f"{pl.key} ({pl.module_path!r}) is a Transformer Engine linear, and "
+                                 f"{new} runs only in the emulated linear on this GPU; build with "
+                                 f"backend='emulated' to plan {new}")
+        else:
+            raise ValueError(f"{pl.key} ({pl.module_path!r}) is a {type(pl.module).__name__}, which "
+                             f"cannot switch precision; build with the SNIP or TE layer spec")
+        todo.append((pl, new, config))
+
+    changes: list[AppliedChange] = []
+    for pl, new, config in todo:
+        old = precision_of(pl.module)
+        if old is new:
+            continue
+        if is_emulated_linear(pl.module):
+            pl.module.set_precision(new, fp8_recipe=config.get("fp8_recipe"),
+                                    fp4_recipe=config.get("fp4_recipe"))
+        else:
+            local = parse_planned_path(pl.module_path)[0]
+            pl.module.finish_init(QuantizationConfig(config, MatchContext(pl.module_path, local), new.value))
+        changes.append(AppliedChange(pl.key, pl.module_path, pl.chunk, old, new))
+    return changes
