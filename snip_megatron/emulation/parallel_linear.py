@@ -1,0 +1,200 @@
+"""Megatron local Column/RowParallelLinear whose GEMMs run in a planned precision (emulated).
+
+Drop-in subclasses (same constructor) for Megatron's local layer spec. The precision comes from
+`finish_init(quant_config)` (GPTModel.__init__ calls it with the module's match from
+`TransformerConfig.quant_recipe`) and, when re-planning, from `set_precision`, which keeps the same
+nn.Parameter objects. In BF16 the parent's forward runs unchanged, so the layer is bit-identical to
+Megatron's own.
+
+Tensor parallelism: each rank quantizes its shard, so blocks never straddle shards; per-tensor
+amaxes (NVFP4 global scale, tensorwise FP8) are all-reduced over the TP group, as Transformer Engine
+does; stochastic-rounding noise is drawn for the whole gradient and sliced. TP=N then reproduces
+TP=1 exactly when every sharded dimension is a multiple of the block length along it (e.g. 128 for
+FP8 blockwise, 16 for NVFP4): a misaligned shard pads its last block, and a warning says so.
+
+Stochastic rounding uses one dedicated torch.Generator per layer (and device), never the global
+RNG streams. Its seed is `quant_config.config["sr_seed"]` if given, else a CRC32 of the module
+path Megatron passes to finish_init, else the layer's construction index; so every TP rank of a
+layer, and the TP=1 run, draw the same bits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+import zlib
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+)
+
+from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
+from snip_megatron.formats import FormatSpec, Precision, Role
+
+CONFIG_KEYS = ("precision", "fp8_recipe", "fp4_recipe", "sr_seed")
+_CONSTRUCTED = itertools.count()
+
+
+class _QuantLinearMixin:
+    """Precision state and the quantized `_forward_impl`; `_sharded` names the dims TP splits."""
+
+    precision: Precision
+    format_spec: FormatSpec
+
+    def _init_quant(self) -> None:
+        self._fp8_recipe, self._fp4_recipe = "blockwise", "nvfp4"
+        self._sr_seed = next(_CONSTRUCTED)
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self.precision = Precision.BF16
+        self.format_spec = FormatSpec.for_precision(Precision.BF16)
+
+    # ---- configuration -------------------------------------------------------------------------
+    def finish_init(self, quant_config) -> None:
+        """Megatron's hook: `quant_config.config` = {"precision": "bf16"|"fp8"|"fp4", optional
+        "fp8_recipe", "fp4_recipe", "sr_seed"}; None -> BF16."""
+        if quant_config is None:
+            self.set_precision(Precision.BF16)
+            return
+        config = dict(quant_config.config)
+        unknown = sorted(set(config) - set(CONFIG_KEYS))
+        if unknown or "precision" not in config:
+            raise ValueError(f"{type(self).__name__}: quant config {config} needs 'precision' and "
+                             f"only these keys: {', '.join(CONFIG_KEYS)} (unknown: {unknown})")
+        path = getattr(getattr(quant_config, "match_input", None), "module_path", None)
+        if "sr_seed" in config:
+            self.set_sr_seed(int(config["sr_seed"]))
+        elif path:
+            self.set_sr_seed(zlib.crc32(path.encode()))
+        self.set_precision(config["precision"], fp8_recipe=config.get("fp8_recipe"),
+                           fp4_recipe=config.get("fp4_recipe"))
+
+    def set_precision(self, precision, *, fp8_recipe: str | None = None,
+                      fp4_recipe: str | None = None) -> None:
+        """Switch formats (re-planning). None keeps the layer's current recipe of that precision.
+        Parameters, gradients and optimizer state are untouched."""
+        fp8_recipe = self._fp8_recipe if fp8_recipe is None else fp8_recipe
+        fp4_recipe = self._fp4_recipe if fp4_recipe is None else fp4_recipe
+        spec = FormatSpec.for_precision(precision, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+        self._fp8_recipe, self._fp4_recipe = fp8_recipe, fp4_recipe
+        self.precision, self.format_spec = spec.precision, spec
+        self._warn_if_shards_split_blocks()
+
+    def set_sr_seed(self, seed: int) -> None:
+        """Re-seed the stochastic-rounding generator (drops its current state)."""
+        self._sr_seed = int(seed) & 0x7FFF_FFFF_FFFF_FFFF
+        self._generators.clear()
+
+    def sr_generator(self, device) -> torch.Generator:
+        device = torch.device(device)
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device).manual_seed(self._sr_seed)
+        return self._generators[device]
+
+    def extra_repr(self) -> str:
+        return f"formats={self.format_spec.short_str()}"
+
+    def __repr__(self) -> str:
+        # megatron-core 0.16 defines __repr__ on these layers, which hides extra_repr.
+        base, extra = super().__repr__(), self.extra_repr()
+        return base if extra in base else f"{base[:-1]}, {extra})"
+
+    # ---- forward -------------------------------------------------------------------------------
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if not self.format_spec.is_quantized:
+            return super()._forward_impl(input, weight, *args, **kwargs)  # Megatron's own path
+        return self._quantized_forward_impl(input, weight, **kwargs)
+
+    def _quantized_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
+                                allreduce_dgrad=False, sequence_parallel=False,
+                                grad_output_buffer=None, **_):
+        if grad_output_buffer is not None:
+            raise ValueError(f"{type(self).__name__}: defer_embedding_wgrad_compute is not "
+                             "supported by the emulated quantized linear")
+        group = self._tp_group()
+        # The communication Megatron's fused linear does around its GEMMs, as autograd mappings.
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
+                                                         group=group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=group)
+        runtime = self._runtime(group, input.device, gradient_accumulation_fusion)
+        return quantized_linear(input, weight, bias, self.format_spec, runtime)
+
+    def _tp_group(self):
+        group = getattr(self, "tp_group", None)
+        if group is None:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_tensor_model_parallel_group()
+        return group
+
+    def _tp_rank_world(self) -> tuple[int, int]:
+        if not torch.distributed.is_initialized():
+            return 0, 1
+        group = self._tp_group()
+        return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+    def _runtime(self, group, device, accumulate) -> QuantRuntime:
+        rank, world = self._tp_rank_world()
+        sharded = self._sharded_operands()
+        pick = lambda operand: group if world > 1 and operand in sharded else None  # noqa: E731
+        return QuantRuntime(
+            input_group=pick("input"), weight_group=pick("weight"),
+            grad_output_group=pick("grad_output"),
+            grad_output_shard=(rank, world) if "grad_output" in sharded else (0, 1),
+            generator=self.sr_generator(device), accumulate_into_main_grad=accumulate)
+
+    def _warn_if_shards_split_blocks(self) -> None:
+        _, world = self._tp_rank_world()
+        if world == 1 or not self.format_spec.is_quantized:
+            return
+        for role, length in self._sharded_lengths().items():
+            cast = self.format_spec.cast(role)
+            block = None if cast is None or cast.block is None else cast.block
+            if block is None:
+                continue
+            # The sharded dim is the contraction dim (block[1]) or the other one (block[0]).
+            along = block[1] if role in self._sharded_along_k() else block[0]
+            if length % along:
+                warnings.warn(f"{type(self).__name__}: TP shard length {length} of {role.value} is not "
+                              f"a multiple of its block ({along}); TP={world} will not reproduce "
+                              f"TP=1 bit for bit")
+
+
+class QuantColumnParallelLinear(_QuantLinearMixin, ColumnParallelLinear):
+    """ColumnParallelLinear (W split by output rows, G_Y by columns) with planned formats."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_quant()
+
+    def _sharded_operands(self):
+        return ("weight", "grad_output")
+
+    def _sharded_lengths(self) -> dict:
+        m = self.output_size_per_partition
+        return {Role.FPROP_WEIGHT: m, Role.DGRAD_WEIGHT: m, Role.DGRAD_GRAD_OUTPUT: m}
+
+    def _sharded_along_k(self):
+        return (Role.DGRAD_WEIGHT, Role.DGRAD_GRAD_OUTPUT)  # dgrad contracts the split dim m
+
+
+class QuantRowParallelLinear(_QuantLinearMixin, RowParallelLinear):
+    """RowParallelLinear (X and W split by input columns) with planned formats."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_quant()
+
+    def _sharded_operands(self):
+        return ("input", "weight")
+
+    def _sharded_lengths(self) -> dict:
+        k = self.input_size_per_partition
+        return {Role.FPROP_INPUT: k, Role.FPROP_WEIGHT: k, Role.DGRAD_WEIGHT: k,
+                Role.WGRAD_INPUT: k}
+
+    def _sharded_along_k(self):
+        return (Role.FPROP_INPUT, Role.FPROP_WEIGHT)  # fprop contracts the split dim k

@@ -1,0 +1,129 @@
+"""One autograd function for a linear layer whose three GEMMs read quantized operands.
+
+    fprop:  Y   = Q(X)   @ Q(W)^T
+    dgrad:  G_X = Q(G_Y) @ Q(W)
+    wgrad:  G_W = Q(G_Y)^T @ Q(X)
+
+Each Q is the role quantizer of the layer's FormatSpec (formats.Role). Quantized operands are
+dequantized to float32 and multiplied in float32 (the tensor cores accumulate in FP32); results come
+back in the input's dtype (G_W in the weight's). Operands that a spec leaves unquantized (BF16) go
+through the plain GEMM in their own dtype, as Megatron's local linear computes it.
+Works on any device; the high-precision X and W are saved and re-quantized in backward, so the
+layer keeps the memory footprint of the BF16 layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from snip_megatron.formats import FormatSpec, Role, Rounding, quantize_for_role
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantRuntime:
+    """What a quantized linear needs besides its formats: where operands are sharded and where
+    random bits come from. The defaults describe a single, unsharded layer."""
+
+    input_group: Any = None
+    """Process group X is sharded over (its per-tensor amaxes are all-reduced there); None: whole."""
+    weight_group: Any = None
+    """Process group W is sharded over; None: whole."""
+    grad_output_group: Any = None
+    """Process group G_Y is sharded over; None: whole."""
+    grad_output_shard: tuple[int, int] = (0, 1)
+    """(rank, world) of G_Y's sharded last dim: stochastic-rounding noise is drawn for the whole
+    G_Y and this shard sliced out, so TP=N rounds exactly as TP=1."""
+    generator: torch.Generator | None = None
+    """Dedicated generator for stochastic rounding (never the global RNG); on G_Y's device."""
+    accumulate_into_main_grad: bool = False
+    """Megatron's gradient_accumulation_fusion: add G_W into weight.main_grad (FP32)."""
+
+
+def quantized_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     spec: FormatSpec, runtime: QuantRuntime | None = None) -> torch.Tensor:
+    """Y = Q(X) Q(W)^T (+ bias) with the backward GEMMs quantized by `spec`; input [..., k]."""
+    return QuantizedLinear.apply(input, weight, bias, spec, runtime or QuantRuntime())
+
+
+class QuantizedLinear(torch.autograd.Function):
+    """See the module docstring; use `quantized_linear(...)`."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, spec: FormatSpec, runtime: QuantRuntime):
+        input_hp = input.reshape(-1, input.shape[-1])
+        input_q = _q(input_hp, spec, Role.FPROP_INPUT, runtime.input_group)
+        weight_q = _q(weight, spec, Role.FPROP_WEIGHT, runtime.weight_group)
+        output = _gemm(input_q, weight_q.t())
+        if bias is not None:
+            output = output + bias  # in FP32 when quantized, as a GEMM epilogue
+        ctx.save_for_backward(input, weight)
+        ctx.spec, ctx.runtime, ctx.has_bias = spec, runtime, bias is not None
+        return output.to(input.dtype).reshape(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        spec, runtime = ctx.spec, ctx.runtime
+        grad_output_hp = grad_output.reshape(-1, grad_output.shape[-1])
+        input_hp = input.reshape(-1, input.shape[-1])
+        grad_input = grad_weight = grad_bias = None
+
+        if ctx.needs_input_grad[0]:
+            grad_output_q = _q(grad_output_hp, spec, Role.DGRAD_GRAD_OUTPUT,
+                               runtime.grad_output_group, runtime)
+            weight_q = _q(weight, spec, Role.DGRAD_WEIGHT, runtime.weight_group)
+            grad_input = _gemm(grad_output_q, weight_q).to(input.dtype).reshape(input.shape)
+
+        if ctx.needs_input_grad[1]:
+            grad_output_q_t = _q(grad_output_hp, spec, Role.WGRAD_GRAD_OUTPUT,
+                                 runtime.grad_output_group, runtime)
+            input_q_t = _q(input_hp, spec, Role.WGRAD_INPUT, runtime.input_group)
+            grad_weight = _gemm(grad_output_q_t.t(), input_q_t).to(weight.dtype)
+            if runtime.accumulate_into_main_grad:
+                grad_weight = _accumulate_main_grad(weight, grad_weight)
+
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output_hp.sum(dim=0)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def _q(tensor, spec, role, group, runtime: QuantRuntime | None = None):
+    cast = spec.cast(role)
+    if cast is None:
+        return tensor
+    noise = None
+    if cast.rounding is Rounding.STOCHASTIC:
+        noise = _shard_noise(tensor, runtime)
+    return quantize_for_role(tensor, spec, role, out_dtype=torch.float32, noise=noise,
+                             amax_group=group)
+
+
+def _shard_noise(grad_output: torch.Tensor, runtime: QuantRuntime) -> torch.Tensor:
+    if runtime.generator is None:
+        raise ValueError("this FormatSpec rounds gradients stochastically: QuantRuntime.generator "
+                         "must be a torch.Generator")
+    rank, world = runtime.grad_output_shard
+    rows, cols = grad_output.shape
+    full = torch.rand((rows, cols * world), generator=runtime.generator, device=grad_output.device,
+                      dtype=torch.float32)
+    return full[:, rank * cols:(rank + 1) * cols]
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dtype == torch.float32 or b.dtype == torch.float32:
+        return torch.matmul(a.float(), b.float())  # quantized operands: FP32 accumulation
+    return torch.matmul(a, b)  # both unquantized: the plain GEMM, as Megatron's layer
+
+
+def _accumulate_main_grad(weight: torch.Tensor, grad_weight: torch.Tensor):
+    # As Megatron's fused path: G_W goes into main_grad; autograd gets a placeholder (so DDP's
+    # hooks still fire on the main thread) or None.
+    weight.main_grad.add_(grad_weight.to(weight.main_grad.dtype))
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        return make(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+    return None

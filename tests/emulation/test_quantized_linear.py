@@ -1,0 +1,108 @@
+import pytest
+import torch
+
+from snip_megatron.emulation import QuantRuntime, quantized_linear
+from snip_megatron.formats import FormatSpec, Role, quantize_for_role
+
+RECIPES = {"blockwise": ("fp8", {}), "tensorwise": ("fp8", {"fp8_recipe": "tensorwise"}),
+           "mxfp8": ("fp8", {"fp8_recipe": "mxfp8"}), "nvfp4": ("fp4", {}),
+           "mxfp4": ("fp4", {"fp4_recipe": "mxfp4"})}
+
+
+def _spec(name):
+    p, kw = RECIPES[name]
+    return FormatSpec.for_precision(p, **kw)
+
+
+def _data(dtype=torch.float32, n=(8, 4), k=256, m=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*n, k, generator=g).to(dtype)
+    w = (torch.randn(m, k, generator=g) / k**0.5).to(dtype)
+    gy = torch.randn(*n, m, generator=g).to(dtype)
+    return x, w, gy
+
+
+def _run(x, w, gy, spec, seed=5, bias=None):
+    x = x.clone().requires_grad_()
+    w = w.clone().requires_grad_()
+    b = None if bias is None else bias.clone().requires_grad_()
+    y = quantized_linear(x, w, b, spec, QuantRuntime(generator=torch.Generator().manual_seed(seed)))
+    y.backward(gy)
+    return y, x.grad, w.grad, (None if b is None else b.grad)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_matches_independent_computation(name):
+    spec = _spec(name)
+    x, w, gy = _data()
+    y, gx, gw, _ = _run(x, w, gy, spec, seed=5)
+    x2, gy2 = x.reshape(-1, 256), gy.reshape(-1, 128)
+    q = lambda t, role, **kw: quantize_for_role(t, spec, role, out_dtype=torch.float32, **kw)  # noqa: E731
+    # Stochastic rounding draws dgrad's noise, then wgrad's, from the layer's generator.
+    g = torch.Generator().manual_seed(5)
+    u_dgrad, u_wgrad = torch.rand(gy2.shape, generator=g), torch.rand(gy2.shape, generator=g)
+    y_ref = q(x2, Role.FPROP_INPUT) @ q(w, Role.FPROP_WEIGHT).t()
+    gx_ref = q(gy2, Role.DGRAD_GRAD_OUTPUT, noise=u_dgrad) @ q(w, Role.DGRAD_WEIGHT)
+    gw_ref = q(gy2, Role.WGRAD_GRAD_OUTPUT, noise=u_wgrad).t() @ q(x2, Role.WGRAD_INPUT)
+    assert torch.equal(y, y_ref.reshape(y.shape))
+    assert torch.equal(gx, gx_ref.reshape(gx.shape))
+    assert torch.equal(gw, gw_ref)
+
+
+def test_bf16_is_the_plain_gemms():
+    spec = FormatSpec.for_precision("bf16")
+    x, w, gy = _data(torch.bfloat16)
+    bias = torch.randn(128).bfloat16()
+    y, gx, gw, gb = _run(x, w, gy, spec, bias=bias)
+    x2, gy2 = x.reshape(-1, 256), gy.reshape(-1, 128)
+    assert torch.equal(y.reshape(-1, 128), torch.matmul(x2, w.t()) + bias)
+    assert torch.equal(gx.reshape(-1, 256), gy2.matmul(w))
+    assert torch.equal(gw, gy2.t().matmul(x2))
+    assert torch.equal(gb, gy2.sum(0))
+    assert y.dtype == gx.dtype == gw.dtype == torch.bfloat16
+
+
+def test_error_ordering_fp4_fp8_exact():
+    x, w, gy = _data(seed=3)
+    exact = [t.detach().double() for t in _run(x.double(), w.double(), gy.double(), FormatSpec.for_precision("bf16"))[:3]]
+    rel = {}
+    for name in ("blockwise", "nvfp4"):
+        outs = [o.detach() for o in _run(x, w, gy, _spec(name))[:3]]
+        rel[name] = [float((o.double() - e).norm() / e.norm()) for o, e in zip(outs, exact)]
+    for i, what in enumerate(("Y", "G_X", "G_W")):
+        assert 0 < rel["blockwise"][i] < rel["nvfp4"][i], (what, rel)
+
+
+def test_dtypes_and_bias_in_fp32():
+    spec = _spec("nvfp4")
+    x, w, gy = _data(torch.bfloat16)
+    bias = torch.randn(128).bfloat16()
+    y, gx, gw, gb = _run(x, w, gy, spec, bias=bias)
+    assert y.dtype == gx.dtype == gw.dtype == gb.dtype == torch.bfloat16
+    # The bias is added to the FP32 product before the single rounding to BF16.
+    q = lambda t, role: quantize_for_role(t.reshape(-1, t.shape[-1]), spec, role, out_dtype=torch.float32)  # noqa: E731
+    ref = (q(x, Role.FPROP_INPUT) @ q(w, Role.FPROP_WEIGHT).t() + bias.float()).bfloat16()
+    assert torch.equal(y.reshape(-1, 128), ref)
+
+
+def test_stochastic_rounding_needs_generator_and_is_seeded():
+    spec = _spec("nvfp4")
+    x, w, gy = _data()
+    xr = x.clone().requires_grad_()
+    y = quantized_linear(xr, w, None, spec, QuantRuntime())
+    with pytest.raises(ValueError, match="generator"):
+        y.backward(gy)
+    a, b, c = (_run(x, w, gy, spec, seed=s)[1] for s in (1, 1, 2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_accumulate_into_main_grad():
+    spec = _spec("blockwise")
+    x, w, gy = _data()
+    ref_gw = _run(x, w, gy, spec)[2]
+    wp = torch.nn.Parameter(w.clone())
+    wp.main_grad = torch.ones_like(w)
+    wp.grad_added_to_main_grad = False
+    y = quantized_linear(x, wp, None, spec, QuantRuntime(accumulate_into_main_grad=True))
+    y.backward(gy)
+    assert torch.equal(wp.main_grad, 1 + ref_gw) and wp.grad_added_to_main_grad
