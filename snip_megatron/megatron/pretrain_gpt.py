@@ -5,13 +5,14 @@
 
 Takes every Megatron-LM argument plus the `--snip*` flags (snip_megatron.megatron.args) and
 `--corpus` (text tokenized here). The model is Megatron's GPTModel with SNIP's planned linears in
-its layer spec and the plan as `TransformerConfig.quant_recipe`. The plan comes from, first to
-last: a pinned `--snip-plan`; the checkpoint being resumed; `--snip-plan`; `--snip-baseline`;
-`--snip-initial-precision` everywhere. The plan (and the controller's state) is written next to
-every checkpoint as `snip_state.json`, so a resumed run starts from the plan it stopped with.
-
-The controller (`snip_megatron.controller.SnipController`) is driven from `forward_step`, the one
-function of ours Megatron's loop calls every step: see `SnipRun.on_forward` and `SnipHooks`.
+its layer spec and the plan as `TransformerConfig.quant_recipe`. The model is built with, first to
+last: a pinned `--snip-plan`; the plan of the checkpoint being resumed; `--snip-plan`;
+`--snip-initial-precision` everywhere. After the warm-up the controller
+(`snip_megatron.controller.SnipController`) re-plans (SNIP) or applies `--snip-baseline`'s rule.
+It runs at the step boundary of Megatron's loop: its `train_step` is wrapped (`SnipRun.step_begin`,
+`SnipHooks`), so measurements use the step's own micro-batches outside the pipeline schedule. The
+plan and the controller's state are written next to every checkpoint as `snip_state.json`, so a
+resumed run starts from the plan it stopped with.
 Needs megatron-core >= 0.19 (which ships `megatron.training`); runs on CPU (gloo) without a GPU.
 """
 
@@ -96,14 +97,47 @@ def require_megatron_training() -> None:
 
 
 class SnipHooks(Protocol):
-    """What the loop calls on a controller (every method optional). `snip_megatron.controller.
-    SnipController` implements it; tests pass a recorder."""
+    """What the loop calls on a controller; `snip_megatron.controller.SnipController` has these.
 
-    def on_train_start(self, run: "SnipRun", model_chunks: list) -> None: ...
-    def on_step_begin(self, run: "SnipRun", iteration: int, model_chunks: list) -> None: ...
-    def on_step_end(self, run: "SnipRun", iteration: int, loss: Optional[float]) -> None: ...
+    `trainer` is a `MegatronStep`: this rank's chunks, optimizer and the step's micro-batches.
+    `step` is 1-based (Megatron's iteration + 1). `on_step_end` gets {"loss": the step's mean loss}
+    (None on ranks that compute no loss, unless the loss guard is on: then every rank has it).
+    """
+
+    plan: Any
+    def attach(self, model_chunks: list, step: int = 0) -> None: ...
+    def on_step_start(self, trainer: "MegatronStep", step: int) -> None: ...
+    def on_step_end(self, trainer: "MegatronStep", step: int, metrics: dict) -> None: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
+
+
+class MegatronStep:
+    """The trainer a controller sees at a step boundary of Megatron-LM's loop.
+
+    `current_batch` reads the step's micro-batches ahead on first access; train_step then trains
+    on exactly those (`data_iterator()`), so a measurement never moves the data position."""
+
+    def __init__(self, chunks: list, optimizer, data_iterator, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int):
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.seq_length = seq_length
+        self.micro_batch_size = micro_batch_size
+        self._source = data_iterator
+        self._n = num_microbatches
+        self._buffered = None
+
+    @property
+    def current_batch(self) -> list:
+        """The step's micro-batches (None items on ranks that read no data)."""
+        if self._buffered is None:
+            self._buffered = _buffer_step(self._source, self._n)
+        return self._buffered[1]
+
+    def data_iterator(self):
+        """What train_step must read this step: the original, or a replay of the buffered batches."""
+        return self._source if self._buffered is None else self._buffered[0]
 
 
 @dataclass
@@ -117,67 +151,103 @@ class SnipRun:
     backend: str = "emulated"
     """Planned-linear backend (emulated, te or local)."""
     plan: Any = None
-    """The plan the model runs now (snip_megatron.plan.Plan), None when SNIP is off."""
+    """The plan the model was built with (snip_megatron.plan.Plan), None when SNIP is off."""
     plan_source: str = "off"
     """Where `plan` came from (logged and saved)."""
     controller: Any = None
-    """Object with (some of) the SnipHooks methods, or None: the plan stays fixed."""
+    """An object with the SnipHooks methods, or None: the plan stays fixed."""
     controller_state: Optional[dict] = None
-    """Controller state restored from a checkpoint, handed over when the controller starts."""
+    """Controller state restored from a checkpoint, handed over when the controller attaches."""
     model_chunks: list = field(default_factory=list)
     """This rank's model chunks, once built."""
-    _iteration: Optional[int] = None
+    measuring: bool = False
+    """True while the controller's extra passes run (their losses are not the step's)."""
+    _attached: bool = False
     _losses: list = field(default_factory=list)
 
-    # Called from forward_step for every micro-batch: the first call of a new iteration is the
-    # step boundary, where the controller may measure or apply a new plan.
-    def on_forward(self, iteration: int, training: bool) -> None:
-        if not training or iteration == self._iteration:
-            return
-        if self._iteration is None:
-            self._call("on_train_start", self, self.model_chunks)
-        else:
-            self._call("on_step_end", self, self._iteration, self._mean_loss())
-        self._iteration = iteration
+    def current_plan(self):
+        """The plan the model runs now: the controller's once it is attached."""
+        plan = getattr(self.controller, "plan", None) if self._attached else None
+        return plan if plan is not None else self.plan
+
+    # Step boundary, before Megatron's train_step: the controller may measure on this step's
+    # micro-batches (which train_step then trains on) and apply a new plan.
+    def step_begin(self, step: int, model: list, optimizer, data_iterator):
+        from megatron.training import get_args
+
+        if self.controller is None:
+            return data_iterator
+        if not self._attached:
+            self.controller.attach(list(model), step - 1)
+            if self.controller_state is not None:
+                self.controller.load_state_dict(self.controller_state)
+            self._attached = True
+        args = get_args()
         self._losses.clear()
-        self._call("on_step_begin", self, iteration, self.model_chunks)
+        trainer = MegatronStep(list(model), optimizer, data_iterator, _num_microbatches(),
+                               args.seq_length, args.micro_batch_size)
+        self.controller.on_step_start(trainer, step)
+        self._trainer = trainer
+        return trainer.data_iterator()
+
+    def step_end(self, step: int, loss) -> None:
+        if self.controller is None:
+            return
+        loss = float(loss) if loss is not None else None
+        if self.config.loss_guard_factor > 0:
+            loss = _loss_on_every_rank(loss)
+        self.controller.on_step_end(self._trainer, step, {"loss": loss})
 
     def record_loss(self, loss: float) -> None:
-        self._losses.append(loss)
-
-    def _mean_loss(self) -> Optional[float]:
-        return sum(self._losses) / len(self._losses) if self._losses else None
-
-    def _call(self, name: str, *args) -> None:
-        fn = getattr(self.controller, name, None)
-        if fn is not None:
-            fn(*args)
-
-    def set_plan(self, plan, source: str) -> None:
-        """Apply `plan` to this rank's chunks (every rank, same step) and remember it."""
-        from snip_megatron.megatron.quant_recipe import build_recipe
-
-        plan.check_model(self.num_layers)
-        for chunk in self.model_chunks:
-            module = _unwrap(chunk)
-            offset = _layer_offset(module.config, getattr(module, "vp_stage", None))
-            recipe = build_recipe(plan, layer_offset=offset, backend=_recipe_backend(self.backend),
-                                  num_layers=self.num_layers, fp8_recipe=self.config.fp8_recipe,
-                                  fp4_recipe=self.config.fp4_recipe)
-            from megatron.core.quantization.utils import get_quant_config_or_none
-
-            for name, sub in module.named_modules():
-                if hasattr(sub, "finish_init") and name:
-                    sub.finish_init(get_quant_config_or_none(name, recipe))
-        self.plan, self.plan_source = plan, source
+        if not self.measuring:
+            self._losses.append(loss)
 
     def state_dict(self, iteration: int) -> dict:
+        plan = self.current_plan()
         state = {"version": STATE_VERSION, "iteration": iteration, "snip_config": self.config.to_dict(),
-                 "plan_source": self.plan_source,
-                 "plan": self.plan.to_dict() if self.plan is not None else None}
-        fn = getattr(self.controller, "state_dict", None)
-        state["controller"] = fn() if fn is not None else self.controller_state
+                 "plan_source": self.plan_source if plan is self.plan else "controller",
+                 "plan": plan.to_dict() if plan is not None else None}
+        if self.controller is not None and self._attached:
+            state["controller"] = self.controller.state_dict()
+        else:
+            state["controller"] = self.controller_state
         return state
+
+
+def _num_microbatches() -> int:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    return get_num_microbatches()
+
+
+def _buffer_step(data_iterator, n: int):
+    """Read the step's `n` micro-batches ahead; returns (an iterator over them, the list).
+
+    Megatron hands ranks that read no data a None iterator (they get None items), and a list of
+    iterators with virtual pipelining (the first one's micro-batches are returned)."""
+    if isinstance(data_iterator, list):
+        pairs = [_buffer_step(it, n) for it in data_iterator]
+        return [p[0] for p in pairs], pairs[0][1]
+    if data_iterator is None:
+        return None, [None] * n
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    batches = [next(data_iterator) for _ in range(n)]
+    if isinstance(data_iterator, RerunDataIterator):
+        data_iterator.advance()  # drop its copies: the replay iterator below keeps its own
+    return RerunDataIterator(iter(batches)), batches
+
+
+def _loss_on_every_rank(loss):
+    """The last pipeline stage's loss on every rank of its pipeline (one scalar all-reduce)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return loss
+    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+    torch.distributed.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    return float(t.item())
 
 
 def _unwrap(chunk):
@@ -215,19 +285,23 @@ def read_state(checkpoint_dir: "str | None") -> Optional[dict]:
     return state
 
 
-def write_state(save_dir: str, iteration: int, run: SnipRun) -> Path:
+def write_state(save_dir: str, iteration: int, run: SnipRun) -> tuple[Path, dict]:
     """Write snip_state.json into the checkpoint folder of `iteration` (atomic rename)."""
     folder = Path(save_dir) / f"iter_{iteration:07d}"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / STATE_FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(run.state_dict(iteration), indent=1))
+    state = run.state_dict(iteration)
+    tmp.write_text(json.dumps(state, indent=1))
     os.replace(tmp, path)
-    return path
+    return path, state
 
 
 def initial_plan(cfg: SnipConfig, num_layers: int, resumed: Optional[dict]):
-    """(plan, source) the model is built with; (None, "off") when SNIP is off."""
+    """(plan, source) the model is built with; (None, "off") when SNIP is off.
+
+    A baseline's rule, like SNIP's measured plans, takes over after the warm-up (the controller);
+    until then every planned linear runs `initial_precision` (or `--snip-plan`)."""
     from snip_megatron.plan import Plan
 
     if not cfg.enabled:
@@ -238,38 +312,68 @@ def initial_plan(cfg: SnipConfig, num_layers: int, resumed: Optional[dict]):
         return Plan.from_dict(resumed["plan"]).check_model(num_layers), "checkpoint"
     if cfg.plan is not None:
         return Plan.load(cfg.plan).check_model(num_layers), f"file {cfg.plan}"
-    if cfg.baseline is not None:
-        return baseline_plan(cfg, num_layers), f"baseline {cfg.baseline}"
     return Plan.uniform(num_layers, cfg.initial_precision), f"initial {cfg.initial_precision}"
 
 
-def baseline_plan(cfg: SnipConfig, num_layers: int, shape=None):
-    """The fixed-rule plan of `cfg.baseline` (uniform ones here; the others from the planner)."""
-    from snip_megatron.plan import Plan
+def model_shape(args):
+    """The ModelShape of Megatron's arguments (for the controller's FLOP table)."""
+    from snip_megatron.shapes import ModelShape
 
-    if cfg.baseline.startswith("uniform_"):
-        return Plan.uniform(num_layers, cfg.baseline.split("_", 1)[1])
-    try:
-        from snip_megatron.planner import baselines
-    except ImportError as e:
-        raise ValueError(f"--snip-baseline {cfg.baseline} needs snip_megatron.planner.baselines, "
-                         f"which is not available here ({e})") from None
-    return baselines.baseline_plan(cfg.baseline, num_layers=num_layers, config=cfg, shape=shape)
+    return ModelShape(name="megatron", num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+                      num_query_groups=args.num_query_groups or args.num_attention_heads,
+                      vocab_size=args.padded_vocab_size, seq_length=args.seq_length)
 
 
-def make_controller(run: SnipRun):
-    """The default controller: none yet, so the plan stays fixed.
+def pipeline_stages(num_layers: int, pp: int, vpp: Optional[int]) -> dict:
+    """LayerKey -> pipeline rank holding it (even split; interleaved chunks with VPP)."""
+    from snip_megatron.plan import all_keys
 
-    SnipController measures through `trainer.forward_backward` on the step's own batch; inside
-    Megatron-LM's loop that needs a re-entrant pass from `forward_step`, which is not wired yet.
-    Until it is, a measuring config runs its initial plan fixed and says so; pass `controller=`
-    to `main` to drive one through the same hooks.
-    """
-    if run.config.measures:
-        _print_rank_0("[snip] measuring and re-planning inside Megatron-LM's loop is not wired yet: "
-                      f"the plan stays fixed at {run.plan_source} (use the compact loop, "
-                      "snip-train train.entry=compact, for adaptive plans)")
-    return None
+    chunks = pp * (vpp or 1)
+    per_chunk = num_layers // chunks
+    return {k: ((k.layer - 1) // per_chunk) % pp for k in all_keys(num_layers)}
+
+
+def measure_on_step(run: SnipRun):
+    """The controller's `measure(trainer, step)`: statistics and noise passes through Megatron's
+    schedule on the step's own micro-batches; the table on global rank 0, None elsewhere."""
+
+    def measure(trainer: MegatronStep, step: int):
+        import torch
+
+        from snip_megatron.stats import measure_config_from
+        from snip_megatron.stats.measure import measure as stats_measure
+
+        run.measuring = True
+        try:
+            table = stats_measure(trainer.chunks, forward_step, trainer.current_batch,
+                                  seq_length=trainer.seq_length, micro_batch_size=trainer.micro_batch_size,
+                                  optimizer=trainer.optimizer, config=measure_config_from(run.config))
+        finally:
+            run.measuring = False
+        return table if torch.distributed.get_rank() == 0 else None
+
+    return measure
+
+
+def make_controller(run: SnipRun, args):
+    """SNIP's controller for a config that measures or runs a baseline; None for a fixed plan."""
+    if not run.config.enabled or run.config.pin_plan:
+        return None
+    if not run.config.measures and run.config.baseline is None:
+        return None
+    if args.sequence_parallel and run.config.measures:
+        raise ValueError("--snip measurement does not support --sequence-parallel yet; drop "
+                         "--sequence-parallel, or pin a plan (--snip-plan PATH --snip-pin-plan)")
+    from snip_megatron.controller import SnipController
+
+    shape = model_shape(args)
+    return SnipController(
+        run.config, shape, total_steps=args.train_iters, run_dir=args.save,
+        tokens_per_step=args.global_batch_size * args.seq_length,
+        stages=pipeline_stages(args.num_layers, args.pipeline_model_parallel_size,
+                               args.virtual_pipeline_model_parallel_size),
+        log=_print_rank_0, measure=measure_on_step(run))
 
 
 # -- model, data, forward step ------------------------------------------------------------------
@@ -358,14 +462,12 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
-    """Megatron's forward_step_func; also SNIP's step-boundary hook (see SnipRun.on_forward)."""
+    """Megatron's forward_step_func (training, validation and the controller's extra passes)."""
     from megatron.core.utils import get_attr_wrapped_model
     from megatron.training import get_args
 
     if return_schedule_plan:
         raise ValueError("snip-pretrain-gpt does not support --overlap-moe-expert-parallel-comm")
-    if _RUN is not None:
-        _RUN.on_forward(get_args().curr_iteration, model.training)
     vp_stage = get_attr_wrapped_model(model, "vp_stage")
     batch = get_batch(data_iterator, vp_stage)
     # No attention mask: Megatron's attention applies the causal mask itself.
@@ -451,17 +553,42 @@ def install_checkpoint_hook(run: SnipRun) -> None:
     from megatron.training import get_args
     from megatron.training import training as mtraining
 
+    from snip_megatron.plan import Plan
+
     original = mtraining.save_checkpoint
 
     def save_checkpoint(iteration, *args, **kwargs):
         result = original(iteration, *args, **kwargs)
         margs = get_args()
         if margs.save and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-            path = write_state(margs.save, iteration, run)
-            print(f"[snip] saved plan ({run.plan_source}) to {path}", flush=True)
+            path, state = write_state(margs.save, iteration, run)
+            counts = Plan.from_dict(state["plan"]).counts() if state["plan"] else None
+            print(f"[snip] saved plan ({state['plan_source']}, {counts}) to {path}", flush=True)
         return result
 
     mtraining.save_checkpoint = save_checkpoint
+
+
+def install_step_hook(run: SnipRun) -> None:
+    """Wrap Megatron's `train_step`: SNIP's step boundary, outside the pipeline schedule, on
+    every rank, with the data iterator, the model chunks and the optimizer at hand."""
+    from megatron.training import training as mtraining
+
+    original = mtraining.train_step
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        iteration = kwargs.get("iteration")
+        if iteration is None:
+            from megatron.training import get_args
+
+            iteration = get_args().curr_iteration
+        step = iteration + 1
+        data_iterator = run.step_begin(step, model, optimizer, data_iterator)
+        result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+        run.step_end(step, result[0].get("lm loss") if result[0] else None)
+        return result
+
+    mtraining.train_step = train_step
 
 
 def skip_prebuilt_helpers() -> None:
@@ -550,12 +677,15 @@ def main(argv: list[str] | None = None, controller=None) -> int:
     _RUN = run = SnipRun(config=snip, num_layers=args.num_layers, backend=backend, plan=plan,
                          plan_source=source,
                          controller_state=(resumed or {}).get("controller"))
-    run.controller = controller if controller is not None else make_controller(run)
-    if run.controller is not None and run.controller_state is not None:
-        run._call("load_state_dict", run.controller_state)
+    try:
+        run.controller = controller if controller is not None else make_controller(run, args)
+    except ValueError as e:
+        print(f"snip-pretrain-gpt: error: {e}", file=sys.stderr)
+        return 2
     _print_rank_0(f"[snip] {'on' if snip.enabled else 'off'}; backend {backend}; plan: {source}"
                   + (f" {plan.counts()}" if plan is not None else ""))
     install_checkpoint_hook(run)
+    install_step_hook(run)
     skip_prebuilt_helpers()
     container = pretrain_cfg_container_from_args(args, None)
     pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step,
