@@ -1,7 +1,7 @@
 """Run one measurement on a tiny Llama-like model under torchrun (or one process) and save the
 reduced table (global rank 0) as .npy. Used by tests/stats/test_measure_parallel.py.
 
-    torchrun --nproc_per_node 2 tests/stats/measure_worker.py --tp 2 --out /path/t.npy
+    torchrun --nproc_per_node 2 tests/stats/measure_worker.py --layouts tp2,pp2,dp2 --out DIR
 """
 
 from __future__ import annotations
@@ -26,19 +26,37 @@ def batches(num=2, mbs=2, seed=7):
     return [random_batch(mbs, SHAPE.seq_length, SHAPE.vocab_size, g) for _ in range(num)]
 
 
-def build(tp=1, pp=1, seed=1234):
+def build(tp=1, pp=1, seed=1234, reinit=True):
     from snip_megatron.megatron.model import build_model_chunks
 
     runtime.initialize_model_parallel(tp=tp, pp=pp, seed=seed)
     runtime.seed_all(seed)
-    return build_model_chunks(SHAPE, backend="local")
+    chunks = build_model_chunks(SHAPE, backend="local")
+    if tp == 1 and reinit:
+        # Pipeline stages initialise their layers from different RNG states: give every matrix
+        # weights that depend only on its global name, as a single process would have.
+        for chunk in chunks:
+            named = [(n, p) for n, p in chunk.named_parameters() if "layers" not in n]
+            for layer in chunk.decoder.layers:
+                named += [(f"{layer.layer_number}.{n}", p) for n, p in layer.named_parameters()]
+            for name, p in named:
+                if p.dim() == 2:
+                    g = torch.Generator().manual_seed(sum(map(ord, name)) * 7919 + p.numel())
+                    with torch.no_grad():
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return chunks
+
+
+LAYOUTS = {  # name -> (tp, pp, keep Megatron's own init)
+    "single": (1, 1, False), "single_megatron": (1, 1, True),
+    "tp2": (2, 1, True), "pp2": (1, 2, False), "dp2": (1, 1, False),
+}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--layouts", default="single", help=f"comma-separated, of {sorted(LAYOUTS)}")
+    ap.add_argument("--out", required=True, help="folder for <layout>.npy")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from snip_megatron.megatron.batch import make_forward_step
@@ -46,12 +64,17 @@ def main():
     from snip_megatron.stats.measure import measure
     from snip_megatron.stats.quant_error import blockwise_error_fn
 
-    chunks = build(args.tp, args.pp)
-    table = measure(chunks, make_forward_step(), batches(), seq_length=SHAPE.seq_length,
-                    micro_batch_size=2, config=MeasureConfig(noise_frac=0.05),
-                    error_fn=blockwise_error_fn())
-    if dist.get_rank() == 0:
-        np.save(args.out, table.to_array())
+    runtime.init_process_group()
+    for name in args.layouts.split(","):
+        tp, pp, megatron_init = LAYOUTS[name]
+        chunks = build(tp, pp, reinit=not megatron_init)
+        table = measure(chunks, make_forward_step(), batches(), seq_length=SHAPE.seq_length,
+                        micro_batch_size=2, config=MeasureConfig(noise_frac=0.05),
+                        error_fn=blockwise_error_fn())
+        if dist.get_rank() == 0:
+            np.save(f"{args.out}/{name}.npy", table.to_array())
+        runtime.destroy()
+    dist.barrier()
     runtime.destroy(process_group=True)
 
 

@@ -1,0 +1,54 @@
+"""Statistics of TP=2, PP=2 and DP=2 runs equal the single-process ones (same weights and data)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from snip_megatron.plan import all_keys
+from snip_megatron.stats.table import StatsTable
+from tests.distributed import run_distributed
+
+WORKER = str(Path(__file__).with_name("measure_worker.py"))
+INNER = {"gx_ex": ("gx_sq", "ex"), "gw_ew": ("gw_sq", "ew"), "fwd_zg_clean": ("gy_sq", "fwd_z_sq"),
+         "fwd_zg_noisy": ("gy_sq", "fwd_z_sq")}
+
+
+def _table(path) -> StatsTable:
+    return StatsTable.from_array(all_keys(2), np.load(path))
+
+
+def assert_same(a: StatsTable, b: StatsTable, rtol=1e-5):
+    assert (a.column("present") == 1).all() and (b.column("present") == 1).all()
+    for f in a.fields:
+        x, y = a.column(f), b.column(f)
+        base, _, p = f.partition(".")
+        if base in INNER:  # signed sums: relative to their Cauchy-Schwarz bound
+            u, v = INNER[base]
+            bound = np.sqrt(np.abs(a.column(u + ("." + p if p and u in ("ex", "ew") else "")) *
+                                   a.column(v + ("." + p if p and v in ("ex", "ew") else ""))))
+            np.testing.assert_array_less(np.abs(x - y), rtol * bound + 1e-12, err_msg=f)
+        else:
+            np.testing.assert_allclose(y, x, rtol=rtol, atol=1e-12, err_msg=f)
+    assert b.globals_["loss"] == pytest.approx(a.globals_["loss"], rel=rtol)
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    d = tmp_path_factory.mktemp("stats")
+    run_distributed([WORKER, "--layouts", "single,single_megatron", "--out", str(d)], nproc=1, timeout=240)
+    run_distributed([WORKER, "--layouts", "tp2,pp2,dp2", "--out", str(d)], nproc=2, timeout=300)
+    return {p.stem: _table(p) for p in d.glob("*.npy")}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_parallel_statistics_equal_single_process(tables, layout):
+    reference = tables["single_megatron" if layout == "tp2" else "single"]
+    table = tables[layout]
+    assert_same(reference, table)
+    assert table.globals_["dp_size"] == (2 if layout == "dp2" else 1)
+    # every statistic the estimator needs is there and non-trivial
+    for f in ("x_sq", "w_sq", "y_sq", "gy_sq", "gx_sq", "gw_sq", "fwd_z_sq", "ex.fp4", "egy_w.fp4"):
+        assert (table.column(f) > 0).all(), f
+    # the last linear has no later layer whose noise could reach it
+    assert (table.column("bwd_dgw_sq")[:-1] > 0).all() and table.column("bwd_dgw_sq")[-1] == 0
