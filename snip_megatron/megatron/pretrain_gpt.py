@@ -163,7 +163,21 @@ class SnipRun:
     measuring: bool = False
     """True while the controller's extra passes run (their losses are not the step's)."""
     _attached: bool = False
+    _checked: bool = False
     _losses: list = field(default_factory=list)
+
+    def check_applied(self, model: list) -> None:
+        """Before the first step: this rank's planned linears run the plan they were built with."""
+        if self.plan is None or self.backend == "local":
+            return
+        from snip_megatron.megatron.apply import current_plan
+
+        local = current_plan(list(model))
+        wrong = [f"{k}: {local[k]} (plan: {self.plan[k]})" for k in local if local[k] is not self.plan[k]]
+        if wrong or not len(local):
+            raise RuntimeError(f"the model does not run the SNIP plan ({self.plan_source}): "
+                               + ("; ".join(wrong[:6]) if wrong else "no planned linears found"))
+        _print_rank_0(f"[snip] rank 0 runs the plan on its {len(local)} planned linears: {local.counts()}")
 
     def current_plan(self):
         """The plan the model runs now: the controller's once it is attached."""
@@ -175,6 +189,9 @@ class SnipRun:
     def step_begin(self, step: int, model: list, optimizer, data_iterator):
         from megatron.training import get_args
 
+        if not self._checked:
+            self._checked = True
+            self.check_applied(model)
         if self.controller is None:
             return data_iterator
         if not self._attached:
@@ -622,6 +639,14 @@ def prepare_cpu(args) -> None:
     mtraining.initialize_megatron = partial(mtraining.initialize_megatron, allow_no_cuda=True)
 
 
+def patch_arguments_for_cpu() -> None:
+    """Megatron's argument checks ask the GPU's architecture when TP > 1; there is none on CPU."""
+    from megatron.training import arguments as marguments
+
+    if hasattr(marguments, "get_device_arch_version"):
+        marguments.get_device_arch_version = lambda: 0
+
+
 def _ckpt_format_flags() -> list[str]:
     """Megatron's default checkpoint writer (torch_dist) starts worker processes through psutil;
     where psutil is missing, default to the per-rank `torch` format (a user flag still wins)."""
@@ -657,6 +682,10 @@ def main(argv: list[str] | None = None, controller=None) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    if cpu:
+        patch_arguments_for_cpu()
+        # Megatron requires this with TP > 1 (a CUDA stream setting); meaningless on CPU.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_and_validate_args(extra_args_provider=add_extra_args,
                                    args_defaults={"tokenizer_type": "NullTokenizer"})
     try:
