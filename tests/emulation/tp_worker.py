@@ -1,0 +1,93 @@
+"""torchrun worker (2 processes): a Column->Row linear pair at TP=2 against the same pair at TP=1,
+for every recipe, without and with sequence parallelism. Shapes align shards with blocks (k=256, m=512 -> shards 128/256 wide), which
+TP == TP=1 requires. Rank 0 prints one JSON line per recipe: max deviations per tensor."""
+
+import itertools
+import json
+
+import torch
+import torch.distributed as dist
+
+from snip_megatron.megatron import runtime
+
+RECIPES = [("bf16", {}), ("fp8", {"fp8_recipe": "blockwise"}), ("fp8", {"fp8_recipe": "tensorwise"}),
+           ("fp8", {"fp8_recipe": "mxfp8"}), ("fp4", {"fp4_recipe": "nvfp4"}),
+           ("fp4", {"fp4_recipe": "mxfp4"})]
+K, M, S, B = 256, 512, 32, 2
+
+
+def _gather(t, dim, group):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def run_pair(tp, precision, recipe, data, sequence_parallel):
+    from megatron.core import parallel_state as ps
+
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
+    from snip_megatron.megatron.model import make_transformer_config
+    from snip_megatron.shapes import ModelShape
+
+    shape = ModelShape(num_layers=1, hidden_size=K, ffn_hidden_size=M, num_attention_heads=4,
+                       num_query_groups=4, vocab_size=64, seq_length=S)
+    config = make_transformer_config(shape, tp=tp, sequence_parallel=sequence_parallel)
+    col = QuantColumnParallelLinear(K, M, config=config, init_method=config.init_method, bias=False,
+                                    gather_output=False, skip_bias_add=True)
+    row = QuantRowParallelLinear(M, K, config=config, init_method=config.init_method, bias=False,
+                                 input_is_parallel=True, skip_bias_add=True)
+    group = ps.get_tensor_model_parallel_group()
+    r, m_local = ps.get_tensor_model_parallel_rank(), M // tp
+    x_full, w_col, w_row, gy_full = data
+    with torch.no_grad():
+        col.weight.copy_(w_col[r * m_local:(r + 1) * m_local])
+        row.weight.copy_(w_row[:, r * m_local:(r + 1) * m_local])
+    for layer, seed in ((col, 11), (row, 12)):
+        layer.set_precision(precision, **recipe)
+        layer.set_sr_seed(seed)
+    sp = sequence_parallel and tp > 1
+    s_local = S // tp if sp else S
+    x = x_full[r * s_local:(r + 1) * s_local] if sp else x_full
+    gy = gy_full[r * s_local:(r + 1) * s_local] if sp else gy_full
+    x = x.clone().requires_grad_()
+    h, _ = col(x)
+    h.retain_grad()
+    y, _ = row(h)
+    y.backward(gy)
+    out = {"h": h.detach(), "y": y.detach(), "gx": x.grad, "gh": h.grad,
+           "gw_col": col.weight.grad, "gw_row": row.weight.grad}
+    if tp > 1:
+        out["h"], out["gh"] = _gather(out["h"], -1, group), _gather(out["gh"], -1, group)
+        out["gw_col"], out["gw_row"] = _gather(out["gw_col"], 0, group), _gather(out["gw_row"], 1, group)
+        if sp:
+            out["y"], out["gx"] = _gather(out["y"], 0, group), _gather(out["gx"], 0, group)
+    return out
+
+
+def main():
+    runtime.init_process_group()
+    if not torch.cuda.is_available():
+        # Megatron's sequence-parallel backward allocates on torch.cuda.current_device() inside
+        # autograd, where the CPU shim's TorchFunctionMode is not active: answer "cpu" directly.
+        runtime.cpu_shim.install()
+        torch.cuda.current_device = lambda: torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randn(S, B, K, generator=g), torch.randn(M, K, generator=g) / K**0.5,
+            torch.randn(K, M, generator=g) / M**0.5, torch.randn(S, B, K, generator=g))
+    for sequence_parallel, (precision, recipe) in itertools.product((False, True), RECIPES):
+        res = {}
+        for tp in (1, 2):
+            with runtime.megatron_runtime(tp=tp):
+                res[tp] = run_pair(tp, precision, recipe, data, sequence_parallel)
+        report = {"recipe": precision + ":" + next(iter(recipe.values()), "bf16"),
+                  "sequence_parallel": sequence_parallel}
+        for name in res[1]:
+            a, b = res[1][name], res[2][name]
+            report[name] = float((a - b).abs().max() / a.abs().max())
+        if dist.get_rank() == 0:
+            print("TP_RESULT " + json.dumps(report), flush=True)
+    runtime.destroy(process_group=True)
+
+
+if __name__ == "__main__":
+    main()
