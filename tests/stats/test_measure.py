@@ -1,0 +1,146 @@
+"""Each statistic of measure() equals a direct computation on a tiny model (one process)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.megatron.batch import make_forward_step, masked_mean_loss
+from snip_megatron.stats import noise
+from snip_megatron.stats.config import MeasureConfig
+from snip_megatron.stats.discover import planned_linears
+from snip_megatron.stats.measure import measure
+from snip_megatron.stats.quant_error import blockwise_error_fn
+from tests.stats.measure_worker import SHAPE, batches, build
+
+FP8, FP4 = Precision.FP8, Precision.FP4
+CFG = MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3)
+
+
+def _run(model, mbs, *, fwd_noise=None, bwd_noise=None, zero_loss=False):
+    """Plain autograd over the micro-batches (no Megatron schedule); returns per-linear captures."""
+    linears = planned_linears([model])
+    caps = {k: [] for k, _ in linears}
+    handles = []
+    for key, mod in linears:
+        def pre(m, args, key=key):
+            x = args[0]
+            mb = len(caps[key])
+            if bwd_noise is not None:
+                eta = noise.layer_noise(x.shape, seed=CFG.seed, key=key, microbatch=mb,
+                                        stream=noise.BACKWARD) * bwd_noise[key]
+                x.register_hook(lambda g, eta=eta: g + eta)
+            else:
+                x.retain_grad()
+            caps[key].append({"x": x})
+
+        def post(m, args, out, key=key):
+            y = out[0]
+            cap = caps[key][-1]
+            if fwd_noise is not None:
+                cap["z"] = noise.layer_noise(y.shape, seed=CFG.seed, key=key, microbatch=len(caps[key]) - 1,
+                                             stream=noise.FORWARD)
+                y = y + fwd_noise[key] * cap["z"]
+            y.retain_grad()
+            cap["y"] = y
+            return (y,) + tuple(out[1:])
+
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    loss_sum = 0.0
+    for b in mbs:
+        out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+        loss = masked_mean_loss(out, b["loss_mask"]) / len(mbs)  # the schedule's 1/num_microbatches
+        loss_sum += float(loss) * len(mbs)
+        (loss * 0.0 if zero_loss else loss).backward()
+    for h in handles:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    return dict(linears), caps, loss_sum / len(mbs)
+
+
+def sq(t):
+    return float(t.detach().double().pow(2).sum())
+
+
+def dot(a, b):
+    return float((a.detach().double() * b.detach().double()).sum())
+
+
+def test_statistics_equal_direct_computation(megatron_single):
+    model = build()[0]
+    mbs = batches()
+    err = blockwise_error_fn()
+    table = measure([model], make_forward_step(), mbs, seq_length=SHAPE.seq_length, micro_batch_size=2,
+                    config=CFG, error_fn=err)
+    mods, clean, loss = _run(model, mbs)
+    assert table.globals_["loss"] == pytest.approx(loss, rel=1e-6)
+    scales = {}
+    for key, caps in clean.items():
+        w = mods[key].weight
+        x2 = [c["x"].reshape(-1, c["x"].shape[-1]) for c in caps]
+        g2 = [c["y"].grad.reshape(-1, c["y"].shape[-1]) for c in caps]
+        gws = [g.t() @ x for g, x in zip(g2, x2)]
+        want = dict(x_sq=sum(map(sq, x2)), w_sq=sq(w), y_sq=sum(sq(c["y"]) for c in caps),
+                    gy_sq=sum(map(sq, g2)), gx_sq=sum(sq(c["x"].grad) for c in caps),
+                    gw_sq=sum(map(sq, gws)), n=sum(x.shape[0] for x in x2),
+                    k=w.shape[1], m=w.shape[0])
+        for p in (FP8, FP4):
+            ew = err(w.detach(), p, "fprop_weight")
+            want[f"ew.{p}"] = sq(ew)
+            want[f"ew_d.{p}"] = sq(err(w.detach(), p, "dgrad_weight"))
+            want[f"ex.{p}"] = sum(sq(err(x.detach(), p, "fprop_input")) for x in x2)
+            want[f"ex_w.{p}"] = sum(sq(err(x.detach(), p, "wgrad_input")) for x in x2)
+            want[f"egy_d.{p}"] = sum(sq(err(g, p, "dgrad_grad_output")) for g in g2)
+            want[f"egy_w.{p}"] = sum(sq(err(g, p, "wgrad_grad_output")) for g in g2)
+            want[f"gx_ex.{p}"] = sum(dot(c["x"].grad.reshape(x.shape), err(x.detach(), p, "fprop_input"))
+                                     for c, x in zip(caps, x2))
+            want[f"gw_ew.{p}"] = sum(dot(gw, ew) for gw in gws)
+        for f, v in want.items():
+            assert table.get(key, f) == pytest.approx(v, rel=1e-5, abs=1e-10), (key, f)
+        zg = sum(dot(noise.layer_noise(c["y"].shape, seed=CFG.seed, key=key, microbatch=i,
+                                       stream=noise.FORWARD), c["y"].grad) for i, c in enumerate(caps))
+        assert table.get(key, "fwd_zg_clean") == pytest.approx(zg, rel=1e-4, abs=1e-9)
+        s = CFG.noise_frac * math.sqrt(want["y_sq"] / (want["n"] * want["m"]))
+        t = CFG.bwd_noise_frac * math.sqrt(want["gx_sq"] / (want["n"] * want["k"]))
+        assert table.get(key, "noise_scale") == pytest.approx(s, rel=1e-6)
+        scales[key] = (s, t)
+
+    # forward-noise pass: s*z into every output at once
+    _, noisy, _ = _run(model, mbs, fwd_noise={k: v[0] for k, v in scales.items()})
+    for key, caps in noisy.items():
+        assert table.get(key, "fwd_z_sq") == pytest.approx(sum(sq(c["z"]) for c in caps), rel=1e-6)
+        zg = sum(dot(c["z"], c["y"].grad) for c in caps)
+        assert table.get(key, "fwd_zg_noisy") == pytest.approx(zg, rel=1e-4, abs=1e-9)
+    # backward-noise pass: t*eta into every input gradient, zero loss gradient
+    _, bwd, _ = _run(model, mbs, bwd_noise={k: v[1] for k, v in scales.items()}, zero_loss=True)
+    for key, caps in bwd.items():
+        d = sum(sq(c["y"].grad.reshape(-1, c["y"].shape[-1]).t() @ c["x"].detach().reshape(-1, c["x"].shape[-1]))
+                for c in caps)
+        assert table.get(key, "bwd_dgw_sq") == pytest.approx(d, rel=1e-4, abs=1e-12)
+        eta = sum(sq(noise.layer_noise(c["x"].shape, seed=CFG.seed, key=key, microbatch=i,
+                                       stream=noise.BACKWARD) * scales[key][1]) for i, c in enumerate(caps))
+        assert table.get(key, "bwd_eta_sq") == pytest.approx(eta, rel=1e-6)
+    assert table.nonfinite() == {}
+
+
+def test_nonfinite_statistics_reported_per_layer(megatron_single):
+    from snip_megatron.estimate import cost_table
+
+    model = build()[0]
+    base = blockwise_error_fn()
+    fc2_shape = (SHAPE.hidden_size, SHAPE.ffn_hidden_size)
+
+    def err(t, p, role, group=None):  # an Inf error for the fc2 weights only
+        e = base(t, p, role)
+        return e + math.inf if role == "fprop_weight" and tuple(t.shape) == fc2_shape else e
+
+    table = measure([model], make_forward_step(), batches(), seq_length=SHAPE.seq_length,
+                    micro_batch_size=2, config=CFG, error_fn=err)
+    bad = table.nonfinite()
+    assert {k.name for k in bad} == {"linear_fc2"} and len(bad) == SHAPE.num_layers
+    costs = cost_table(table)
+    for k in table.keys:
+        finite = math.isfinite(costs.costs[k][FP4])
+        assert finite == (k not in bad)
