@@ -92,7 +92,7 @@ class SnipConfig:
             if not _is_int(v) or v < 0:
                 raise ValueError(f"SnipConfig.{name} must be a non-negative integer, got {v!r}")
         if self.lag >= self.interval:
-            raise ValueError(f"SnipConfig.lag={self.lag} must be smaller than interval={self.interval}: "
+            raise ValueError(f"SnipConfig.lag={self.lag} must be smaller than SnipConfig.interval={self.interval}: "
                              "a plan must be applied before the next measurement")
         if not _is_number(self.warmup) or self.warmup < 0:
             raise ValueError(f"SnipConfig.warmup must be a fraction in [0, 1) or a step count >= 1, "
@@ -106,7 +106,7 @@ class SnipConfig:
         self._check_choice("initial_precision", PRECISIONS)
         if self.initial_precision != "bf16" and self.initial_precision not in self.precisions:
             raise ValueError(f"SnipConfig.initial_precision={self.initial_precision!r} is not one of "
-                             f"precisions={self.precisions} (nor bf16)")
+                             f"SnipConfig.precisions={self.precisions} (nor bf16)")
         if self.baseline is not None:
             self._check_choice("baseline", BASELINES)
         if self.plan is not None and (not isinstance(self.plan, str) or not self.plan.strip()):

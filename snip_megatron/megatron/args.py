@@ -172,8 +172,8 @@ def snip_config_from_args(args: argparse.Namespace) -> SnipConfig:
         return SnipConfig(**values)
     except ValueError as e:
         msg = str(e)
-        for name, flag in FIELD_TO_FLAG.items():
-            msg = msg.replace(f"SnipConfig.{name}", flag)
+        for name in sorted(FIELD_TO_FLAG, key=len, reverse=True):  # baseline_k before baseline
+            msg = msg.replace(f"SnipConfig.{name}", FIELD_TO_FLAG[name])
         raise ValueError(f"bad SNIP flags: {msg}") from None
 
 

@@ -1,0 +1,96 @@
+"""The --snip* flags: parsing, validation with the flag's name, round trip to a launch line, and
+(where megatron.training exists) coexistence with every Megatron-LM argument."""
+
+import argparse
+
+import pytest
+
+from snip_megatron.config import SnipConfig
+from snip_megatron.megatron import add_snip_args
+from snip_megatron.megatron.args import FIELD_TO_FLAG, snip_args_from_config, snip_config_from_args
+
+
+def parse(*argv):
+    parser = add_snip_args(argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False))
+    return parser.parse_args(list(argv))
+
+
+def test_defaults_match_snipconfig():
+    cfg = snip_config_from_args(parse())
+    assert cfg == SnipConfig()
+
+
+def test_every_field_has_a_flag():
+    from dataclasses import fields
+
+    assert set(FIELD_TO_FLAG) == {f.name for f in fields(SnipConfig)}
+    parser = add_snip_args(argparse.ArgumentParser())
+    options = {o for a in parser._actions for o in a.option_strings}
+    assert set(FIELD_TO_FLAG.values()) <= options
+
+
+def test_flags_reach_the_config():
+    cfg = snip_config_from_args(parse(
+        "--snip", "--snip-fp4-budget", "0.8", "--snip-interval", "500", "--snip-lag", "5",
+        "--snip-warmup", "200", "--snip-precisions", "bf16,fp8,fp4", "--snip-fp8-recipe", "mxfp8",
+        "--snip-fp4-recipe", "mxfp4", "--snip-per-stage-budget", "--snip-lambda-wd", "0.5"))
+    assert cfg.enabled and cfg.fp4_budget == 0.8 and cfg.interval == 500 and cfg.lag == 5
+    assert cfg.warmup_steps(10_000) == 200
+    assert cfg.precisions == ["bf16", "fp8", "fp4"]
+    assert (cfg.fp8_recipe, cfg.fp4_recipe) == ("mxfp8", "mxfp4")
+    assert cfg.per_stage_budget and cfg.lambda_wd == 0.5
+
+
+def test_plan_or_baseline_enables_snip():
+    assert snip_config_from_args(parse("--snip-baseline", "uniform_fp8")).enabled
+    cfg = snip_config_from_args(parse("--snip-plan", "plan.json", "--snip-pin-plan"))
+    assert cfg.enabled and cfg.pin_plan and not cfg.measures
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--snip-fp4-budget", "1.2"], "--snip-fp4-budget"),
+    (["--snip-fp4-budget", "lots"], "--snip-fp4-budget"),
+    (["--snip-interval", "0"], "--snip-interval"),
+    (["--snip-warmup", "12.5"], "--snip-warmup"),
+    (["--snip-precisions", "fp8,int8"], "--snip-precisions"),
+    (["--snip-fp8-recipe", "delayed"], "--snip-fp8-recipe"),
+    (["--snip-baseline", "best"], "--snip-baseline"),
+])
+def test_bad_flag_values_are_rejected_by_the_parser(argv, message):
+    with pytest.raises(argparse.ArgumentError, match=message):
+        parse(*argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--snip", "--snip-lag", "20", "--snip-interval", "10"], "--snip-lag=20 must be smaller than --snip-interval"),
+    (["--snip", "--snip-pin-plan"], "--snip-pin-plan is set but --snip-plan is empty"),
+    (["--snip-plan", "p.json", "--snip-pin-plan", "--snip-baseline", "random"], "--snip-pin-plan and --snip-baseline"),
+    (["--snip", "--snip-precisions", "bf16,fp4"], "--snip-initial-precision='fp8' is not one of"),
+    (["--snip", "--snip-loss-guard-factor", "0.9"], "--snip-loss-guard-factor"),
+])
+def test_bad_combinations_name_the_flags(argv, message):
+    with pytest.raises(ValueError, match=message):
+        snip_config_from_args(parse(*argv))
+
+
+def test_launch_line_round_trip():
+    cfg = SnipConfig(enabled=True, fp4_budget=0.9, interval=500, warmup=300, precisions=["bf16", "fp8", "fp4"],
+                     per_stage_budget=True, baseline="last_fraction", baseline_fraction=0.2)
+    line = snip_args_from_config(cfg)
+    assert line[0] == "--snip" and "--snip-per-stage-budget" in line
+    assert line[line.index("--snip-warmup") + 1] == "300"
+    assert snip_config_from_args(parse(*line)) == cfg
+    assert snip_args_from_config(SnipConfig()) == []  # off: no flags at all
+    assert snip_args_from_config(SnipConfig(enabled=True)) == ["--snip"]
+
+
+def test_megatron_parser_takes_the_snip_flags():
+    """The flags added to Megatron-LM's own parser: no clash with its ~850 options."""
+    pytest.importorskip("megatron.training.arguments",
+                        reason="megatron.training ships only with megatron-core >= 0.19 (prod lane)")
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_snip_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    args = parser.parse_args(["--num-layers", "2", "--snip", "--snip-fp4-budget", "0.6"])
+    assert args.num_layers == 2
+    assert snip_config_from_args(args).fp4_budget == 0.6

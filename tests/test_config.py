@@ -1,0 +1,89 @@
+"""SnipConfig: defaults, validation that names the field, warm-up, dict round trip."""
+
+import pytest
+
+from snip_megatron.config import BASELINES, SnipConfig
+
+
+def test_defaults_are_the_papers_setting():
+    cfg = SnipConfig()
+    assert cfg.enabled is False
+    assert cfg.fp4_budget == 0.75
+    assert cfg.precisions == ["fp8", "fp4"]
+    assert cfg.initial_precision == "fp8"
+    assert cfg.fp8_recipe == "blockwise" and cfg.fp4_recipe == "nvfp4"
+    assert not cfg.measures  # off
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"fp4_budget": 1.5}, "fp4_budget"),
+    ({"fp4_budget": -0.1}, "fp4_budget"),
+    ({"fp4_budget": float("nan")}, "fp4_budget"),
+    ({"interval": 0}, "interval"),
+    ({"interval": 2.5}, "interval"),
+    ({"lag": -1}, "lag"),
+    ({"lag": 100, "interval": 100}, "lag"),
+    ({"warmup": -1}, "warmup"),
+    ({"warmup": 10.5}, "warmup"),
+    ({"precisions": ["fp8", "fp16"]}, "precisions"),
+    ({"precisions": ["fp8"]}, "precisions"),
+    ({"precisions": ["fp4"]}, "precisions"),
+    ({"fp8_recipe": "delayed"}, "fp8_recipe"),
+    ({"fp4_recipe": "int4"}, "fp4_recipe"),
+    ({"initial_precision": "fp16"}, "initial_precision"),
+    ({"initial_precision": "bf16", "precisions": ["fp8", "fp4"], "baseline": "nope"}, "baseline"),
+    ({"pin_plan": True}, "pin_plan"),
+    ({"plan": "p.json", "pin_plan": True, "baseline": "random"}, "pin_plan"),
+    ({"baseline_fraction": 2.0}, "baseline_fraction"),
+    ({"lambda_wd": -1.0}, "lambda_wd"),
+    ({"switch_penalty": -0.5}, "switch_penalty"),
+    ({"solver_time_limit_s": 0}, "solver_time_limit_s"),
+    ({"solver_gap": 1.0}, "solver_gap"),
+    ({"noise_scale": 0.0}, "noise_scale"),
+    ({"loss_guard_factor": 0.5}, "loss_guard_factor"),
+    ({"loss_guard_window": 0}, "loss_guard_window"),
+    ({"enabled": "yes"}, "enabled"),
+])
+def test_bad_values_name_the_field(changes, field):
+    with pytest.raises(ValueError, match=rf"SnipConfig\.{field}"):
+        SnipConfig(**changes)
+
+
+def test_initial_precision_must_be_a_choice_or_bf16():
+    SnipConfig(initial_precision="bf16")  # BF16 is always allowed
+    with pytest.raises(ValueError, match="initial_precision='fp8' is not one of"):
+        SnipConfig(precisions=["bf16", "fp4"])
+
+
+def test_precisions_are_parsed_and_ordered():
+    assert SnipConfig(precisions="FP4, bf16,fp8").precisions == ["bf16", "fp8", "fp4"]
+    assert SnipConfig(precisions=("fp4", "fp8", "fp4")).precisions == ["fp8", "fp4"]
+
+
+@pytest.mark.parametrize("warmup, train_iters, expected", [(0.2, 1000, 200), (0.0, 50, 0), (300, 1000, 300),
+                                                           (300.0, None, 300)])
+def test_warmup_is_a_fraction_or_a_step_count(warmup, train_iters, expected):
+    assert SnipConfig(warmup=warmup).warmup_steps(train_iters) == expected
+
+
+def test_fractional_warmup_needs_the_run_length():
+    with pytest.raises(ValueError, match="train_iters"):
+        SnipConfig(warmup=0.2).warmup_steps(None)
+
+
+def test_measures_only_for_adaptive_runs():
+    assert SnipConfig(enabled=True).measures
+    assert not SnipConfig(enabled=True, baseline="uniform_fp4").measures
+    assert not SnipConfig(enabled=True, plan="p.json", pin_plan=True).measures
+
+
+def test_every_baseline_name_is_accepted():
+    for name in BASELINES:
+        assert SnipConfig(enabled=True, baseline=name).baseline == name
+
+
+def test_dict_round_trip_and_unknown_keys():
+    cfg = SnipConfig(enabled=True, fp4_budget=0.8, precisions=["bf16", "fp8", "fp4"], plan="x.json")
+    assert SnipConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown SnipConfig field.*fp4budget"):
+        SnipConfig.from_dict({"fp4budget": 0.5})
