@@ -83,6 +83,9 @@ class SnipController:
     this rank's slice of a plan. The defaults are SNIP's own; tests inject fakes.
     """
 
+    name = "snip"
+    """Key of the controller's state in the trainer's checkpoints (train.hooks.StepHook)."""
+
     def __init__(self, config: SnipConfig, shape: ModelShape, *, total_steps: int,
                  run_dir: str | Path | None = None, tokens_per_step: int | None = None,
                  stages: Mapping[LayerKey, int] | None = None, log: Callable[[str], None] = print,
@@ -126,6 +129,10 @@ class SnipController:
         self._apply(self.model_chunks, self.plan)
         if step == 0 and not self.history:
             self._record(step, self.plan, previous=None, info={"event": "initial"})
+
+    def on_train_start(self, trainer) -> None:
+        """Trainer hook: after set-up and any resume, apply the plan to the trainer's chunks."""
+        self.attach(trainer.chunks, step=trainer.step)
 
     @property
     def rank(self) -> int:
