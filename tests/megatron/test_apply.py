@@ -127,3 +127,186 @@ def test_plain_linears_are_refused(megatron_single):
     model = _build((ColumnParallelLinear, RowParallelLinear), shape)
     with pytest.raises(ValueError, match="ColumnParallelLinear, which cannot switch precision"):
         apply_plan(model, Plan.uniform(shape.num_layers, "fp8"))
+
+
+# ---------------------------------------------------------------- multi-process (torchrun, gloo)
+
+# layout -> (tp, pp, vpp). Two CPU cores: two ranks, so the 2-rank layouts without TP or PP are DP=2.
+LAYOUTS = {"tp1": (1, 1, None), "tp2": (2, 1, None), "pp2": (1, 2, None), "pp2_vpp2": (1, 2, 2),
+           "dp2": (1, 1, None)}
+STEPS_BEFORE, STEPS_AFTER = 3, 5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{layout: [per-rank result dicts]}. One single-process launch, and one 2-process launch
+    that runs the 2-rank layouts one after another (Megatron's parallel state rebuilt in between:
+    this keeps the start-up cost to two launches)."""
+    from tests.distributed import run_distributed
+
+    out = tmp_path_factory.mktemp("apply")
+    run_distributed([__file__, "--layouts", "tp1", "--out", str(out)], nproc=1, timeout=240)
+    run_distributed([__file__, "--layouts", "tp2,pp2,pp2_vpp2,dp2", "--out", str(out)], nproc=2,
+                    timeout=300)
+    return {name: [json.loads(f.read_text()) for f in sorted((out / name).glob("rank*.json"))]
+            for name in LAYOUTS}
+
+
+def _union(ranks: list[dict], field: str) -> dict:
+    merged: dict = {}
+    for r in ranks:
+        for key, value in r[field].items():
+            assert merged.setdefault(key, value) == value, f"ranks disagree on {key}"
+    return merged
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_build_time_and_step_k_plans_reach_every_module(runs, case):
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE
+
+    n = SMOKE_SHAPE.num_layers
+    a, b = plan_a(n), plan_b(n)
+    ranks = runs[case]
+    nproc = 1 if case == "tp1" else 2
+    assert len(ranks) == nproc
+    assert Plan(_union(ranks, "build")) == a
+    assert Plan(_union(ranks, "after")) == b
+    owners: dict = {}
+    for r in ranks:
+        for key in r["build"]:
+            owners.setdefault(key, set()).add(r["rank"])
+        # apply_plan reports exactly this rank's part of the diff
+        local = set(r["build"])
+        assert [tuple(c) for c in r["changes"]] == [
+            (str(c.key), c.old.value, c.new.value) for c in a.diff(b) if str(c.key) in local]
+        # outputs change exactly for the re-planned linears (same weights, same input)
+        assert r["out_changed"] == {k: a[k] is not b[k] for k in local}
+    # PP: each key on one stage (all its TP/DP ranks); otherwise on every rank
+    pp = 2 if "pp2" in case else 1
+    assert all(len(v) == nproc // pp for v in owners.values())
+
+
+def test_a_layer_whose_local_index_differs_from_its_global_one(runs):
+    stage1 = [r for r in runs["pp2"] if r["pp_rank"] == 1][0]
+    assert stage1["paths"]["3.linear_fc1"] == [0, "module.decoder.layers.0.mlp.linear_fc1"]
+    vpp0 = [r for r in runs["pp2_vpp2"] if r["pp_rank"] == 0][0]
+    # 4 layers, 2 stages x 2 chunks: stage 0 holds layers 1 and 3, each as its chunk's layer 0.
+    assert vpp0["paths"]["3.linear_qkv"] == [1, "module.decoder.layers.0.self_attention.linear_qkv"]
+    assert sorted({int(k.split(".")[0]) for k in vpp0["build"]}) == [1, 3]
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_training_continues_across_the_replan_and_loss_falls(runs, case):
+    losses = [r["losses"] for r in runs[case] if r["losses"]]
+    assert losses, "no rank reported losses"
+    for curve in losses:
+        assert len(curve) == STEPS_BEFORE + STEPS_AFTER
+        assert all(x == x and x < 1e4 for x in curve)
+        assert curve[-1] < curve[STEPS_BEFORE] < curve[0]
+
+
+def test_every_layout_gives_the_single_process_precisions(runs):
+    single = runs["tp1"][0]
+    for case, ranks in runs.items():
+        assert _union(ranks, "build") == single["build"], case
+        assert _union(ranks, "after") == single["after"], case
+
+
+def _linear_outputs(chunks) -> dict:
+    """Each planned linear on a fixed input (same on every rank; TP ranks call in the same order)."""
+    from snip_megatron.megatron.apply import list_planned_linears
+
+    outs = {}
+    with torch.no_grad():
+        for pl in list_planned_linears(chunks):
+            g = torch.Generator().manual_seed(1000 * pl.key.layer + LINEAR_NAMES.index(pl.key.name))
+            x = torch.randn(8, 2, pl.module.weight.shape[1], generator=g)
+            outs[str(pl.key)] = pl.module(x)[0].clone()
+    return outs
+
+
+def worker(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layouts", required=True, help="comma-separated names from LAYOUTS")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    from snip_megatron.megatron import runtime
+
+    rank, _ = runtime.init_process_group()
+    for name in args.layouts.split(","):
+        result = run_layout(*LAYOUTS[name])
+        os.makedirs(os.path.join(args.out, name), exist_ok=True)
+        with open(os.path.join(args.out, name, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    runtime.destroy(process_group=True)
+    # Skip interpreter teardown: on CPU it idles ~5 s per launch; the results are on disk.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run_layout(tp: int, pp: int, vpp: "int | None") -> dict:
+    """One rank: build with plan A, train, apply plan B at the step boundary, train on."""
+    from snip_megatron.megatron import runtime
+
+    runtime.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=1234)
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from snip_megatron.megatron.apply import apply_plan, list_planned_linears, precision_of
+    from snip_megatron.megatron.batch import make_forward_step, random_batch
+    from snip_megatron.megatron.model import build_gpt_model, make_transformer_config
+    from snip_megatron.megatron.quant_recipe import recipe_for_chunk
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape, wrap_ddp_and_optimizer
+
+    n = shape.num_layers
+    config = make_transformer_config(shape, tp=tp, pp=pp, vpp=vpp)
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        # The plan is keyed by global layer; each chunk's matcher knows its own layer offset.
+        config.quant_recipe = recipe_for_chunk(plan_a(n), config, vp_stage=vp_stage)
+        chunks.append(build_gpt_model(shape, config=config, backend="emulated", vp_stage=vp_stage))
+    ddp_chunks, optimizer = wrap_ddp_and_optimizer(chunks, config, lr=3e-3, clip_grad=1.0,
+                                                   distributed_optimizer=False)
+
+    def precisions() -> dict:
+        return {str(pl.key): precision_of(pl.module).value for pl in list_planned_linears(ddp_chunks)}
+
+    generator = torch.Generator().manual_seed(7)
+    batches = [random_batch(2, shape.seq_length, shape.vocab_size, generator) for _ in range(2)]
+    forward_backward, forward_step, losses = get_forward_backward_func(), make_forward_step(), []
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            for chunk in ddp_chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            data = [iter(batches) for _ in ddp_chunks] if len(ddp_chunks) > 1 else iter(batches)
+            reduced = forward_backward(forward_step_func=forward_step, data_iterator=data,
+                                       model=ddp_chunks, num_microbatches=len(batches),
+                                       seq_length=shape.seq_length, micro_batch_size=2,
+                                       forward_only=False)
+            optimizer.step()
+            if ps.is_pipeline_last_stage(ignore_virtual=True):
+                losses.append(sum(float(r["lm loss"]) for r in reduced) / len(reduced))
+
+    build = precisions()
+    train(STEPS_BEFORE)
+    before = _linear_outputs(chunks)
+    changes = apply_plan(ddp_chunks, plan_b(n))  # the step-k boundary, on every rank
+    after_out = _linear_outputs(chunks)
+    after = precisions()
+    train(STEPS_AFTER)
+    result = dict(
+        rank=torch.distributed.get_rank(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
+        build=build, after=after, losses=losses,
+        changes=[(str(c.key), c.old.value, c.new.value) for c in changes],
+        out_changed={k: not torch.equal(before[k], after_out[k]) for k in before},
+        paths={str(pl.key): [pl.chunk, pl.module_path] for pl in list_planned_linears(ddp_chunks)})
+    runtime.destroy()
+    return result
+
+
+if __name__ == "__main__":
+    worker()
