@@ -290,10 +290,17 @@ def compose_config(overrides: list[str] | None = None, *, config_dir: "str | Pat
     cdir = Path(config_dir) if config_dir is not None else default_config_dir()
     if not (cdir / f"{config_name}.yaml").is_file():
         raise ValueError(f"no recipe {config_name!r} in {cdir} (set ${CONFIG_DIR_ENV} or --config-dir)")
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(cdir.resolve()), version_base=None):
-        return compose(config_name=config_name, overrides=list(overrides or []))
+    try:
+        with initialize_config_dir(config_dir=str(cdir.resolve()), version_base=None):
+            return compose(config_name=config_name, overrides=list(overrides or []))
+    except (HydraException, OmegaConfBaseException) as e:
+        detail = f"{e} ({e.__cause__})" if e.__cause__ is not None else str(e)
+        raise ValueError(f"cannot compose recipe with overrides {list(overrides or [])}: {detail}") from None
 
 
 def to_recipe(cfg) -> RunRecipe:
@@ -304,22 +311,16 @@ def to_recipe(cfg) -> RunRecipe:
     try:
         OmegaConf.resolve(cfg)
         recipe = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None
-        msg = str(cause).replace("SnipConfig.", "snip.") if cause else f"bad recipe: {e}"
-        raise ValueError(msg) from None
+    except (OmegaConfBaseException, ValueError) as e:
+        cause = e if isinstance(e, ValueError) else e.__cause__
+        if isinstance(cause, ValueError):  # a dataclass check: say it in recipe terms
+            raise ValueError(str(cause).replace("SnipConfig.", "snip.")) from None
+        raise ValueError(f"bad recipe: {e}") from None
     return validate(recipe)
 
 
 def compose_recipe(overrides: list[str] | None = None, *, config_dir=None,
                    config_name: str = "config") -> RunRecipe:
     """Compose, resolve and validate: `compose_recipe(["model=llama_7b", "parallel=tp4_pp2"])`."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        cfg = compose_config(overrides, config_dir=config_dir, config_name=config_name)
-    except (HydraException, OmegaConfBaseException) as e:
-        detail = f"{e} ({e.__cause__})" if e.__cause__ is not None else str(e)
-        raise ValueError(f"cannot compose recipe with overrides {list(overrides or [])}: {detail}") from None
+    cfg = compose_config(overrides, config_dir=config_dir, config_name=config_name)
     return to_recipe(cfg)
