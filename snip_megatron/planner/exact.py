@@ -61,20 +61,29 @@ def solve_group(costs, weights, need: float, max_states: int) -> tuple[list[int]
     return picks, "feasible"
 
 
-def _integer_units(weights, need: float, max_states: int):
-    """Weights as exact integers in units of their GCD, and the budget in those units, or None when
-    that needs more than max_states states."""
-    nonzero = [Fraction(w) for row in weights for w in row if w > 0]
+def integer_units(weights, need: float, max_units: int):
+    """(weights as integers in units of their greatest common divisor, ceil(need) in those units),
+    or None when the budget needs more than max_units units. `weights` is a flat list."""
+    nonzero = [Fraction(w) for w in weights if w > 0]
     if not nonzero:
         return None
     denom = math.lcm(*(w.denominator for w in nonzero))
     common = math.gcd(*(int(w * denom) for w in nonzero))
     unit = Fraction(common, denom)
-    states = math.ceil(Fraction(need) / unit)
-    if states > max_states:
+    units = math.ceil(Fraction(need) / unit)
+    if units > max_units:
         return None
-    w_int = [[min(states, int(Fraction(w) / unit)) for w in row] for row in weights]
-    return w_int, states
+    return [int(Fraction(w) / unit) for w in weights], units
+
+
+def _integer_units(weights, need: float, max_states: int):
+    """Per-layer integer weights (capped at the budget) and the budget, for the exact DP."""
+    flat = integer_units([w for row in weights for w in row], need, max_states)
+    if flat is None:
+        return None
+    ints, states = flat
+    it = iter(ints)
+    return [[min(states, next(it)) for _ in row] for row in weights], states
 
 
 def _dp(costs, w_int, states: int):

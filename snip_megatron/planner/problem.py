@@ -63,7 +63,8 @@ class Knapsack:
     free: tuple
     """LayerKeys the solver chooses for, in forward order."""
     choices: tuple
-    """Per free layer, its candidate precisions."""
+    """Per free layer, its candidate precisions: only those no other candidate beats on both cost and
+    weight, lightest (= cheapest) first."""
     cost: tuple
     """Per free layer and candidate, the cost Q_l(p) plus the switching penalty."""
     weight: tuple
@@ -109,6 +110,20 @@ def _describe(config: PlannerConfig, weight_sum: float, group_flops: float, gemm
         return weight_sum / group_flops
     time = group_flops * c_max - weight_sum
     return float("inf") if time <= 0 else group_flops * gemm[Precision.BF16] / time
+
+
+def _undominated(cands, cost, weight):
+    """Drop every choice another one beats (no more cost, no less weight); it can never be needed.
+    The rest sorted by weight ascending, hence by cost ascending: choice 0 is the cheapest."""
+    keep = []
+    for i in range(len(cands)):
+        beaten = any((cost[j] <= cost[i] and weight[j] >= weight[i])
+                     and (cost[j] < cost[i] or weight[j] > weight[i] or j < i)
+                     for j in range(len(cands)) if j != i)
+        if not beaten:
+            keep.append(i)
+    keep.sort(key=lambda i: (weight[i], -cost[i]))
+    return [cands[i] for i in keep], [cost[i] for i in keep], [weight[i] for i in keep]
 
 
 def build_knapsack(costs: CostTable, flops: Mapping, config: PlannerConfig, *,
@@ -167,6 +182,7 @@ def build_knapsack(costs: CostTable, flops: Mapping, config: PlannerConfig, *,
              for p in cands]
         w = [_weight(p, f, config, gemm, c_max) for p in cands]
         most[g] += max(w)
+        cands, c, w = _undominated(cands, c, w)
         if len(cands) == 1:
             fixed[key] = cands[0]
             fixed_cost += c[0]

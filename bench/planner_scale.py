@@ -1,0 +1,104 @@
+"""Planner solve time at scale: the 70B layout (80 layers x 4 linears) and a 126-layer 405B-like one.
+
+Synthetic but shaped costs (FP4 harm ~10x FP8 harm, edge layers more sensitive, lognormal spread);
+real FLOP tables. Every case is solved by CBC (through solve_plan, model building and the CBC
+subprocess included) and by the exact fallback; the relative gap is CBC's objective over the exact
+one. cbc_s is the median wall time of solve_plan (what the controller waits for), cbc_cpu the CBC
+processes' CPU time per solve. Run: python bench/planner_scale.py [--repeats 3]. Last line:
+RESULT solve_s_70b=<max over the 70B cases> solve_s_405b=<max over the 405B cases> max_rel_gap=<x>
+(target: solve_s_70b < 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import statistics
+from dataclasses import replace
+
+import numpy as np
+
+from snip_megatron.formats.precision import Precision
+from snip_megatron.planner import (PlannerConfig, cbc_available, flop_table, solve_plan,
+                                   stage_of_layers, stages_for_keys)
+from snip_megatron.shapes import ModelShape, get_shape
+
+LLAMA_405B = ModelShape(name="llama_405b", num_layers=126, hidden_size=16384, ffn_hidden_size=53248,
+                        num_attention_heads=128, num_query_groups=8, vocab_size=128256,
+                        seq_length=8192)
+TWO = (Precision.FP8, Precision.FP4)
+THREE = (Precision.BF16, Precision.FP8, Precision.FP4)
+
+
+def synthetic_costs(shape: ModelShape, seed: int) -> dict:
+    """Q_l(p): FP4 lognormal around 1, edge layers up to 4x, FP8 2-10% of FP4, BF16 0."""
+    rng = np.random.default_rng(seed)
+    costs = {}
+    for key in flop_table(shape, tokens=1):
+        edge = min(key.layer - 1, shape.num_layers - key.layer)
+        fp4 = float(rng.lognormal(0.0, 0.7) * (1.0 + 3.0 * math.exp(-edge / 2.0)))
+        costs[key] = {Precision.BF16: 0.0, Precision.FP8: fp4 * float(rng.uniform(0.02, 0.1)),
+                      Precision.FP4: fp4}
+    return costs
+
+
+def cases(seed: int):
+    """(group, label, shape, config, pipeline stages or None)."""
+    for shape, group, pp in ((get_shape("llama_70b"), "70b", 8), (LLAMA_405B, "405b", 9)):
+        costs = synthetic_costs(shape, seed)
+        stages = stages_for_keys(costs, stage_of_layers(shape.num_layers, pp))
+        for allowed in (TWO, THREE):
+            for rho in (0.5, 0.75, 0.9):
+                for staged in (False, True):
+                    label = f"{shape.name} {len(allowed)}p rho={rho}" + (f" pp={pp}" if staged else "")
+                    yield group, label, shape, costs, PlannerConfig(rho=rho, allowed=allowed), \
+                        stages if staged else None
+        label = f"{shape.name} 3p speedup=3.0 pp={pp}"
+        yield group, label, shape, costs, PlannerConfig(budget="speedup", speedup=3.0, allowed=THREE), stages
+
+
+def _child_cpu() -> float:
+    """CPU seconds of finished child processes (the CBC runs): insensitive to a busy machine."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="CBC solves per case (median reported)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--time-limit", type=float, default=10.0, help="CBC time limit, seconds")
+    args = parser.parse_args()
+    if not cbc_available():
+        raise SystemExit("CBC is not available (PuLP >= 4: pip install 'pulp[cbc]'); nothing to time")
+
+    # Warm up once: the first solve pays PuLP's import.
+    warm = get_shape("llama_tiny")
+    solve_plan(synthetic_costs(warm, 0), flop_table(warm), PlannerConfig())
+
+    worst = {"70b": 0.0, "405b": 0.0}
+    max_gap = 0.0
+    print(f"{'case':38s} {'solver':6s} {'status':8s} {'cbc_s':>7s} {'cbc_cpu':>7s} {'exact_s':>8s} {'objective':>12s} "
+          f"{'rel_gap':>9s} {'fp4':>6s} {'min_stage_fp4':>13s} {'speedup':>7s}")
+    for group, label, shape, costs, config, stages in cases(args.seed):
+        flops = flop_table(shape)
+        config = replace(config, time_limit_s=args.time_limit)
+        child_cpu = _child_cpu()
+        runs = [solve_plan(costs, flops, config, stages=stages) for _ in range(args.repeats)]
+        cbc_cpu = (_child_cpu() - child_cpu) / args.repeats
+        ilp = runs[-1]
+        exact = solve_plan(costs, flops, replace(config, solver="exact"), stages=stages)
+        seconds = statistics.median(r.seconds for r in runs)
+        gap = (ilp.objective - exact.objective) / max(abs(exact.objective), 1e-12)
+        worst[group] = max(worst[group], seconds)
+        max_gap = max(max_gap, abs(gap))
+        stage_fp4 = min((a.fp4_fraction for a in ilp.per_stage.values()), default=float("nan"))
+        print(f"{label:38s} {ilp.solver:6s} {ilp.status:8s} {seconds:7.3f} {cbc_cpu:7.3f} {exact.seconds:8.3f} "
+              f"{ilp.objective:12.6f} {gap:9.2e} {ilp.achieved.fp4_fraction:6.3f} {stage_fp4:13.3f} "
+              f"{ilp.achieved.speedup:7.3f}" + (f"  [{ilp.fallback_reason}]" if ilp.fallback_reason else ""))
+    print(f"RESULT solve_s_70b={worst['70b']:.3f} solve_s_405b={worst['405b']:.3f} max_rel_gap={max_gap:.2e}")
+
+
+if __name__ == "__main__":
+    main()
