@@ -159,4 +159,6 @@ def test_megatron_accepts_the_generated_arguments():
                       ["model=llama_1b", "parallel=tp1_dp8", "data=stdlib", "snip=first_last_k"]):
         args = parser.parse_args(megatron_args(compose_recipe(overrides)))
         assert args.num_layers in (80, 22)
-        assert args.snip_enabled is True
+        from snip_megatron.megatron.args import snip_config_from_args
+
+        assert snip_config_from_args(args).enabled
