@@ -32,13 +32,13 @@ def test_mixed_precision_gpt_loss_falls(megatron_single):
     labels = torch.roll(tokens, -1, 1)
     pos = torch.arange(s).expand(b, s)
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for _ in range(25):
+    for _ in range(12):
         loss = model(tokens, pos, mask, labels=labels).float().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < 0.7 * losses[0], losses
+    assert losses[-1] < 0.6 * losses[0], losses  # 4.9 -> 1.7 when written
