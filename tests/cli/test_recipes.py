@@ -156,7 +156,8 @@ def test_megatron_accepts_the_generated_arguments():
 
     parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for overrides in (["model=llama_70b", "parallel=tp8_pp8_vpp2", "train=pretrain", "snip=aggressive"],
-                      ["model=llama_1b", "parallel=tp1_dp8", "data=stdlib", "snip=first_last_k"]):
+                      ["model=llama_1b", "parallel=tp1_dp8", "train=pretrain", "data=stdlib",
+                       "snip=first_last_k"]):
         args = parser.parse_args(megatron_args(compose_recipe(overrides)))
         assert args.num_layers in (80, 22)
         from snip_megatron.megatron.args import snip_config_from_args
