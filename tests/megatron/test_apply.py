@@ -310,3 +310,20 @@ def run_layout(tp: int, pp: int, vpp: "int | None") -> dict:
 
 if __name__ == "__main__":
     worker()
+
+
+def test_gpu_check_script_logic_on_cpu(megatron_single, capsys):
+    """bench/gpu/emulation_cuda_check.py is meant for a GPU; its logic is run here on CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "emulation_cuda_check.py"
+    spec = importlib.util.spec_from_file_location("emulation_cuda_check", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    code = script.main(["--device", "cpu", "--tiny", "--steps-before", "1", "--steps-after", "3"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert code == 0, lines
+    assert lines[-1].startswith("RESULT device=cpu world=1 linears=16 replanned=4 max_rel_err=0.00e+00")
+    assert lines[-1].endswith("ok=1")
+    assert any("only they changed output" in line for line in lines)
