@@ -2,7 +2,7 @@
 
     snip-train                                              # llama_tiny, mock data, SNIP default
     snip-train model=llama_7b parallel=tp4_pp2 snip.fp4_budget=0.8 --dry-run
-    snip-train --print-target model=llama_70b parallel=tp8_pp8   # for launch/*.sh: one arg a line
+    snip-train --print-command model=llama_7b parallel=tp4_pp2   # for launch/*.sh: one arg a line
 
 The tiny recipe runs the compact loop (`python -m snip_megatron.train <overrides>`); bigger ones run
 `snip-pretrain-gpt` (Megatron-LM's loop) with the recipe as Megatron arguments.
@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the resolved recipe and the launch command; run nothing")
     p.add_argument("--print-target", action="store_true",
                    help="print the training target (what follows torchrun's options), one argument a line")
+    p.add_argument("--print-command", action="store_true",
+                   help="print the whole launch command, one argument a line (for launch/*.sh)")
     p.add_argument("--config-dir", default=None, help="recipe folder (default: $SNIP_CONFIG_DIR or ./configs)")
     p.add_argument("--config-name", default="config", help="top recipe file without .yaml (default config)")
     p.add_argument("--rdzv-endpoint", default=os.environ.get("SNIP_RDZV_ENDPOINT"),
@@ -50,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"snip-train: error: {e}", file=sys.stderr)
         return 2
+    if opts.print_command:
+        print("\n".join(cmd))
+        return 0
     if opts.dry_run:
         print("# resolved recipe")
         print(resolved_yaml.rstrip())
