@@ -48,6 +48,8 @@ def round_e2m1(y: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tens
     else:
         step = pow2.mul_(0.5)
         a.div_(step).add_(noise).floor_().mul_(step)  # div and mul by a power of two are exact
+        # 3 + u can round up to 4 in float32 when u > 1 - 2**-23; keep 6 the largest value.
+        a.clamp_(max=E2M1_MAX)
     return a.copysign_(y)
 
 
