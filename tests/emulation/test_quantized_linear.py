@@ -64,7 +64,8 @@ def test_bf16_is_the_plain_gemms():
 
 def test_error_ordering_fp4_fp8_exact():
     x, w, gy = _data(seed=3)
-    exact = [t.detach().double() for t in _run(x.double(), w.double(), gy.double(), FormatSpec.for_precision("bf16"))[:3]]
+    bf16 = FormatSpec.for_precision("bf16")  # no casts: float64 GEMMs
+    exact = [t.detach() for t in _run(x.double(), w.double(), gy.double(), bf16)[:3]]
     rel = {}
     for name in ("blockwise", "nvfp4"):
         outs = [o.detach() for o in _run(x, w, gy, _spec(name))[:3]]
@@ -80,7 +81,9 @@ def test_dtypes_and_bias_in_fp32():
     y, gx, gw, gb = _run(x, w, gy, spec, bias=bias)
     assert y.dtype == gx.dtype == gw.dtype == gb.dtype == torch.bfloat16
     # The bias is added to the FP32 product before the single rounding to BF16.
-    q = lambda t, role: quantize_for_role(t.reshape(-1, t.shape[-1]), spec, role, out_dtype=torch.float32)  # noqa: E731
+    def q(t, role):
+        return quantize_for_role(t.reshape(-1, t.shape[-1]), spec, role, out_dtype=torch.float32)
+
     ref = (q(x, Role.FPROP_INPUT) @ q(w, Role.FPROP_WEIGHT).t() + bias.float()).bfloat16()
     assert torch.equal(y.reshape(-1, 128), ref)
 

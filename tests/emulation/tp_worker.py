@@ -1,6 +1,7 @@
 """torchrun worker (2 processes): a Column->Row linear pair at TP=2 against the same pair at TP=1,
-for every recipe, without and with sequence parallelism. Shapes align shards with blocks (k=256, m=512 -> shards 128/256 wide), which
-TP == TP=1 requires. Rank 0 prints one JSON line per recipe: max deviations per tensor."""
+for every recipe, without and with sequence parallelism. Shapes align shards with blocks
+(k=256, m=512: shards 128 and 256 wide), which TP == TP=1 requires. Rank 0 prints one JSON line
+per case: the max deviation of each tensor relative to its max."""
 
 import itertools
 import json
