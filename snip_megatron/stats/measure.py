@@ -2,6 +2,7 @@
 
     table = measure(model_chunks, forward_step_func, batches, optimizer=optimizer,
                     seq_length=S, micro_batch_size=B)       # a reduced StatsTable on global rank 0
+    table = measure(trainer, config=snip_config)            # from a train.Trainer (the controller)
 
 Call it at a step boundary with the micro-batches of the coming step (the caller then trains on
 the same list, so the data position does not move). Training is left untouched: parameters are
@@ -59,19 +60,22 @@ def measurement_mode(model_chunks, linears, config):
     """Parameters frozen, planned linears in BF16, no gradient finalisation; all undone after."""
     params = [p for c in model_chunks for p in c.parameters()]
     requires = [p.requires_grad for p in params]
-    precisions = [(m, m.precision) for _, m in linears if hasattr(m, "precision")]
+    precisions = [(m, m.precision, getattr(m, "format_spec", None)) for _, m in linears
+                  if hasattr(m, "precision")]
     saved_finalize = getattr(config, "finalize_model_grads_func", None)
     try:
         for p in params:
             p.requires_grad_(False)
-        for m, _ in precisions:
+        for m, _, _ in precisions:
             _set_precision(m, Precision.BF16)
         config.finalize_model_grads_func = None
         yield
     finally:
         config.finalize_model_grads_func = saved_finalize
-        for m, prev in precisions:
+        for m, prev, spec in precisions:
             _set_precision(m, prev)
+            if spec is not None and getattr(m, "format_spec", None) != spec:
+                m.format_spec = spec  # a custom spec (e.g. backward-only) comes back as it was
         for p, r in zip(params, requires):
             p.requires_grad_(r)
 
@@ -117,9 +121,41 @@ def _model_config(chunk):
     return get_model_config(chunk)
 
 
-def measure(model_chunks, forward_step_func, batches: list, *, seq_length: int, micro_batch_size: int,
-            optimizer=None, config: MeasureConfig = MeasureConfig(), error_fn: "ErrorFn | None" = None,
-            reduce: bool = True, pp_to_all: bool = False) -> StatsTable:
+def measure_config_from(config) -> MeasureConfig:
+    """A MeasureConfig from a MeasureConfig, None, or the controller's SnipConfig."""
+    if config is None:
+        return MeasureConfig()
+    if isinstance(config, MeasureConfig):
+        return config
+    return MeasureConfig(noise_frac=getattr(config, "noise_scale", 0.05), seed=getattr(config, "seed", 0),
+                         fp8_recipe=getattr(config, "fp8_recipe", "blockwise"),
+                         fp4_recipe=getattr(config, "fp4_recipe", "nvfp4"))
+
+
+def measure(target, forward_step_func=None, batches=None, *, config=None, step=None, **kwargs):
+    """Statistics of one step. `target` is a list of model chunks (then forward_step_func, batches,
+    seq_length and micro_batch_size are required) or a train.Trainer (its chunks, optimizer and
+    current_batch are used; the table comes back on global rank 0 and None elsewhere). `config`:
+    a MeasureConfig or the controller's SnipConfig. `step` is accepted for the controller's call."""
+    mconfig = measure_config_from(config)
+    if hasattr(target, "current_batch"):  # a Trainer
+        import torch.distributed as dist
+
+        from snip_megatron.megatron.batch import make_forward_step
+
+        kwargs.setdefault("optimizer", target.optimizer)
+        table = measure_chunks(target.chunks, forward_step_func or make_forward_step(),
+                               batches if batches is not None else target.current_batch,
+                               seq_length=target.shape.seq_length,
+                               micro_batch_size=target.config.micro_batch_size, config=mconfig, **kwargs)
+        return table if (not dist.is_initialized() or dist.get_rank() == 0) else None
+    return measure_chunks(target, forward_step_func, batches, config=mconfig, **kwargs)
+
+
+def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length: int,
+                   micro_batch_size: int, optimizer=None, config: MeasureConfig = MeasureConfig(),
+                   error_fn: "ErrorFn | None" = None, reduce: bool = True,
+                   pp_to_all: bool = False) -> StatsTable:
     """Statistics of every planned linear for the step made of `batches` (micro-batches).
 
     Returns the table reduced over TP and DP and gathered over PP onto the first stage (global

@@ -1,0 +1,348 @@
+"""The estimator's oracle: does the predicted cost rank layers like the harm quantizing them does?
+
+Trains llama_tiny (6 layers, 24 planned linears) on the default corpus in BF16, and at an early and
+a later point measures, for every planned linear alone, by brute force:
+  - one-step loss harm: validation loss with only that layer quantized minus the BF16 loss, over
+    `--val-batches` batches (two halves give the split-half ceiling);
+  - update deviation: ||AdamW update with only that layer's backward quantized - BF16 update||^2 /
+    ||BF16 update||^2 on the measured batch, mean over `--rounding-seeds` (what WD predicts);
+  - long-horizon harm (later point): `--long-steps` training steps with only that layer quantized
+    (forward and backward), minus the BF16 continuation on the same data, final weights evaluated
+    in BF16, for 2 data orders (their agreement is the ceiling).
+The prediction uses the controller's default measurement (one statistics step + two noise passes
+on one training batch). Scores are Spearman over layers, per precision, never pooled.
+
+    python bench/estimator_fidelity.py --fp4-recipe nvfp4 --out runs/fidelity_nvfp4.json
+    python bench/estimator_fidelity.py --fp4-recipe mxfp4 --out runs/fidelity_mxfp4.json
+
+Last line: RESULT spearman_fp4=.. spearman_marginal=.. spearman_long=.. spearman_wd=..
+spearman_proxy=.. ceiling_split=.. ceiling_long=..   (later point)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from snip_megatron.estimate import EstimateConfig, cost_table, proxy_table
+from snip_megatron.formats.precision import Precision
+from snip_megatron.plan import LayerKey
+
+FP8, FP4, BF16 = Precision.FP8, Precision.FP4, Precision.BF16
+
+
+def spearman(a, b) -> float:
+    """Spearman rank correlation (average ranks for ties); NaN pairs dropped."""
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b = a[ok], b[ok]
+    if len(a) < 3:
+        return math.nan
+
+    def rank(x):
+        order = np.argsort(x, kind="mergesort")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for v in np.unique(x):  # ties share their mean rank
+            idx = x == v
+            r[idx] = r[idx].mean()
+        return r
+
+    ra, rb = rank(a), rank(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    den = math.sqrt((ra ** 2).sum() * (rb ** 2).sum())
+    return float((ra * rb).sum() / den) if den else math.nan
+
+
+# -- the model under test ----------------------------------------------------------------------
+class Harness:
+    def __init__(self, args):
+        from snip_megatron.stats.discover import planned_linears
+        from snip_megatron.train.config import TrainConfig
+        from snip_megatron.train.loop import Trainer
+
+        self.args = args
+        total = args.steps + 2 * args.long_steps + 8
+        self.tr = Trainer(TrainConfig(model="llama_tiny", steps=total, micro_batch_size=args.mbs,
+                                      global_batch_size=args.mbs * args.num_mb, eval_interval=None,
+                                      lr=args.lr, seed=args.seed, progress=False, precision="bf16"))
+        self.linears = planned_linears(self.tr.modules)
+        self.keys = [k for k, _ in self.linears]
+        from snip_megatron.data.gpt import BatchReader
+
+        val = BatchReader(self.tr.splits.valid, micro_batch_size=args.mbs, dp_rank=0, dp_size=1)
+        self.val = val.take(args.val_batches)
+
+    # precision of one layer; everything else BF16
+    def set_only(self, key=None, precision=BF16, *, backward_only=False, sr_seed=0):
+        for k, m in self.linears:
+            p = precision if k == key else BF16
+            m.set_precision(p, fp8_recipe="blockwise", fp4_recipe=self.args.fp4_recipe)
+            if k == key and backward_only:
+                m.format_spec = dataclasses.replace(m.format_spec, fprop_input=None, fprop_weight=None)
+            m.set_sr_seed(sr_seed * 1000 + 17)
+
+    def train_steps(self, batches):
+        tr = self.tr
+        for i in range(0, len(batches), self.args.num_mb):
+            tr.current_batch = batches[i:i + self.args.num_mb]
+            tr.forward_backward()
+            tr.optimizer.step()
+            tr.scheduler.step(increment=1)
+        tr.current_batch = None
+
+    def val_halves(self) -> tuple[float, float]:
+        h = len(self.val) // 2
+        return (self.tr.forward_backward(self.val[:h], forward_only=True),
+                self.tr.forward_backward(self.val[h:], forward_only=True))
+
+    def snapshot(self):
+        tr = self.tr
+        params = [p.detach().clone() for c in tr.modules for p in c.parameters()]
+        return params, copy.deepcopy(tr.optimizer.state_dict()), copy.deepcopy(tr.scheduler.state_dict())
+
+    def restore(self, snap):
+        params, opt, sched = snap
+        tr = self.tr
+        with torch.no_grad():
+            for p, s in zip((p for c in tr.modules for p in c.parameters()), params):
+                p.copy_(s)
+        tr.optimizer.load_state_dict(copy.deepcopy(opt))
+        tr.scheduler.load_state_dict(copy.deepcopy(sched))
+
+    def adam_update(self) -> dict:
+        """The AdamW update direction the next optimizer step would take for each planned weight,
+        from the gradient in main_grad (no step taken; lr, clipping and weight decay left out)."""
+        from snip_megatron.stats.adam import _group_of, _pairs
+
+        weights = {id(m.weight): k for k, m in self.linears}
+        out = {}
+        for model_param, main_param, inner in _pairs(self.tr.optimizer):
+            k = weights.get(id(model_param))
+            if k is None:
+                continue
+            st = inner.state.get(main_param, {})
+            g = model_param.main_grad.double()
+            b1, b2 = _group_of(inner, main_param)["betas"]
+            eps = _group_of(inner, main_param)["eps"]
+            t = float(st["step"]) + 1 if "step" in st else 1.0
+            m = b1 * st["exp_avg"].double() + (1 - b1) * g if st else (1 - b1) * g
+            v = b2 * st["exp_avg_sq"].double() + (1 - b2) * g * g if st else (1 - b2) * g * g
+            out[k] = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        return out
+
+
+# -- one evaluation point ------------------------------------------------------------------------
+def measure_point(h: Harness, long_horizon: bool, log) -> dict:
+    args, tr = h.args, h.tr
+    from snip_megatron.config import SnipConfig
+    from snip_megatron.stats import measure, measure_config_from
+
+    h.set_only()
+    batch = tr.reader.take(args.num_mb)
+    # the prediction: the controller's default measurement on this step's batch
+    mconfig = measure_config_from(SnipConfig(fp4_recipe=args.fp4_recipe))
+    t0 = time.perf_counter()
+    tr.current_batch = batch
+    stats = measure(tr, config=mconfig)
+    tr.current_batch = None
+    out = {"measure_s": time.perf_counter() - t0, "stats": stats.to_array().tolist()}
+    costs = {lam: cost_table(stats, EstimateConfig(lam=lam)) for lam in args.lambdas}
+    c0 = costs[args.lambdas[0]]
+    out["pred"] = {p.value: {"dL": list(c0.column(p, "loss_div")), "WD": list(c0.column(p, "weight_div")),
+                             **{f"Q{lam}": list(costs[lam].column(p)) for lam in args.lambdas}}
+                   for p in (FP8, FP4)}
+    proxy = proxy_table(stats)
+    out["proxy"] = {p.value: [proxy[k][p] for k in h.keys] for p in (FP8, FP4)}
+    out["kappa"] = [c0.kappa[k] for k in h.keys]
+    snap = h.snapshot()
+
+    # truth 1: one-step loss harm on validation batches, each layer alone
+    t0 = time.perf_counter()
+    base = h.val_halves()
+    harm = {}
+    for p in (FP8, FP4):
+        rows = []
+        for k in h.keys:
+            h.set_only(k, p)
+            a, b = h.val_halves()
+            rows.append((a - base[0], b - base[1]))
+        harm[p.value] = rows
+    h.set_only()
+    out["harm"] = harm
+    out["base_val"] = base
+    log(f"  one-step harm: {time.perf_counter() - t0:.0f}s")
+
+    # truth 2: one-step update deviation, only that layer's backward quantized
+    t0 = time.perf_counter()
+    tr.forward_backward(batch)
+    u0 = h.adam_update()
+    norm0 = sum(float((u ** 2).sum()) for u in u0.values())
+    dev = {}
+    for p in (FP8, FP4):
+        rows = []
+        for k in h.keys:
+            vals = []
+            for seed in range(args.rounding_seeds):
+                h.set_only(k, p, backward_only=True, sr_seed=seed)
+                tr.forward_backward(batch)
+                u = h.adam_update()
+                vals.append(sum(float(((u[j] - u0[j]) ** 2).sum()) for j in u0) / norm0)
+            rows.append(float(np.mean(vals)))
+        dev[p.value] = rows
+    h.set_only()
+    out["dev"] = dev
+    log(f"  update deviation: {time.perf_counter() - t0:.0f}s")
+
+    # truth 3: long-horizon harm, each layer alone, 2 data orders
+    if long_horizon:
+        t0 = time.perf_counter()
+        orders = [tr.reader.take(args.long_steps * args.num_mb) for _ in range(2)]
+        long = {}
+        bases = []
+        for o, data in enumerate(orders):
+            h.restore(snap)
+            h.set_only(sr_seed=o)
+            h.train_steps(data)
+            bases.append(float(np.mean(h.val_halves())))
+            h.restore(snap)  # determinism check: the BF16 continuation repeats exactly
+            h.train_steps(data)
+            again = float(np.mean(h.val_halves()))
+            if again != bases[-1]:
+                log(f"  WARNING: BF16 continuation not deterministic ({again} vs {bases[-1]})")
+        for p in args.long_precisions:
+            rows = []
+            for k in h.keys:
+                vals = []
+                for o, data in enumerate(orders):
+                    h.restore(snap)
+                    h.set_only(k, p, sr_seed=o)
+                    h.train_steps(data)
+                    h.set_only()
+                    vals.append(float(np.mean(h.val_halves())) - bases[o])
+                rows.append(vals)
+            long[p.value] = rows
+            log(f"  long-horizon {p.value}: {time.perf_counter() - t0:.0f}s")
+        out["long"] = long
+        out["long_base"] = bases
+    h.restore(snap)
+    h.set_only()
+    return out
+
+
+# -- scores ----------------------------------------------------------------------------------------
+def scores(r: dict, lambdas, default_lam) -> dict:
+    s = {}
+    harm = {p: np.array(r["harm"][p]).mean(1) for p in ("fp8", "fp4")}
+    halves = {p: np.array(r["harm"][p]) for p in ("fp8", "fp4")}
+    dL = {p: np.array(r["pred"][p]["dL"]) for p in ("fp8", "fp4")}
+    prox = {p: np.array(r["proxy"][p]) for p in ("fp8", "fp4")}
+    s["fp4"] = spearman(dL["fp4"], harm["fp4"])
+    s["fp8"] = spearman(dL["fp8"], harm["fp8"])
+    s["marginal"] = spearman(dL["fp4"] - dL["fp8"], harm["fp4"] - harm["fp8"])
+    s["proxy_fp4"] = spearman(prox["fp4"], harm["fp4"])
+    s["proxy_marginal"] = spearman(prox["fp4"] - prox["fp8"], harm["fp4"] - harm["fp8"])
+    s["ceiling_split"] = spearman(halves["fp4"][:, 0], halves["fp4"][:, 1])
+    s["ceiling_split_marginal"] = spearman(halves["fp4"][:, 0] - halves["fp8"][:, 0],
+                                           halves["fp4"][:, 1] - halves["fp8"][:, 1])
+    for p in ("fp8", "fp4"):
+        dev = np.array(r["dev"][p])
+        s[f"wd_{p}"] = spearman(r["pred"][p]["WD"], dev)
+        s[f"proxy_wd_{p}"] = spearman(prox[p], dev)
+    s["wd"] = s["wd_fp4"]
+    if "long" in r:
+        for p, rows in r["long"].items():
+            rows = np.array(rows)
+            truth = rows.mean(1)
+            for lam in lambdas:
+                s[f"long_{p}_Q{lam}"] = spearman(r["pred"][p][f"Q{lam}"], truth)
+            s[f"long_{p}_proxy"] = spearman(prox[p], truth)
+            s[f"ceiling_long_{p}"] = spearman(rows[:, 0], rows[:, 1])
+        s["long"] = s.get(f"long_fp4_Q{default_lam}", math.nan)
+        s["ceiling_long"] = s.get("ceiling_long_fp4", math.nan)
+    return s
+
+
+def print_table(h: Harness, r: dict, name: str) -> None:
+    print(f"\n== {name}: per layer (harm = validation loss increase; dev = relative update deviation)")
+    print(f"{'layer':<16}{'kappa':>9}{'dL.fp8':>10}{'harm.fp8':>10}{'dL.fp4':>10}{'harm.fp4':>10}"
+          f"{'proxy4':>9}{'WD.fp4':>10}{'dev.fp4':>10}" + (f"{'long.fp4':>10}{'long.fp8':>10}" if "long" in r else ""))
+    for i, k in enumerate(h.keys):
+        line = (f"{str(k):<16}{r['kappa'][i]:>9.3g}{r['pred']['fp8']['dL'][i]:>10.3g}"
+                f"{np.mean(r['harm']['fp8'][i]):>10.3g}{r['pred']['fp4']['dL'][i]:>10.3g}"
+                f"{np.mean(r['harm']['fp4'][i]):>10.3g}{r['proxy']['fp4'][i]:>9.3g}"
+                f"{r['pred']['fp4']['WD'][i]:>10.3g}{r['dev']['fp4'][i]:>10.3g}")
+        if "long" in r:
+            for p in ("fp4", "fp8"):
+                line += f"{np.mean(r['long'][p][i]):>10.3g}" if p in r["long"] else f"{'-':>10}"
+        print(line)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--fp4-recipe", default="nvfp4", choices=["nvfp4", "mxfp4"])
+    ap.add_argument("--steps", type=int, default=400, help="BF16 training steps to the later point")
+    ap.add_argument("--early", type=int, default=120, help="step of the early point")
+    ap.add_argument("--mbs", type=int, default=8)
+    ap.add_argument("--num-mb", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--rounding-seeds", type=int, default=2)
+    ap.add_argument("--long-steps", type=int, default=60)
+    ap.add_argument("--long-precisions", default="fp4,fp8")
+    ap.add_argument("--lambdas", default="0,0.3,1,3")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", default=None, help="write all raw numbers as JSON")
+    args = ap.parse_args(argv)
+    args.lambdas = [float(x) for x in args.lambdas.split(",")]
+    args.long_precisions = [Precision.parse(p) for p in args.long_precisions.split(",") if p]
+    start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - start:7.0f}s] {msg}", flush=True)
+
+    h = Harness(args)
+    log(f"llama_tiny, {len(h.keys)} planned linears, fp4 recipe {args.fp4_recipe}")
+    results = {}
+    for name, step, long_horizon in (("early", args.early, False), ("later", args.steps, True)):
+        data = h.tr.reader.take((step - h.tr.step) * args.num_mb)
+        h.train_steps(data)
+        h.tr.step = step
+        log(f"trained to step {step}; measuring '{name}'")
+        results[name] = measure_point(h, long_horizon, log)
+    default_lam = EstimateConfig().lam
+    all_scores = {n: scores(r, args.lambdas, default_lam) for n, r in results.items()}
+    for n, r in results.items():
+        print_table(h, r, f"{n} point ({args.fp4_recipe})")
+    print(f"\n== Spearman over {len(h.keys)} layers ({args.fp4_recipe}); predicted dL vs one-step harm, "
+          f"WD vs update deviation, Q(lambda) vs long-horizon harm")
+    for n, s in all_scores.items():
+        print(f"{n}: " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
+    later = all_scores["later"]
+    best = max(args.lambdas, key=lambda lam: later.get(f"long_fp4_Q{lam}", -1))
+    print(f"lambda by long-horizon FP4 score: " + " ".join(
+        f"{lam}:{later.get(f'long_fp4_Q{lam}', math.nan):.3f}" for lam in args.lambdas)
+          + f"  -> best {best} (EstimateConfig default {default_lam})")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": {k: (v if not isinstance(v, list) else [str(x) for x in v])
+                                                        for k, v in vars(args).items()},
+                                              "keys": [str(k) for k in h.keys], "results": results,
+                                              "scores": all_scores}, indent=1))
+    log("done")
+    print(f"RESULT spearman_fp4={later['fp4']:.3f} spearman_marginal={later['marginal']:.3f} "
+          f"spearman_long={later.get('long', math.nan):.3f} spearman_wd={later['wd']:.3f} "
+          f"spearman_proxy={later['proxy_fp4']:.3f} ceiling_split={later['ceiling_split']:.3f} "
+          f"ceiling_long={later.get('ceiling_long', math.nan):.3f}")
+
+
+if __name__ == "__main__":
+    main()
