@@ -11,6 +11,7 @@ import sys
 
 from snip_megatron.cli.recipe import RunRecipe
 from snip_megatron.megatron.args import snip_args_from_config
+from snip_megatron.shapes import PRESETS
 
 PRETRAIN_MODULE = "snip_megatron.megatron.pretrain_gpt"
 COMPACT_MODULE = "snip_megatron.train"
@@ -90,15 +91,61 @@ def megatron_args(recipe: RunRecipe) -> list[str]:
     return args + snip_args_from_config(recipe.snip.snip_config())
 
 
-def compact_args(overrides: list[str]) -> list[str]:
-    """The compact loop takes the same Hydra overrides and composes the same recipe itself."""
-    return list(overrides)
+def compact_args(recipe: RunRecipe) -> list[str]:
+    """`python -m snip_megatron.train` arguments for the recipe (the compact Megatron-Core loop).
+
+    The compact loop runs preset shapes on real text; what it cannot run is refused here with
+    the field to change (or `train.entry=megatron`)."""
+    m, par, d, t = recipe.model, recipe.parallel, recipe.data, recipe.train
+    preset = PRESETS.get(m.name)
+    if preset is None:
+        raise ValueError(f"train.entry=compact runs the model presets ({', '.join(PRESETS)}); "
+                         f"model.name={m.name!r} is not one: use train.entry=megatron")
+    for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups"):
+        if getattr(m, f) != getattr(preset, f):
+            raise ValueError(f"train.entry=compact runs preset shapes: model.{f}={getattr(m, f)} differs "
+                             f"from {m.name}'s {getattr(preset, f)}; use train.entry=megatron")
+    if par.vpp is not None or par.sequence_parallel:
+        raise ValueError("train.entry=compact has no virtual pipeline or sequence parallelism: unset "
+                         "parallel.vpp / parallel.sequence_parallel, or use train.entry=megatron")
+    if d.kind == "mock":
+        raise ValueError("train.entry=compact trains on real text: use data=stdlib (or data=indexed), "
+                         "or train.entry=megatron for mock data")
+    args = [
+        "--model", m.name, "--seq-length", str(m.seq_length),
+        "--steps", str(t.train_iters),
+        "--micro-batch-size", str(t.micro_batch_size), "--global-batch-size", str(t.global_batch_size),
+        "--lr", _num(t.lr), "--min-lr", _num(t.min_lr), "--warmup-steps", str(t.lr_warmup_iters),
+        "--lr-decay-style", "cosine", "--weight-decay", _num(t.weight_decay), "--clip-grad", _num(t.clip_grad),
+        "--tp", str(par.tp), "--pp", str(par.pp),
+    ]
+    if par.distributed_optimizer:
+        args.append("--distributed-optimizer")
+    snip = recipe.snip.snip_config()
+    args += [
+        "--params-dtype", "bf16" if t.bf16 else "fp32",
+        "--precision", snip.initial_precision if snip.enabled else "bf16",
+        "--seed", str(t.seed),
+        "--eval-interval", str(t.eval_interval), "--eval-batches", str(t.eval_iters),
+        "--log-interval", str(t.log_interval),
+        "--metrics", f"{t.run_dir}/metrics.jsonl",
+        "--save-dir", t.run_dir, "--save-interval", str(t.save_interval or t.train_iters),
+    ]
+    if t.load:
+        args += ["--load-dir", t.load]
+    if d.kind == "corpus":
+        args += ["--corpus", d.corpus, "--data-cache", d.cache_dir, "--vocab-size", str(m.vocab_size)]
+    else:
+        args += ["--corpus", d.path, "--data-cache", d.cache_dir]
+    if d.tokenizer:
+        args += ["--tokenizer", d.tokenizer]
+    return args + snip_args_from_config(snip)
 
 
-def training_target(recipe: RunRecipe, overrides: list[str]) -> list[str]:
+def training_target(recipe: RunRecipe) -> list[str]:
     """What follows `python` (one process) or torchrun's options: `-m <module> <args>`."""
     if recipe.entry == "compact":
-        return ["-m", COMPACT_MODULE, *compact_args(overrides)]
+        return ["-m", COMPACT_MODULE, *compact_args(recipe)]
     return ["-m", PRETRAIN_MODULE, *megatron_args(recipe)]
 
 
@@ -121,10 +168,10 @@ def torchrun_prefix(recipe: RunRecipe, *, rdzv_endpoint: str | None = None, rdzv
                   "--rdzv-id", rdzv_id or "snip"]
 
 
-def launch_command(recipe: RunRecipe, overrides: list[str], *, rdzv_endpoint: str | None = None,
+def launch_command(recipe: RunRecipe, *, rdzv_endpoint: str | None = None,
                    rdzv_id: str | None = None, python: str | None = None) -> list[str]:
     """The whole command: plain `python -m ...` for one process, torchrun otherwise."""
-    target = training_target(recipe, overrides)
+    target = training_target(recipe)
     if recipe.parallel.world_size == 1:
         return [python or sys.executable, *target]
     return torchrun_prefix(recipe, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id, python=python) + target

@@ -4,7 +4,7 @@
     snip-train model=llama_7b parallel=tp4_pp2 snip.fp4_budget=0.8 --dry-run
     snip-train --print-command model=llama_7b parallel=tp4_pp2   # for launch/*.sh: one arg a line
 
-The tiny recipe runs the compact loop (`python -m snip_megatron.train <overrides>`); bigger ones run
+The tiny recipe runs the compact loop (`python -m snip_megatron.train ...`); bigger ones run
 `snip-pretrain-gpt` (Megatron-LM's loop) with the recipe as Megatron arguments.
 """
 
@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         resolved_yaml = OmegaConf.to_yaml(cfg, resolve=True)
         recipe = to_recipe(cfg)
         if opts.print_target:
-            print("\n".join(training_target(recipe, opts.overrides)))
+            print("\n".join(training_target(recipe)))
             return 0
-        cmd = launch_command(recipe, opts.overrides, rdzv_endpoint=opts.rdzv_endpoint,
+        cmd = launch_command(recipe, rdzv_endpoint=opts.rdzv_endpoint,
                              rdzv_id=opts.rdzv_id)
     except ValueError as e:
         print(f"snip-train: error: {e}", file=sys.stderr)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from snip_megatron.cli.command import megatron_args, training_target
+from snip_megatron.cli.command import compact_args, megatron_args, training_target
 from snip_megatron.cli.recipe import compose_recipe, default_config_dir
 from snip_megatron.config import BASELINES
 from snip_megatron.shapes import PRESETS
@@ -129,10 +129,11 @@ EXPECTED_70B = [
 
 
 def test_llama_70b_tp8_pp8_on_64_ranks_becomes_these_megatron_arguments():
-    recipe = compose_recipe(["model=llama_70b", "parallel=tp8_pp8", "train=pretrain", "snip.fp4_budget=0.8"])
+    recipe = compose_recipe(["model=llama_70b", "parallel=tp8_pp8", "train=pretrain", "data=mock",
+                             "snip.fp4_budget=0.8"])
     assert recipe.parallel.world_size == 64 and recipe.parallel.data_parallel_size == 1
     assert megatron_args(recipe) == EXPECTED_70B
-    assert training_target(recipe, []) == ["-m", "snip_megatron.megatron.pretrain_gpt", *EXPECTED_70B]
+    assert training_target(recipe) == ["-m", "snip_megatron.megatron.pretrain_gpt", *EXPECTED_70B]
 
 
 def test_vpp_and_corpus_arguments():
@@ -163,3 +164,36 @@ def test_megatron_accepts_the_generated_arguments():
         from snip_megatron.megatron.args import snip_config_from_args
 
         assert snip_config_from_args(args).enabled
+
+
+def test_tiny_recipe_becomes_compact_loop_arguments():
+    recipe = compose_recipe(["train.train_iters=200", "snip.fp4_budget=0.8"])
+    assert recipe.entry == "compact" and recipe.data.kind == "corpus"
+    args = compact_args(recipe)
+    value = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+    assert value["--model"] == "llama_tiny" and value["--steps"] == "200"
+    assert value["--corpus"] == "stdlib" and value["--vocab-size"] == "4096"
+    assert value["--precision"] == "fp8"  # SNIP's initial precision
+    assert args[args.index("--snip"):] == ["--snip", "--snip-fp4-budget", "0.8"]
+    assert training_target(recipe)[:2] == ["-m", "snip_megatron.train"]
+
+
+def test_compact_loop_parses_its_arguments():
+    """The compact loop's own parser takes everything but the --snip* flags, which it must add
+    with snip_megatron.megatron.add_snip_args."""
+    from snip_megatron.train.__main__ import parse_args
+
+    args = compact_args(compose_recipe(["parallel=dp2", "train.train_iters=120"]))
+    config = parse_args(args[:args.index("--snip")])
+    assert (config.steps, config.global_batch_size, config.distributed_optimizer) == (120, 8, True)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data=mock"], "train.entry=compact trains on real text"),
+    (["model.num_layers=4"], "model.num_layers=4 differs from llama_tiny's 6"),
+    (["model=llama_1b", "train.entry=compact", "model.name=mine"], "model.name='mine' is not one"),
+    (["parallel=tp2", "parallel.sequence_parallel=true"], "no virtual pipeline or sequence parallelism"),
+])
+def test_compact_refuses_what_it_cannot_run(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        compact_args(compose_recipe(overrides))

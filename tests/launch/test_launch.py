@@ -27,10 +27,10 @@ def run(script: Path, *args: str, env: dict | None = None) -> subprocess.Complet
 def test_torchrun_dry_run_one_node_two_processes():
     proc = run(TORCHRUN_SH, "--dry-run", "--nproc", "2", "parallel=dp2", "train.train_iters=40")
     assert proc.returncode == 0, proc.stderr
-    assert shlex.split(proc.stdout) == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-        "--nproc-per-node", "2", "-m", "snip_megatron.train",
-        "parallel=dp2", "train.train_iters=40", "parallel.nnodes=1", "parallel.nproc_per_node=2"]
+    cmd = shlex.split(proc.stdout)
+    assert cmd[:10] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                        "--nproc-per-node", "2", "-m", "snip_megatron.train"]
+    assert cmd[cmd.index("--steps") + 1] == "40" and "--distributed-optimizer" in cmd
 
 
 def test_torchrun_dry_run_megatron_entry_from_env_flag():
@@ -76,7 +76,8 @@ def test_slurm_dry_run_four_nodes_with_scontrol(tmp_path):
 
 
 def test_slurm_dry_run_without_scontrol_parses_the_nodelist():
-    assert shutil.which("scontrol") is None or pytest.skip("this machine has a real scontrol")
+    if shutil.which("scontrol"):
+        pytest.skip("this machine has a real scontrol; the fake one is tested above")
     proc = run(SLURM_SBATCH, *SLURM_RECIPE, env={**FAKE_SLURM, "DRY_RUN": "1", "SRUN_ARGS": "--mpi=none"})
     assert proc.returncode == 0, proc.stderr
     cmd = shlex.split(proc.stdout)
