@@ -139,17 +139,20 @@ STEPS_BEFORE, STEPS_AFTER = 3, 5
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{layout: [per-rank result dicts]}. One single-process launch, and one 2-process launch
-    that runs the 2-rank layouts one after another (Megatron's parallel state rebuilt in between:
-    this keeps the start-up cost to two launches)."""
+    """{layout: [per-rank result dicts]}. The single process runs here, in-process; one 2-process
+    launch runs the 2-rank layouts one after another (Megatron's parallel state rebuilt in
+    between), which keeps the start-up cost to one launch."""
+    from snip_megatron.megatron import runtime
     from tests.distributed import run_distributed
 
     out = tmp_path_factory.mktemp("apply")
-    run_distributed([__file__, "--layouts", "tp1", "--out", str(out)], nproc=1, timeout=240)
     run_distributed([__file__, "--layouts", "tp2,pp2,pp2_vpp2,dp2", "--out", str(out)], nproc=2,
                     timeout=300)
-    return {name: [json.loads(f.read_text()) for f in sorted((out / name).glob("rank*.json"))]
-            for name in LAYOUTS}
+    results = {name: [json.loads(f.read_text()) for f in sorted((out / name).glob("rank*.json"))]
+               for name in LAYOUTS if name != "tp1"}
+    runtime.init_process_group()
+    results["tp1"] = [run_layout(*LAYOUTS["tp1"])]
+    return results
 
 
 def _union(ranks: list[dict], field: str) -> dict:
@@ -193,6 +196,21 @@ def test_a_layer_whose_local_index_differs_from_its_global_one(runs):
     # 4 layers, 2 stages x 2 chunks: stage 0 holds layers 1 and 3, each as its chunk's layer 0.
     assert vpp0["paths"]["3.linear_qkv"] == [1, "module.decoder.layers.0.self_attention.linear_qkv"]
     assert sorted({int(k.split(".")[0]) for k in vpp0["build"]}) == [1, 3]
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_layout_enumeration_matches_the_built_model(runs, case):
+    """The layout command derives stages, paths and shard shapes without building: compare each
+    rank's enumeration with what Megatron actually built on that rank."""
+    from snip_megatron.megatron.layout import layout_config, rank_layout
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE
+
+    tp, pp, vpp = LAYOUTS[case]
+    config = layout_config(SMOKE_SHAPE, tp=tp, pp=pp, vpp=vpp)
+    for r in runs[case]:
+        enumerated = rank_layout(SMOKE_SHAPE, config, tp_rank=r["tp_rank"], pp_rank=r["pp_rank"])
+        assert {str(s.key): [s.chunk, "module." + s.module_path] for s in enumerated.linears} == r["paths"]
+        assert {str(s.key): list(s.local_shape) for s in enumerated.linears} == r["weights"]
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
@@ -303,7 +321,8 @@ def run_layout(tp: int, pp: int, vpp: "int | None") -> dict:
         build=build, after=after, losses=losses,
         changes=[(str(c.key), c.old.value, c.new.value) for c in changes],
         out_changed={k: not torch.equal(before[k], after_out[k]) for k in before},
-        paths={str(pl.key): [pl.chunk, pl.module_path] for pl in list_planned_linears(ddp_chunks)})
+        paths={str(pl.key): [pl.chunk, pl.module_path] for pl in list_planned_linears(ddp_chunks)},
+        weights={str(pl.key): list(pl.module.weight.shape) for pl in list_planned_linears(chunks)})
     runtime.destroy()
     return result
 
