@@ -1,0 +1,129 @@
+"""What a SNIP measurement costs.
+
+1. The default measurement (BF16 statistics pass + forward-noise pass + backward-noise pass, the
+   controller's settings) on llama_tiny, in training-step equivalents: measurement wall time over
+   the wall time of one training step on the same batch (a BF16 step, and a step of the
+   controller's initial all-FP8 plan). Steps and measurements are interleaved and the median
+   ratio is reported, so a busy machine slows both alike.
+2. The CPU time of estimate + solve on the 70B layout (80 layers, 320 planned linears, PP=8
+   per-stage budgets) with synthetic statistics: cost_table + solve_plan at a 75% FP4 budget.
+
+    python bench/overhead.py
+Last line: RESULT measure_step_equiv=<x> cpu_s_70b=<x>
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def synthetic_stats(shape, tokens: int, seed: int = 0):
+    """A statistics table with the 70B layout and plausible, layer-varying magnitudes."""
+    from snip_megatron.plan import all_keys
+    from snip_megatron.stats.table import CANDIDATES, StatsTable, precision_field
+
+    rng = np.random.default_rng(seed)
+    keys = all_keys(shape.num_layers)
+    t = StatsTable(keys=keys, globals_={"loss": 2.5, "num_microbatches": 1, "dp_size": 1})
+    dims = shape.linear_shapes()
+    for i, k in enumerate(keys):
+        m, kk = dims[k.name]
+        lognorm = lambda s=1.0: float(np.exp(rng.normal(0, s)))  # noqa: E731
+        row = dict(x_sq=tokens * kk * lognorm(), w_sq=m * kk * 1e-4 * lognorm(), n=tokens, k=kk, m=m,
+                   gy_sq=1e-6 * lognorm(), gx_sq=1e-6 * lognorm(), gw_sq=1e-5 * lognorm(),
+                   y_sq=tokens * m * lognorm(), fwd_zg_clean=0.0, fwd_z_sq=tokens * m,
+                   noise_scale=0.02, bwd_dgw_sq=1e-6 * lognorm(), bwd_eta_sq=1e-7 * lognorm(),
+                   adam_du_sq=m * kk * lognorm(), adam_upd_sq=m * kk * 0.1 * lognorm(),
+                   adam_numel=m * kk, present=1.0)
+        row["fwd_zg_noisy"] = 0.02 * tokens * m * 1e-3 * lognorm(2.0)
+        for f, v in row.items():
+            t.set(k, f, v)
+        for p, rel in zip(CANDIDATES, (1e-3, 3e-2)):
+            for role, base in (("ex", "x_sq"), ("ex_w", "x_sq"), ("ew", "w_sq"), ("ew_d", "w_sq"),
+                               ("egy_d", "gy_sq"), ("egy_w", "gy_sq")):
+                t.set(k, precision_field(role, p), rel * row[base] * lognorm(0.3))
+    return t
+
+
+def estimate_and_solve_70b(repeats: int = 3) -> tuple[float, object]:
+    from snip_megatron.estimate import EstimateConfig, cost_table
+    from snip_megatron.planner.config import PlannerConfig
+    from snip_megatron.planner.flops import flop_table
+    from snip_megatron.planner.solve import solve_plan
+    from snip_megatron.shapes import get_shape
+
+    shape = get_shape("llama_70b")
+    stats = synthetic_stats(shape, tokens=shape.seq_length)
+    flops = flop_table(shape)
+    stages = {k: (k.layer - 1) // (shape.num_layers // 8) for k in flops}
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        costs = cost_table(stats, EstimateConfig())
+        result = solve_plan(costs.costs, flops, PlannerConfig(rho=0.75), stages=stages)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def measure_cost(pairs: int, mbs: int) -> dict:
+    from snip_megatron.config import SnipConfig
+    from snip_megatron.plan import Plan
+    from snip_megatron.stats import measure
+    from snip_megatron.train.config import TrainConfig
+    from snip_megatron.train.loop import Trainer
+
+    tr = Trainer(TrainConfig(model="llama_tiny", steps=4 * pairs + 4, micro_batch_size=mbs,
+                             global_batch_size=mbs, eval_interval=None, progress=False))
+    config = SnipConfig()
+    n = tr.shape.num_layers
+    plans = {"bf16": Plan.uniform(n, "bf16"), "initial": Plan.uniform(n, config.initial_precision)}
+    ratios = {name: [] for name in plans}
+    times = {"measure": [], **{name: [] for name in plans}}
+
+    def timed_step(plan):
+        tr.set_plan(plan)
+        start = time.perf_counter()
+        tr.train_step()
+        return time.perf_counter() - start
+
+    timed_step(plans["bf16"])  # warm-up
+    for _ in range(pairs):
+        step_t = {name: timed_step(plan) for name, plan in plans.items()}
+        tr.set_plan(plans["initial"])
+        tr.current_batch = tr.reader.take(tr.num_microbatches)
+        start = time.perf_counter()
+        measure(tr, config=config)
+        m = time.perf_counter() - start
+        tr.current_batch = None
+        times["measure"].append(m)
+        for name in plans:
+            times[name].append(step_t[name])
+            ratios[name].append(m / step_t[name])
+    return {"ratio": {k: statistics.median(v) for k, v in ratios.items()},
+            "median_s": {k: statistics.median(v) for k, v in times.items()}}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=5, help="interleaved (steps, measurement) rounds")
+    ap.add_argument("--mbs", type=int, default=8)
+    args = ap.parse_args(argv)
+
+    cost = measure_cost(args.pairs, args.mbs)
+    print(f"llama_tiny, micro-batch {args.mbs}: median measurement {cost['median_s']['measure']:.3f}s; "
+          f"BF16 step {cost['median_s']['bf16']:.3f}s; initial-plan (emulated FP8) step "
+          f"{cost['median_s']['initial']:.3f}s")
+    print(f"measurement = {cost['ratio']['bf16']:.2f} BF16 steps = {cost['ratio']['initial']:.2f} "
+          f"initial-plan steps")
+    cpu_s, result = estimate_and_solve_70b()
+    print(f"70B layout (320 linears, PP=8 per-stage budgets, rho=0.75): estimate + solve "
+          f"{cpu_s:.3f}s median of 3; solver {getattr(result, 'solver', '?')}")
+    print(f"RESULT measure_step_equiv={cost['ratio']['bf16']:.2f} cpu_s_70b={cpu_s:.3f}")
+
+
+if __name__ == "__main__":
+    main()
