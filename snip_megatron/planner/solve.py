@@ -23,7 +23,8 @@ class PlanResult:
     solver: str
     """Who answered: "cbc", "exact", or a baseline's name."""
     status: str
-    """"optimal", "feasible" (budget met, optimality not proven), or a baseline's "rule"."""
+    """"optimal" (within gap_rel for CBC), "feasible" (budget met, optimality not proven: CBC stopped
+    early and the exact fallback had to discretise), or "rule" for a baseline."""
     objective: float
     """Summed cost of the plan, switching penalties included (nan for baselines without costs)."""
     achieved: Achieved
@@ -36,6 +37,8 @@ class PlanResult:
     """Linears whose precision differs from the previous plan (0 without one)."""
     fallback_reason: str | None = None
     """Why CBC did not answer, when the exact solver did (None otherwise)."""
+    detail: str | None = None
+    """The solver's own word when the status is "feasible" (e.g. "cbc: feasible (TimeLimit)")."""
 
 
 def solve_plan(costs: Mapping, flops: Mapping, config: PlannerConfig | None = None, *,
@@ -69,7 +72,8 @@ def solve_plan(costs: Mapping, flops: Mapping, config: PlannerConfig | None = No
                 picks, status, solver = exact_picks, exact_status, "exact"
     if picks is None:
         picks, status = solve_exact(ks, config.exact_max_states)
-    status = "optimal" if status == "optimal" else "feasible" if solver == "exact" else status
+    detail = None if status in ("optimal", "feasible") else f"{solver}: {status}"
+    status = "optimal" if status == "optimal" else "feasible"
 
     assignment = ks.assignment(picks)
     gemm = config.gemm_costs()
@@ -84,6 +88,7 @@ def solve_plan(costs: Mapping, flops: Mapping, config: PlannerConfig | None = No
         seconds=time.perf_counter() - start,
         switches=sum(1 for k, p in assignment.items() if k in prev and prev[k] != p),
         fallback_reason=reason,
+        detail=detail,
     )
 
 
