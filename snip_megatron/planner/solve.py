@@ -64,6 +64,8 @@ def solve_plan(costs: Mapping, flops: Mapping, config: PlannerConfig | None = No
             solver = "cbc"
         except (SolverUnavailable, SolverFailed) as exc:
             reason = str(exc)
+        except Exception as exc:  # a PuLP/CBC bug must not reach the training loop: fall back
+            reason = f"CBC path raised {type(exc).__name__}: {exc}"
         if picks is not None and status != "optimal":
             # CBC stopped early (time limit): let the exact solver try, keep the better answer.
             exact_picks, exact_status = solve_exact(ks, config.exact_max_states)

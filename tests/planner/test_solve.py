@@ -199,6 +199,13 @@ def test_cbc_failure_and_early_stop_fall_back(monkeypatch):
     def stopped(ks, config):  # a feasible but poor incumbent, as after a time limit
         return [max(range(len(w)), key=w.__getitem__) for w in ks.weight], "feasible (TimeLimit)"
 
+    def crash(ks, config):  # anything unexpected from PuLP/CBC is a solver failure, not an error
+        raise KeyError("pulp internals")
+
+    monkeypatch.setattr(solve_module, "solve_ilp", crash)
+    r = solve_plan(costs, flops, PlannerConfig(rho=0.5))
+    assert r.solver == "exact" and "KeyError" in r.fallback_reason and r.plan == best.plan
+
     monkeypatch.setattr(solve_module, "solve_ilp", stopped)
     r = solve_plan(costs, flops, PlannerConfig(rho=0.5))
     assert r.solver == "exact" and "stopped early" in r.fallback_reason
