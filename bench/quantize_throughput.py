@@ -12,7 +12,7 @@ round-robin (so load changes hit all alike) and the median is kept. The last lin
 
 ours / theirs, higher is better, each the geometric mean over the (device, dtype) cases.
 
-    python bench/quantize_throughput.py [--size 4096] [--repeats 7] [--devices cpu,cuda]
+    python bench/quantize_throughput.py [--size 4096] [--repeats 5] [--devices cpu,cuda]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def time_round_robin(methods: dict, x: torch.Tensor, repeats: int) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--devices", default="cpu,cuda", help="comma list; cuda is skipped if absent")
     args = parser.parse_args()
 
@@ -92,7 +92,7 @@ def main() -> None:
             secs = time_round_robin(methods, x, args.repeats)
             gbps = {name: x.numel() * x.element_size() / s / 1e9 for name, s in secs.items()}
             case = f"{device}/{str(dtype).replace('torch.', '')}"
-            print(f"{case:14s} " + " ".join(f"{gbps[name]:19.2f}" for name in methods))
+            print(f"{case:14s} " + " ".join(f"{gbps[name]:19.4g}" for name in methods))
             ratios["nvfp4_vs_torchao"].append(gbps["ours_nvfp4"] / gbps["torchao_nvfp4"])
             ratios["mxfp4_vs_torchao"].append(gbps["ours_mxfp4"] / gbps["torchao_mxfp4"])
             ratios["nvfp4_vs_copy"].append(gbps["ours_nvfp4"] / gbps["copy"])
