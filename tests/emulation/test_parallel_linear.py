@@ -1,5 +1,7 @@
 """The Megatron subclasses in one process: BF16 identity, configuration, re-planning."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -135,3 +137,19 @@ def test_sr_generator_is_dedicated_and_seeded_by_path(megatron_single):
     state = torch.get_rng_state()
     a(x)[0].sum().backward()
     assert torch.equal(torch.get_rng_state(), state)  # training RNG untouched
+
+
+def test_warns_when_tp_shards_split_blocks(megatron_single, monkeypatch):
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear
+    from snip_megatron.megatron.model import make_transformer_config
+
+    config = make_transformer_config(SHAPE)
+    layer = QuantColumnParallelLinear(128, 80, config=config, init_method=config.init_method,
+                                      bias=False, gather_output=False, skip_bias_add=True)
+    monkeypatch.setattr(type(layer), "_tp_rank_world", lambda self: (0, 2))  # pretend TP=2
+    with pytest.warns(UserWarning, match="not a multiple of its block"):
+        layer.set_precision("fp8")  # 80 output rows per shard vs 128x128 weight blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.set_precision("fp4")  # 80 = 5 x 16: aligned
+        layer.set_precision("fp8", fp8_recipe="tensorwise")  # per-tensor: nothing to align
