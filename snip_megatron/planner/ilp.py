@@ -132,7 +132,7 @@ def _budget_row(weights, need: float, scale: float) -> tuple[list[float], float]
     right-hand side, CBC's knapsack cuts and bound rounding apply (several times faster on the 70B
     layout). Otherwise the row is normalised by the group's largest possible weight."""
     flat = [w for row in weights for w in row]
-    units = integer_units(flat, need, max_units=1 << 40)
+    units = integer_units(flat, need, max_units=1 << 24)  # beyond that, integers buy nothing
     if units is not None:
         ints, rhs = units
         return [float(v) for v in ints], float(rhs)

@@ -199,10 +199,9 @@ def build_knapsack(costs: CostTable, flops: Mapping, config: PlannerConfig, *,
     for g, s in enumerate(group_ids):
         f_g = group_flops[g]
         if config.budget == "fp4_fraction":
-            req = config.rho * f_g
+            req, top = config.rho * f_g, f_g
         else:
-            req = f_g * (c_max - gemm[Precision.BF16] / config.speedup)
-        top = f_g * c_max
+            req, top = f_g * (c_max - gemm[Precision.BF16] / config.speedup), f_g * c_max
         slack = BUDGET_RTOL * top
         if most[g] < req - slack:
             best = _describe(config, most[g], f_g, gemm, c_max)

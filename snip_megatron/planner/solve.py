@@ -6,6 +6,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import Plan, parse_key
 from snip_megatron.planner.config import PlannerConfig
 from snip_megatron.planner.costs import CostTable
@@ -79,7 +80,7 @@ def solve_plan(costs: Mapping, flops: Mapping, config: PlannerConfig | None = No
 
     assignment = ks.assignment(picks)
     gemm = config.gemm_costs()
-    prev = {parse_key(k): v for k, v in (previous or {}).items()}
+    prev = {parse_key(k): Precision.parse(v) for k, v in (previous or {}).items()}
     return PlanResult(
         plan=Plan(assignment),
         solver=solver,

@@ -256,8 +256,9 @@ def test_bad_flops_and_missing_costs_are_value_errors():
 def test_string_keys_and_names_are_accepted():
     costs = {"1.linear_qkv": {"fp8": 0.0, "fp4": 1.0}, "1.linear_proj": {"fp8": 0.0, "fp4": 0.5}}
     r = solve_plan(costs, {"1.linear_qkv": 1.0, "1.linear_proj": 1.0}, PlannerConfig(rho=0.5),
-                   previous={"1.linear_qkv": "fp8"}, pinned=None)
+                   previous={"1.linear_qkv": "FP8", "1.linear_proj": "FP8"}, pinned=None)
     assert r.plan[LayerKey(1, "linear_proj")] is P.FP4 and r.objective == pytest.approx(0.5)
+    assert r.switches == 1
 
 
 @pytest.mark.parametrize("seed", range(12))
