@@ -146,7 +146,7 @@ def measure(target, forward_step_func=None, batches=None, *, config=None, step=N
         kwargs.setdefault("optimizer", target.optimizer)
         table = measure_chunks(target.chunks, forward_step_func or make_forward_step(),
                                batches if batches is not None else target.current_batch,
-                               seq_length=target.shape.seq_length,
+                               seq_length=getattr(target.config, "seq_len", target.shape.seq_length),
                                micro_batch_size=target.config.micro_batch_size, config=mconfig, **kwargs)
         return table if (not dist.is_initialized() or dist.get_rank() == 0) else None
     return measure_chunks(target, forward_step_func, batches, config=mconfig, **kwargs)
