@@ -21,6 +21,9 @@ def result_line(capsys) -> dict:
     (["--model", "llama_70b", "--tp", "8", "--pp", "8", "--vpp", "5"], 320, 64),
     (["--model", "llama_tiny"], 24, 1),
     (["--model", "llama_tiny", "--tp", "2", "--pp", "3", "--dp", "2"], 24, 12),
+    (["--recipe"], 24, 1),  # the tiny recipe (configs/config.yaml defaults)
+    (["--recipe", "parallel=tp2_pp2_dp2"], 24, 8),
+    (["--recipe", "model=llama_70b", "parallel=tp8_pp8_vpp2"], 320, 64),
 ])
 def test_layout_command(capsys, argv, layers, ranks):
     assert main(argv) == 0
@@ -84,6 +87,8 @@ def test_roundtrip_recovers_the_plan_from_the_matchers():
     (["--model", "llama_70b", "--pp", "3"], "num_layers=80 is not divisible by pp=3"),
     (["--model", "llama_tiny", "--vpp", "2"], "needs pp >= 2"),
     (["--model", "llama_9000b"], "unknown model 'llama_9000b'"),
+    (["--recipe", "--tp", "2"], "--tp cannot be combined with --recipe"),
+    (["--recipe", "model=llama_9000b"], "cannot compose recipe"),
 ])
 def test_bad_layouts_are_refused(argv, words):
     with pytest.raises(ValueError, match=words):
