@@ -25,5 +25,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "apex"],
         "test": ["pytest", "pytest-timeout", "torchao==0.18.0"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": [
+        "snip-train = snip_megatron.cli.train:cli",
+        "snip-pretrain-gpt = snip_megatron.megatron.pretrain_gpt:cli",
+    ]},
 )

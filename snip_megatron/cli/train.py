@@ -68,5 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0  # not reached
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console entry point `snip-train`."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()
