@@ -149,3 +149,15 @@ def test_ids_round_trip_for_broadcast():
         Plan.from_ids([7] * 20, 5)
     with pytest.raises(ValueError, match="expected 20 precision ids"):
         Plan.from_ids([0] * 19, 5)
+
+
+def test_fp4_fraction_with_the_planners_flop_table():
+    from snip_megatron.planner.flops import flop_table
+    from snip_megatron.shapes import get_shape
+
+    shape = get_shape("llama_70b")
+    mlp_fp4 = Plan({k: "fp4" if k.name in ("linear_fc1", "linear_fc2") else "fp8"
+                    for k in all_keys(shape.num_layers)})
+    # Per layer: qkv 10240x8192, proj 8192x8192, fc1 57344x8192, fc2 8192x28672 -> MLP = 14/17.
+    assert mlp_fp4.fp4_fraction(flop_table(shape)) == pytest.approx(14 / 17)
+    assert mlp_fp4.fp4_fraction(flop_table(shape, tokens=7)) == pytest.approx(14 / 17)

@@ -105,3 +105,14 @@ def test_module_entry_point_prints_result_last():
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("RESULT layers=320 ranks=64 seconds=") and lines[-1].endswith(" ok=1")
     assert sum(line.startswith("rank ") for line in lines) == 64
+
+
+@pytest.mark.parametrize("pp, vpp", [(8, None), (8, 5), (4, 2)])
+def test_planner_stage_map_agrees_with_megatron_split(pp, vpp):
+    """The planner's per-stage budgets use its own copy of Megatron's split; check it here."""
+    from snip_megatron.planner.flops import stage_of_layers
+
+    shape = get_shape("llama_70b")
+    ranks = enumerate_layout(shape, tp=1, pp=pp, vpp=vpp)
+    megatron = {s.key.layer: r.pp_rank for r in ranks for s in r.linears}
+    assert stage_of_layers(shape.num_layers, pp, vpp) == megatron
