@@ -94,3 +94,11 @@ def test_megatron_parser_takes_the_snip_flags():
     args = parser.parse_args(["--num-layers", "2", "--snip", "--snip-fp4-budget", "0.6"])
     assert args.num_layers == 2
     assert snip_config_from_args(args).fp4_budget == 0.6
+
+
+def test_every_flag_is_documented():
+    from pathlib import Path
+
+    usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    missing = [flag for flag in FIELD_TO_FLAG.values() if f"`{flag}" not in usage]
+    assert not missing, f"docs/usage.md does not document {missing}"
