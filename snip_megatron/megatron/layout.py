@@ -67,17 +67,12 @@ def layout_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: "int | No
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    for name, value in (("tp", tp), ("pp", pp)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if vpp is not None and (pp < 2 or vpp < 1):
-        raise ValueError(f"vpp={vpp!r} needs pp >= 2 and vpp >= 1")
-    if shape.num_layers % (pp * (vpp or 1)):
-        raise ValueError(f"num_layers={shape.num_layers} is not divisible by pp={pp}"
-                         + (f" x vpp={vpp}" if vpp else ""))
-    for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
-        if getattr(shape, field) % tp:
-            raise ValueError(f"{field}={getattr(shape, field)} is not divisible by tp={tp}")
+    from snip_megatron.megatron.model import validate_layout
+
+    validate_layout(shape, tp, pp, vpp)  # the builder's own checks: same errors as a real run
+    if vpp is not None and pp < 2:
+        raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs "
+                         f"pipeline_model_parallel_size >= 2, got {pp}")
     return TransformerConfig(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size, num_attention_heads=shape.num_attention_heads,

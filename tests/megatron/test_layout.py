@@ -83,9 +83,9 @@ def test_roundtrip_recovers_the_plan_from_the_matchers():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--model", "llama_70b", "--tp", "16"], "num_query_groups=8 is not divisible by tp=16"),
-    (["--model", "llama_70b", "--pp", "3"], "num_layers=80 is not divisible by pp=3"),
-    (["--model", "llama_tiny", "--vpp", "2"], "needs pp >= 2"),
+    (["--model", "llama_70b", "--tp", "16"], "num_query_groups=8 is not divisible by tensor_model_parallel_size=16"),
+    (["--model", "llama_70b", "--pp", "3"], "num_layers=80 is not divisible by pipeline_model_parallel_size=3"),
+    (["--model", "llama_tiny", "--vpp", "2"], "needs pipeline_model_parallel_size >= 2"),
     (["--model", "llama_9000b"], "unknown model 'llama_9000b'"),
     (["--recipe", "--tp", "2"], "--tp cannot be combined with --recipe"),
     (["--recipe", "model=llama_9000b"], "cannot compose recipe"),
