@@ -107,8 +107,8 @@ def _shard_noise(grad_output: torch.Tensor, runtime: QuantRuntime) -> torch.Tens
                          "must be a torch.Generator")
     rank, world = runtime.grad_output_shard
     rows, cols = grad_output.shape
-    full = torch.rand((rows, cols * world), generator=runtime.generator, device=grad_output.device,
-                      dtype=torch.float32)
+    full = torch.rand((rows, cols * world), generator=runtime.generator,
+                      device=runtime.generator.device, dtype=torch.float32).to(grad_output.device)
     return full[:, rank * cols:(rank + 1) * cols]
 
 

@@ -117,8 +117,9 @@ def _uniform_noise(noise, generator, tensor, dim, pads) -> torch.Tensor:
     if noise is None:
         if generator is None:
             raise ValueError("stochastic rounding needs generator= or noise=")
-        noise = torch.rand(tensor.shape, generator=generator, device=tensor.device,
-                           dtype=torch.float32)
+        # Drawn on the generator's device (a CPU generator may serve CUDA tensors), then moved.
+        noise = torch.rand(tensor.shape, generator=generator, device=generator.device,
+                           dtype=torch.float32).to(tensor.device)
     elif noise.shape != tensor.shape:
         raise ValueError(f"noise shape {tuple(noise.shape)} != tensor shape {tuple(tensor.shape)}")
     u, _ = _gemm_layout(noise.float(), dim)
