@@ -118,9 +118,12 @@ def main(argv=None) -> int:
     config = make_transformer_config(shape, tp=args.tp, **CPU_SAFE_FLAGS)
     runtime.seed_all(1234)
     model = build(shape, config, plan_a(n), device)
-    runtime.seed_all(1234)
-    twin = build(shape, make_transformer_config(shape, tp=args.tp, **CPU_SAFE_FLAGS), plan_a(n),
-                 torch.device("cpu"))
+    # A CPU twin under TP>1 would need CPU collectives; NCCL has none, so it is compared at TP=1.
+    twin = None
+    if args.tp == 1 or device.type == "cpu":
+        runtime.seed_all(1234)
+        twin = build(shape, make_transformer_config(shape, tp=args.tp, **CPU_SAFE_FLAGS), plan_a(n),
+                     torch.device("cpu"))
     ok = True
 
     # 1. build-time plan reaches every local linear
@@ -130,19 +133,24 @@ def main(argv=None) -> int:
     ok &= built_ok
 
     # 2. device vs CPU twin, per linear, under both plans
-    max_err = 0.0
-    for label, plan in (("plan A", plan_a(n)), ("plan B", plan_b(n))):
-        apply_plan(model, plan)
-        apply_plan(twin, plan)
-        dev, cpu = linear_outputs(model, device), linear_outputs(twin, torch.device("cpu"))
-        errs = {k: rel_err(dev[k], cpu[k]) for k in dev}
-        worst = max(errs, key=errs.get)
-        by_p = {p.value: max((e for k, e in errs.items() if plan[k] is p), default=0.0) for p in Precision}
-        log(f"{label}: {args.device} vs CPU max rel err by precision {by_p} (worst {worst})")
-        max_err = max(max_err, errs[worst])
-    ok &= max_err <= args.tol
-    apply_plan(model, plan_a(n))
-    del twin
+    max_err = float("nan")
+    if twin is None:
+        log("device-vs-CPU check skipped: TP>1 on NCCL (run it with --tp 1)")
+    else:
+        max_err = 0.0
+        for label, plan in (("plan A", plan_a(n)), ("plan B", plan_b(n))):
+            apply_plan(model, plan)
+            apply_plan(twin, plan)
+            dev, cpu = linear_outputs(model, device), linear_outputs(twin, torch.device("cpu"))
+            errs = {k: rel_err(dev[k], cpu[k]) for k in dev}
+            worst = max(errs, key=errs.get)
+            by_p = {p.value: max((e for k, e in errs.items() if plan[k] is p), default=0.0)
+                    for p in Precision}
+            log(f"{label}: {args.device} vs CPU max rel err by precision {by_p} (worst {worst})")
+            max_err = max(max_err, errs[worst])
+        ok &= max_err <= args.tol
+        apply_plan(model, plan_a(n))
+        del twin
 
     # 3. train, re-plan at a step boundary, train on
     chunks, optimizer = wrap_ddp_and_optimizer([model], config, lr=3e-3, clip_grad=1.0,
