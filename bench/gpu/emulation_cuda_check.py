@@ -99,7 +99,6 @@ def main(argv=None) -> int:
     rank, world = runtime.init_process_group(backend="nccl" if args.device == "cuda" else "gloo")
     device = torch.device(f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu")
     runtime.initialize_model_parallel(tp=args.tp, seed=1234)
-    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from snip_megatron.megatron.apply import apply_plan, current_plan
