@@ -254,6 +254,11 @@ def validate(recipe: RunRecipe) -> RunRecipe:
         raise ValueError("data.kind=indexed needs data.path (the .bin/.idx prefix)")
     if recipe.data.kind == "indexed" and not recipe.data.tokenizer:
         raise ValueError("data.kind=indexed needs data.tokenizer (its tokenizers JSON file)")
+    snip = recipe.snip
+    if recipe.parallel.sequence_parallel and (snip.measures or snip.baseline == "min_rel_error"):
+        raise ValueError("parallel.sequence_parallel=true is not supported while SNIP measures "
+                         "(snip.enabled with no snip.baseline and no snip.pin_plan): set "
+                         "parallel.sequence_parallel=false, or use snip=off, a baseline or a pinned plan")
     if recipe.snip.enabled and recipe.snip.warmup < 1:
         recipe.snip.warmup_steps(recipe.train.train_iters)
     return recipe

@@ -23,7 +23,7 @@ import copy
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -158,22 +158,30 @@ class SnipRun:
     """An object with the SnipHooks methods, or None: the plan stays fixed."""
     controller_state: Optional[dict] = None
     """Controller state restored from a checkpoint, handed over when the controller attaches."""
-    model_chunks: list = field(default_factory=list)
-    """This rank's model chunks, once built."""
-    measuring: bool = False
-    """True while the controller's extra passes run (their losses are not the step's)."""
+    seq_length: int = 0
+    """Tokens per sample (for the controller's extra passes)."""
+    micro_batch_size: int = 0
+    """Samples per micro-batch (for the controller's extra passes)."""
+    built_with_plan: bool = True
+    """The model was built with the plan in its quant_recipe (False: apply it at the first step)."""
     _attached: bool = False
     _checked: bool = False
-    _losses: list = field(default_factory=list)
+    _trainer: Any = None
 
-    def check_applied(self, model: list) -> None:
-        """Before the first step: this rank's planned linears run the plan they were built with."""
+    def ensure_applied(self, model: list) -> None:
+        """Before the first step: this rank's planned linears run the plan. Built with it
+        (`built_with_plan`, this entry point): checked; otherwise (a patched Megatron-LM
+        pretrain_gpt.py builds the model itself): applied now."""
         if self.plan is None or self.backend == "local":
             return
-        from snip_megatron.megatron.apply import current_plan
+        from snip_megatron.megatron.apply import apply_plan, current_plan
 
         local = current_plan(list(model))
         wrong = [f"{k}: {local[k]} (plan: {self.plan[k]})" for k in local if local[k] is not self.plan[k]]
+        if wrong and not self.built_with_plan:
+            apply_plan(list(model), self.plan, fp8_recipe=self.config.fp8_recipe,
+                       fp4_recipe=self.config.fp4_recipe, num_layers=self.num_layers)
+            local, wrong = current_plan(list(model)), []
         if wrong or not len(local):
             raise RuntimeError(f"the model does not run the SNIP plan ({self.plan_source}): "
                                + ("; ".join(wrong[:6]) if wrong else "no planned linears found"))
@@ -186,12 +194,10 @@ class SnipRun:
 
     # Step boundary, before Megatron's train_step: the controller may measure on this step's
     # micro-batches (which train_step then trains on) and apply a new plan.
-    def step_begin(self, step: int, model: list, optimizer, data_iterator):
-        from megatron.training import get_args
-
+    def step_begin(self, step: int, model: list, optimizer, data_iterator, num_microbatches=None):
         if not self._checked:
             self._checked = True
-            self.check_applied(model)
+            self.ensure_applied(model)
         if self.controller is None:
             return data_iterator
         if not self._attached:
@@ -199,10 +205,9 @@ class SnipRun:
             if self.controller_state is not None:
                 self.controller.load_state_dict(self.controller_state)
             self._attached = True
-        args = get_args()
-        self._losses.clear()
-        trainer = MegatronStep(list(model), optimizer, data_iterator, _num_microbatches(),
-                               args.seq_length, args.micro_batch_size)
+        trainer = MegatronStep(list(model), optimizer, data_iterator,
+                               num_microbatches or _num_microbatches(), self.seq_length,
+                               self.micro_batch_size)
         self.controller.on_step_start(trainer, step)
         self._trainer = trainer
         return trainer.data_iterator()
@@ -214,10 +219,6 @@ class SnipRun:
         if self.config.loss_guard_factor > 0:
             loss = _loss_on_every_rank(loss)
         self.controller.on_step_end(self._trainer, step, {"loss": loss})
-
-    def record_loss(self, loss: float) -> None:
-        if not self.measuring:
-            self._losses.append(loss)
 
     def state_dict(self, iteration: int) -> dict:
         plan = self.current_plan()
@@ -265,12 +266,6 @@ def _loss_on_every_rank(loss):
     t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
     torch.distributed.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
     return float(t.item())
-
-
-def _unwrap(chunk):
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 def _layer_offset(config, vp_stage) -> int:
@@ -361,13 +356,9 @@ def measure_on_step(run: SnipRun):
         from snip_megatron.stats import measure_config_from
         from snip_megatron.stats.measure import measure as stats_measure
 
-        run.measuring = True
-        try:
-            table = stats_measure(trainer.chunks, forward_step, trainer.current_batch,
-                                  seq_length=trainer.seq_length, micro_batch_size=trainer.micro_batch_size,
-                                  optimizer=trainer.optimizer, config=measure_config_from(run.config))
-        finally:
-            run.measuring = False
+        table = stats_measure(trainer.chunks, forward_step, trainer.current_batch,
+                              seq_length=trainer.seq_length, micro_batch_size=trainer.micro_batch_size,
+                              optimizer=trainer.optimizer, config=measure_config_from(run.config))
         return table if torch.distributed.get_rank() == 0 else None
 
     return measure
@@ -379,7 +370,7 @@ def make_controller(run: SnipRun, args):
         return None
     if not run.config.measures and run.config.baseline is None:
         return None
-    if args.sequence_parallel and run.config.measures:
+    if args.sequence_parallel and (run.config.measures or run.config.baseline == "min_rel_error"):
         raise ValueError("--snip measurement does not support --sequence-parallel yet; drop "
                          "--sequence-parallel, or pin a plan (--snip-plan PATH --snip-pin-plan)")
     from snip_megatron.controller import SnipController
@@ -429,8 +420,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         parallel_output=True, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base, **kwargs)
-    if run is not None:
-        run.model_chunks.append(model)
     return model
 
 
@@ -473,8 +462,6 @@ def loss_func(loss_mask, output_tensor):
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
-    if _RUN is not None and num_tokens > 0:
-        _RUN.record_loss(float(loss.detach()) / float(num_tokens))
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
@@ -657,23 +644,68 @@ def _ckpt_format_flags() -> list[str]:
     return []
 
 
-def main(argv: list[str] | None = None, controller=None) -> int:
-    """Parse Megatron + SNIP arguments, build the SNIP state and run `megatron.training.pretrain`.
-
-    `controller`: an object with the SnipHooks methods (default: SnipController when SNIP measures).
-    """
+def start_snip(args, *, backend: str, controller=None, built_with_plan: bool = True) -> SnipRun:
+    """SNIP's state for parsed Megatron `args`: the plan to start from (checkpoint first), the
+    controller, and the hooks into megatron.training (step boundary, checkpoint save).
+    Raises ValueError (naming the flag) for a bad SNIP setting."""
     global _RUN
+    snip = snip_config_from_args(args)
+    resumed = read_state(args.load)
+    plan, source = initial_plan(snip, args.num_layers, resumed)
+    _RUN = run = SnipRun(config=snip, num_layers=args.num_layers, backend=backend, plan=plan,
+                         plan_source=source, seq_length=args.seq_length,
+                         micro_batch_size=args.micro_batch_size, built_with_plan=built_with_plan,
+                         controller_state=(resumed or {}).get("controller"))
+    run.controller = controller if controller is not None else make_controller(run, args)
+    _print_rank_0(f"[snip] {'on' if snip.enabled else 'off'}; backend {backend}; plan: {source}"
+                  + (f" {plan.counts()}" if plan is not None else ""))
+    install_checkpoint_hook(run)
+    install_step_hook(run)
+    return run
+
+
+def setup_megatron_lm(args, model_cfg) -> Optional[SnipRun]:
+    """SNIP inside a Megatron-LM checkout's own pretrain_gpt.py (patches/megatron-lm-pretrain_gpt.patch).
+
+    Call after `model_cfg = gpt_config_from_args(args)`, before `pretrain(...)`: puts SNIP's
+    emulated linears into `model_cfg.transformer_layer_spec` (Transformer Engine linears are kept
+    with --transformer-impl transformer_engine), and hooks the plan, the controller and
+    snip_state.json into megatron.training. The plan is applied at the first step. Does nothing
+    without --snip / --snip-plan / --snip-baseline."""
+    try:
+        if not snip_config_from_args(args).enabled:
+            return None
+        backend = "te" if args.transformer_impl == "transformer_engine" else "emulated"
+        if backend == "emulated":
+            from snip_megatron.megatron.spec import get_snip_layer_spec
+
+            model_cfg.transformer_layer_spec = get_snip_layer_spec(args.normalization)
+        return start_snip(args, backend=backend, built_with_plan=False)
+    except ValueError as e:
+        raise SystemExit(f"pretrain_gpt.py: SNIP: {e}") from None
+
+
+def main(argv: list[str] | None = None, controller=None) -> int:
+    """Parse Megatron + SNIP arguments, start SNIP and run `megatron.training.pretrain`.
+
+    `controller`: an object with the SnipHooks methods (default: SnipController when SNIP
+    measures or runs a baseline).
+    """
     require_megatron_training()
     import torch
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    # The SNIP flags first, on their own: a bad one fails in a second, not after Megatron's start-up.
+    early = add_snip_args(argparse.ArgumentParser(prog="snip-pretrain-gpt", add_help=False, allow_abbrev=False))
+    try:
+        snip_config_from_args(early.parse_known_args(argv)[0])
+    except ValueError as e:
+        print(f"snip-pretrain-gpt: error: {e}", file=sys.stderr)
+        return 2
     cpu = not torch.cuda.is_available()
     if cpu:
         argv = CPU_FLAGS + _ckpt_format_flags() + argv
     sys.argv = [sys.argv[0]] + argv  # Megatron parses sys.argv
-    if cpu:
-        # Megatron's process-group setup must not run first on CPU: it would pick NCCL defaults.
-        os.environ.setdefault("LOCAL_RANK", "0")
     import warnings
 
     warnings.filterwarnings("ignore", message=".*model provider.*")
@@ -688,33 +720,20 @@ def main(argv: list[str] | None = None, controller=None) -> int:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_and_validate_args(extra_args_provider=add_extra_args,
                                    args_defaults={"tokenizer_type": "NullTokenizer"})
-    try:
-        snip = snip_config_from_args(args)
-    except ValueError as e:
-        print(f"snip-pretrain-gpt: error: {e}", file=sys.stderr)
-        return 2
     backend = args.snip_backend
     if backend == "auto":
         backend = "te" if args.transformer_impl == "transformer_engine" and not cpu else "emulated"
     if backend == "te" and cpu:
         print("snip-pretrain-gpt: error: --snip-backend te needs a GPU; use emulated", file=sys.stderr)
         return 2
-    if cpu:
-        prepare_cpu(args)
-    resumed = read_state(args.load)
-    plan, source = initial_plan(snip, args.num_layers, resumed)
-    _RUN = run = SnipRun(config=snip, num_layers=args.num_layers, backend=backend, plan=plan,
-                         plan_source=source,
-                         controller_state=(resumed or {}).get("controller"))
     try:
-        run.controller = controller if controller is not None else make_controller(run, args)
+        snip_config_from_args(args)  # fail before any process group exists
+        if cpu:
+            prepare_cpu(args)
+        start_snip(args, backend=backend, controller=controller)
     except ValueError as e:
         print(f"snip-pretrain-gpt: error: {e}", file=sys.stderr)
         return 2
-    _print_rank_0(f"[snip] {'on' if snip.enabled else 'off'}; backend {backend}; plan: {source}"
-                  + (f" {plan.counts()}" if plan is not None else ""))
-    install_checkpoint_hook(run)
-    install_step_hook(run)
     skip_prebuilt_helpers()
     container = pretrain_cfg_container_from_args(args, None)
     pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step,

@@ -93,6 +93,8 @@ def test_overrides_reach_the_recipe():
     (["parallel=dp2", "parallel.nproc_per_node=3", "parallel.tp=2"], r"world size 3 .* not divisible"),
     (["parallel.vpp=2"], r"parallel\.vpp=2 needs parallel\.pp > 1"),
     (["parallel.sequence_parallel=true"], r"parallel\.sequence_parallel needs parallel\.tp > 1"),
+    (["model=llama_7b", "parallel=tp4_pp2", "train=pretrain", "parallel.sequence_parallel=true"],
+     r"parallel\.sequence_parallel=true is not supported while SNIP measures"),
     (["parallel=dp2", "train.global_batch_size=6"], r"train\.global_batch_size=6 is not divisible"),
     (["model.num_query_groups=3"], r"model\.num_attention_heads=4 is not divisible by num_query_groups=3"),
     (["snip.fp4_budget=1.5"], r"snip\.fp4_budget must be a fraction in \[0, 1\]"),
@@ -117,7 +119,7 @@ EXPECTED_70B = [
     "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "8",
-    "--sequence-parallel", "--use-distributed-optimizer",
+    "--use-distributed-optimizer",
     "--micro-batch-size", "1", "--global-batch-size", "1024", "--train-iters", "100000",
     "--lr", "0.0003", "--min-lr", "3e-05", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2000",
     "--weight-decay", "0.1", "--clip-grad", "1", "--seed", "1234", "--bf16",
@@ -192,7 +194,8 @@ def test_compact_loop_parses_its_arguments():
     (["data=mock"], "train.entry=compact trains on real text"),
     (["model.num_layers=4"], "model.num_layers=4 differs from llama_tiny's 6"),
     (["model=llama_1b", "train.entry=compact", "model.name=mine"], "model.name='mine' is not one"),
-    (["parallel=tp2", "parallel.sequence_parallel=true"], "no virtual pipeline or sequence parallelism"),
+    (["parallel=tp2", "parallel.sequence_parallel=true", "snip=off"],
+     "no virtual pipeline or sequence parallelism"),
 ])
 def test_compact_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ValueError, match=message):
