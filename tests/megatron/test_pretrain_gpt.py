@@ -214,13 +214,50 @@ def test_real_text_tp2_pinned_plan(tmp_path):
     assert Plan.from_dict(state["plan"]) == pinned and state["plan_source"].startswith("pinned")
 
 
+# The main block of Megatron-LM's pretrain_gpt.py (core_v0.19.0) with the patch's two SNIP lines,
+# on CPU: Megatron builds the model from `model_cfg` itself, SNIP applies the plan at step 1.
+PATCHED_MAIN = """
+import sys
+from snip_megatron.megatron import add_snip_args
+from snip_megatron.megatron import pretrain_gpt as pg
+from snip_megatron.megatron.pretrain_gpt import setup_megatron_lm
+
+sys.argv = [sys.argv[0]] + pg.CPU_FLAGS + pg._ckpt_format_flags() + sys.argv[1:]
+pg.patch_arguments_for_cpu()
+from megatron.core.enums import ModelType
+from megatron.training import pretrain
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+
+args = parse_and_validate_args(extra_args_provider=lambda parser: add_snip_args(parser),
+                               args_defaults={"tokenizer_type": "NullTokenizer"})
+pg.prepare_cpu(args)  # CPU only; Megatron-LM does this itself on GPUs
+model_cfg = gpt_config_from_args(args)
+setup_megatron_lm(args, model_cfg)
+pg.skip_prebuilt_helpers()
+full_config = pretrain_cfg_container_from_args(args, model_cfg)
+pretrain(full_config, pg.datasets_provider, ModelType.encoder_or_decoder, pg.forward_step)
+"""
+
+
 @needs_training
-def test_snip_off_runs_megatrons_plain_model(tmp_path):
-    out = train(tmp_path, "--mock-data", "--vocab-size", "256", "--train-iters", "2", "--eval-interval", "100",
-                "--save-interval", "100")
-    assert "[snip] off; backend emulated; plan: off" in out
-    assert not any("runs the plan" in line for line in snip_lines(out))
-    assert len(losses(out)) == 2
+def test_patched_megatron_lm_main_applies_the_plan(tmp_path):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(PATCHED_MAIN)
+    plan = Plan.uniform(2, "fp8").replace({"1.linear_fc1": "fp4", "2.linear_qkv": "bf16"})
+    plan.save(tmp_path / "plan.json")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), *MODEL, "--mock-data", "--vocab-size", "256",
+                           "--train-iters", "2", "--eval-interval", "100", "--save", str(tmp_path / "ckpt"),
+                           "--save-interval", "2", "--snip", "--snip-plan", str(tmp_path / "plan.json"),
+                           "--snip-pin-plan"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert f"[snip] rank 0 runs the plan on its 8 planned linears: {plan.counts()}" in proc.stdout
+    assert len(losses(proc.stdout)) == 2
+    state = json.loads((tmp_path / "ckpt" / "iter_0000002" / pg.STATE_FILE).read_text())
+    assert Plan.from_dict(state["plan"]) == plan
 
 
 @needs_training
