@@ -114,7 +114,16 @@ def _shard_noise(grad_output: torch.Tensor, runtime: QuantRuntime) -> torch.Tens
 
 def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32 or b.dtype == torch.float32:
-        return torch.matmul(a.float(), b.float())  # quantized operands: FP32 accumulation
+        # Quantized operands: FP32 products and accumulation. TF32 (which Megatron may enable)
+        # would round the dequantized values again, so run this GEMM at "highest" precision.
+        previous = torch.get_float32_matmul_precision()
+        if previous != "highest":
+            torch.set_float32_matmul_precision("highest")
+        try:
+            return torch.matmul(a.float(), b.float())
+        finally:
+            if previous != "highest":
+                torch.set_float32_matmul_precision(previous)
     return torch.matmul(a, b)  # both unquantized: the plain GEMM, as Megatron's layer
 
 

@@ -109,3 +109,21 @@ def test_accumulate_into_main_grad():
     y = quantized_linear(x, wp, None, spec, QuantRuntime(accumulate_into_main_grad=True))
     y.backward(gy)
     assert torch.equal(wp.main_grad, 1 + ref_gw) and wp.grad_added_to_main_grad
+
+
+def test_quantized_gemm_runs_at_highest_fp32_precision(monkeypatch):
+    seen, real = [], torch.matmul
+
+    def spy(a, b):
+        seen.append(torch.get_float32_matmul_precision())
+        return real(a, b)
+
+    monkeypatch.setattr(torch, "matmul", spy)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 allowed, as Megatron configures GPUs
+    try:
+        _run(*_data(), _spec("nvfp4"))
+        assert seen == ["highest"] * 3
+        assert torch.get_float32_matmul_precision() == "high"  # restored
+    finally:
+        torch.set_float32_matmul_precision(previous)
