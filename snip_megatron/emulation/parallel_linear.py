@@ -38,7 +38,8 @@ _CONSTRUCTED = itertools.count()
 
 
 class _QuantLinearMixin:
-    """Precision state and the quantized `_forward_impl`; `_sharded` names the dims TP splits."""
+    """Precision state and the quantized `_forward_impl`. Subclasses say which operands TP
+    shards (`_sharded_operands`) and how long each role's sharded dimension is."""
 
     precision: Precision
     format_spec: FormatSpec
@@ -63,12 +64,13 @@ class _QuantLinearMixin:
             raise ValueError(f"{type(self).__name__}: quant config {config} needs 'precision' and "
                              f"only these keys: {', '.join(CONFIG_KEYS)} (unknown: {unknown})")
         path = getattr(getattr(quant_config, "match_input", None), "module_path", None)
-        if "sr_seed" in config:
-            self.set_sr_seed(int(config["sr_seed"]))
-        elif path:
-            self.set_sr_seed(zlib.crc32(path.encode()))
+        seed = config.get("sr_seed", zlib.crc32(path.encode()) if path else None)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"{type(self).__name__}: sr_seed must be an int, got {seed!r}")
         self.set_precision(config["precision"], fp8_recipe=config.get("fp8_recipe"),
                            fp4_recipe=config.get("fp4_recipe"))
+        if seed is not None:
+            self.set_sr_seed(seed)
 
     def set_precision(self, precision, *, fp8_recipe: str | None = None,
                       fp4_recipe: str | None = None) -> None:
@@ -82,9 +84,12 @@ class _QuantLinearMixin:
         self._warn_if_shards_split_blocks()
 
     def set_sr_seed(self, seed: int) -> None:
-        """Re-seed the stochastic-rounding generator (drops its current state)."""
-        self._sr_seed = int(seed) & 0x7FFF_FFFF_FFFF_FFFF
-        self._generators.clear()
+        """Seed the stochastic-rounding generator; a new seed restarts its stream, the same seed
+        keeps it running (finish_init may be called again with the same config)."""
+        seed = int(seed) & 0x7FFF_FFFF_FFFF_FFFF
+        if seed != self._sr_seed:
+            self._sr_seed = seed
+            self._generators.clear()
 
     def sr_generator(self, device) -> torch.Generator:
         device = torch.device(device)

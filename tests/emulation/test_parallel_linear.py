@@ -153,3 +153,15 @@ def test_warns_when_tp_shards_split_blocks(megatron_single, monkeypatch):
         warnings.simplefilter("error")
         layer.set_precision("fp4")  # 80 = 5 x 16: aligned
         layer.set_precision("fp8", fp8_recipe="tensorwise")  # per-tensor: nothing to align
+
+
+def test_finish_init_again_keeps_the_sr_stream(megatron_single):
+    layer = _pair()["qcol"]
+    layer.finish_init(_QC({"precision": "fp4", "sr_seed": 3}))
+    gen = layer.sr_generator("cpu")
+    first = torch.rand(4, generator=gen)
+    layer.finish_init(_QC({"precision": "fp4", "sr_seed": 3}))
+    assert layer.sr_generator("cpu") is gen and not torch.equal(torch.rand(4, generator=gen), first)
+    with pytest.raises(ValueError, match="sr_seed"):
+        layer.finish_init(_QC({"precision": "fp8", "sr_seed": "x"}))
+    assert layer.precision is Precision.FP4
