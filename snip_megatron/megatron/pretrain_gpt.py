@@ -242,10 +242,12 @@ def _buffer_step(data_iterator, n: int):
     """Read the step's `n` micro-batches ahead; returns (an iterator over them, the list).
 
     Megatron hands ranks that read no data a None iterator (they get None items), and a list of
-    iterators with virtual pipelining (the first one's micro-batches are returned)."""
+    iterators with virtual pipelining (the micro-batches of the first chunk that reads data are
+    returned: every chunk that reads gets the same ones)."""
     if isinstance(data_iterator, list):
         pairs = [_buffer_step(it, n) for it in data_iterator]
-        return [p[0] for p in pairs], pairs[0][1]
+        reading = [p[1] for p in pairs if any(b is not None for b in p[1])]
+        return [p[0] for p in pairs], reading[0] if reading else [None] * n
     if data_iterator is None:
         return None, [None] * n
     from megatron.core.rerun_state_machine import RerunDataIterator

@@ -343,3 +343,12 @@ def test_setup_megatron_lm_does_nothing_without_snip():
     bad = add_snip_args(argparse.ArgumentParser()).parse_args(["--snip", "--snip-pin-plan"])
     with pytest.raises(SystemExit, match="SNIP: bad SNIP flags: --snip-pin-plan is set but --snip-plan is empty"):
         setup_megatron_lm(bad, model_cfg)
+
+
+def test_buffering_with_virtual_pipeline_chunks():
+    # Rank of the last stage under VPP: chunk 0 reads no data (None), chunk 1 does.
+    replay, batches = pg._buffer_step([None, iter(["a", "b", "c"])], 2)
+    assert batches == ["a", "b"]
+    assert replay[0] is None and [next(replay[1]), next(replay[1])] == ["a", "b"]
+    _, nothing = pg._buffer_step([None, None], 2)  # a middle stage reads nothing
+    assert nothing == [None, None]
