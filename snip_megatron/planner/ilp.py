@@ -2,8 +2,8 @@
 
 One CBC model per group (pipeline stage, or the whole model): the groups share no variable and the
 global budget follows from the per-stage ones, so they are independent problems, and several small
-models prove optimality far faster than one big one (a 126-layer time-model case with 9 stages: ~1 s
-instead of no proof in 10 s).
+models prove optimality far faster than one big one (a 126-layer time-model case with 9 stages: ~0.3 s
+of CPU instead of no proof in 10 s). They run in parallel threads (CBC is a subprocess).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from snip_megatron.planner.config import PlannerConfig
 from snip_megatron.planner.exact import integer_units
@@ -63,14 +64,24 @@ def solve_ilp(ks: Knapsack, config: PlannerConfig) -> tuple[list[int], str]:
         raise SolverUnavailable("CBC not found (PuLP >= 4 needs `pip install pulp[cbc]`, or set "
                                 "PlannerConfig.cbc_path)")
     deadline = time.monotonic() + config.time_limit_s
-    picks = [0] * len(ks.free)
-    status = "optimal"
-    for g, need in enumerate(ks.need):
-        members = [j for j, gj in enumerate(ks.group) if gj == g]
+    groups = [[j for j, gj in enumerate(ks.group) if gj == g] for g in range(len(ks.need))]
+
+    def run(g: int) -> tuple[list[int], str]:
         left = deadline - time.monotonic()
         if left <= 0:
             raise SolverFailed(f"CBC ran out of its {config.time_limit_s} s before pipeline group {g}")
-        sub, sub_status = _solve_group(ks, members, need, config, left)
+        return _solve_group(ks, groups[g], ks.need[g], config, left)
+
+    # CBC runs as a subprocess, so threads overlap the stages' solves on a multi-core host.
+    workers = max(1, min(len(groups), os.cpu_count() or 1))
+    if workers == 1:
+        results = [run(g) for g in range(len(groups))]
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snip-cbc") as pool:
+            results = list(pool.map(run, range(len(groups))))
+    picks = [0] * len(ks.free)
+    status = "optimal"
+    for members, (sub, sub_status) in zip(groups, results):
         for j, i in zip(members, sub):
             picks[j] = i
         if sub_status != "optimal":
