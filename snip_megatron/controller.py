@@ -131,7 +131,10 @@ class SnipController:
             self._record(step, self.plan, previous=None, info={"event": "initial"})
 
     def on_train_start(self, trainer) -> None:
-        """Trainer hook: after set-up and any resume, apply the plan to the trainer's chunks."""
+        """Trainer hook: after set-up and any resume, apply the plan to the trainer's chunks.
+        Plans then go through `trainer.set_plan`, so the trainer's checkpoints name the live plan."""
+        if self._apply is _default_apply and hasattr(trainer, "set_plan"):
+            self._apply = lambda chunks, plan: trainer.set_plan(plan)
         self.attach(trainer.chunks, step=trainer.step)
 
     @property
