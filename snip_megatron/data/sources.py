@@ -11,6 +11,7 @@ A corpus spec is one string, so the CLI, configs and tests all name corpora the 
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import sysconfig
@@ -51,7 +52,9 @@ class TextSource:
     max_docs: int | None = None
     """Read at most this many documents (a deterministic prefix of the reading order)."""
     max_bytes: int | None = None
-    """Stop before the document that would take the total UTF-8 size past this."""
+    """UTF-8 size cap: a document that would overflow it is skipped, and reading stops at the
+    first such document once 90% of the cap is used (one large file cannot end a capped corpus
+    early, and the documents Megatron holds out at the end are ordinary ones)."""
 
     def describe(self) -> dict:
         """What identifies this corpus apart from its contents (goes into the cache key)."""
@@ -66,9 +69,9 @@ class TextSource:
             if self.max_docs is not None and total_docs >= self.max_docs:
                 return
             if self.max_bytes is not None and total_bytes + size > self.max_bytes:
-                # Always take at least one document so a tiny cap still gives a corpus.
-                if total_docs:
+                if total_bytes >= 0.9 * self.max_bytes:
                     return
+                continue
             total_docs += 1
             total_bytes += size
             yield doc
@@ -100,13 +103,22 @@ class IndexedSource:
 
 
 def stdlib_files() -> tuple[Path, tuple[Path, ...]]:
-    """(stdlib root, every .py file under it in sorted relative-path order), site-packages excluded."""
+    """(stdlib root, every .py file under it), site-packages excluded.
+
+    The order is fixed but not alphabetical: sorted by the SHA-256 of each relative path, so that
+    any capped prefix samples the whole library (an alphabetical 400 kB is a dozen `_*.py` files)
+    and the validation documents, which Megatron takes from the end, are no different in kind.
+    """
     root = Path(sysconfig.get_paths()["stdlib"]).resolve()
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _NOT_STDLIB]
         files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return root, tuple(sorted(files, key=lambda p: p.relative_to(root).as_posix()))
+    return root, tuple(sorted(files, key=lambda p: _path_hash(p.relative_to(root).as_posix())))
+
+
+def _path_hash(relative: str) -> str:
+    return hashlib.sha256(relative.encode("utf-8")).hexdigest()
 
 
 def parse_corpus(spec: str, *, text_field: str | None = None, max_docs: int | None = None,

@@ -1,0 +1,34 @@
+import pytest
+
+from snip_megatron.train.config import TrainConfig
+
+
+def test_sequence_longer_than_the_model_raises():
+    with pytest.raises(ValueError, match="seq_length=256 is longer than the model's sequence length 128"):
+        TrainConfig(model="llama_tiny", seq_length=256)
+    assert TrainConfig(model="llama_tiny", seq_length=64).seq_len == 64
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("model", "llama_nope", "unknown model"),
+    ("steps", 0, "steps"),
+    ("lr_decay_style", "exp", "lr_decay_style"),
+    ("min_lr", 1.0, "min_lr"),
+    ("backend", "cuda", "backend"),
+    ("precision", "fp2", "precision"),
+    ("warmup_steps", 500, "warmup_steps"),
+    ("load_step", 3, "load_dir"),
+])
+def test_bad_fields_raise_naming_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{field: value})
+
+
+def test_local_backend_cannot_take_fp8():
+    with pytest.raises(ValueError, match="emulated"):
+        TrainConfig(backend="local", precision="fp8")
+
+
+def test_defaults():
+    c = TrainConfig(steps=50)
+    assert c.num_warmup_steps == 5 and c.data_config.vocab_size == c.shape.vocab_size == 4096
