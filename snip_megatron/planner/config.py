@@ -44,9 +44,11 @@ class PlannerConfig:
     """"auto": CBC, and the exact fallback if CBC is missing, fails or times out; "cbc": the same
     (the fallback still answers on failure, and the result says so); "exact": the fallback only."""
     time_limit_s: float = 10.0
-    """Wall-clock limit handed to CBC, seconds."""
+    """Wall-clock limit of all CBC solves of one re-plan together (the stages share it), seconds.
+    The exact fallback, when needed, runs after it (tens of ms on real layouts)."""
     gap_rel: float = 1e-6
-    """Relative optimality gap at which CBC may stop."""
+    """Relative optimality gap at which CBC may stop (CBC's own measure: relative to the cost above
+    every layer's cheapest choice)."""
     threads: int | None = None
     """CBC threads; None lets CBC choose."""
     cbc_path: str | None = None
