@@ -169,12 +169,12 @@ def test_bf16_output_dtype():
 
 
 def test_nvfp4_gradient_quantizer_is_unbiased_over_seeds():
-    # Whole quantizer (scales included): the mean of Q(x) over 256 seeds approaches x, while the
-    # deterministic (RNE) quantizer keeps its error. Standard error of the mean ~ step / 32.
+    # Whole quantizer (scales included): the mean of Q(x) over 128 seeds approaches x, while the
+    # deterministic (RNE) quantizer keeps its error. Standard error of the mean ~ step / 23.
     x = torch.randn(16, 64)
     cast = NV.dgrad_grad_output
     mean = torch.stack([quantize(x, cast, generator=torch.Generator().manual_seed(s))
-                        for s in range(256)]).mean(0)
+                        for s in range(128)]).mean(0)
     sr_bias = (mean - x).norm() / x.norm()
     rne_err = (quantize(x, NV.fprop_input) - x).norm() / x.norm()
     assert sr_bias < 0.3 * rne_err, (sr_bias, rne_err)
