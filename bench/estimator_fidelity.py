@@ -74,6 +74,9 @@ class Harness:
         self.tr = Trainer(TrainConfig(model="llama_tiny", steps=total, micro_batch_size=args.mbs,
                                       global_batch_size=args.mbs * args.num_mb, eval_interval=None,
                                       lr=args.lr, seed=args.seed, progress=False, precision="bf16"))
+        # the LR schedule ends at the later point (as a finished run would); the long-horizon
+        # continuations run on at min_lr, on data the run has not seen
+        self.tr.scheduler.lr_decay_steps = args.steps
         self.linears = planned_linears(self.tr.modules)
         self.keys = [k for k, _ in self.linears]
         from snip_megatron.data.gpt import BatchReader
@@ -203,7 +206,7 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     log(f"  update deviation: {time.perf_counter() - t0:.0f}s")
 
     # truth 3: long-horizon harm, each layer alone, 2 data orders
-    if long_horizon:
+    if long_horizon and args.long_precisions:
         t0 = time.perf_counter()
         orders = [tr.reader.take(args.long_steps * args.num_mb) for _ in range(2)]
         long = {}
@@ -289,10 +292,10 @@ def print_table(h: Harness, r: dict, name: str) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fp4-recipe", default="nvfp4", choices=["nvfp4", "mxfp4"])
-    ap.add_argument("--steps", type=int, default=400, help="BF16 training steps to the later point")
-    ap.add_argument("--early", type=int, default=120, help="step of the early point")
+    ap.add_argument("--steps", type=int, default=1000, help="BF16 training steps to the later point")
+    ap.add_argument("--early", type=int, default=300, help="step of the early point")
     ap.add_argument("--mbs", type=int, default=8)
-    ap.add_argument("--num-mb", type=int, default=2, help="micro-batches per step")
+    ap.add_argument("--num-mb", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--rounding-seeds", type=int, default=2)

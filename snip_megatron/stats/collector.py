@@ -24,6 +24,21 @@ from snip_megatron.stats.table import StatsTable, precision_field
 MODES = ("clean", "fwd_noise", "bwd_noise")
 
 
+TOKEN_CHUNK = 16  # error subsampling keeps whole chunks of consecutive tokens, so NVFP4 blocks and
+# its 16-point Hadamard along tokens see their real neighbours; small chunks spread the sample over
+# all sequence positions (a position-clustered sample is biased: early positions differ)
+
+
+def _token_subsample(t2: torch.Tensor, stride: int) -> tuple[torch.Tensor, float]:
+    """Every stride-th chunk of TOKEN_CHUNK rows, and the factor that scales its sums back up."""
+    n = t2.shape[0]
+    if stride == 1 or n < stride * TOKEN_CHUNK:
+        return t2, 1.0
+    keep = torch.arange(n, device=t2.device)
+    keep = keep[(keep // TOKEN_CHUNK) % stride == 0]
+    return t2.index_select(0, keep), n / keep.numel()
+
+
 def _sq(t: torch.Tensor) -> float:
     return float(t.float().pow(2).sum())
 
@@ -94,18 +109,21 @@ class LinearProbe:
                 self._weight_stats()
             self._add("x_sq", _sq(x2))
             self._add("n", float(x2.shape[0]))
+            stride = self.c.token_stride
+            xs, scale = _token_subsample(x2, stride)
             e_fprop = {}
             for p in self.c.precisions:
-                e = self._err(x2, p, "fprop_input", not self.column)
-                self._add("ex", _sq(e), p)
-                self._add("ex_w", _sq(self._err(x2, p, "wgrad_input", not self.column)), p)
+                e = self._err(xs, p, "fprop_input", not self.column)
+                self._add("ex", scale * _sq(e), p)
+                self._add("ex_w", scale * _sq(self._err(xs, p, "wgrad_input", not self.column)), p)
                 if self.c.first_order:
-                    e_fprop[p] = e.reshape(x.shape)
+                    e_fprop[p] = e
 
             def on_gx(g):
                 self._add("gx_sq", _sq(g))
+                gs, _ = _token_subsample(g.reshape(-1, g.shape[-1]), stride)
                 for p, e in e_fprop.items():
-                    self._add("gx_ex", _dot(g, e), p)
+                    self._add("gx_ex", scale * _dot(gs, e), p)
 
             x.register_hook(on_gx)
         elif mode == "bwd_noise":
@@ -129,9 +147,10 @@ class LinearProbe:
                 g2 = g.reshape(-1, g.shape[-1]).float()
                 x2 = x.detach().reshape(-1, x.shape[-1]).float()
                 self._add("gy_sq", _sq(g2))
+                gs, scale = _token_subsample(g2, self.c.token_stride)
                 for p in self.c.precisions:
-                    self._add("egy_d", _sq(self._err(g2, p, "dgrad_grad_output", self.column)), p)
-                    self._add("egy_w", _sq(self._err(g2, p, "wgrad_grad_output", self.column)), p)
+                    self._add("egy_d", scale * _sq(self._err(gs, p, "dgrad_grad_output", self.column)), p)
+                    self._add("egy_w", scale * _sq(self._err(gs, p, "wgrad_grad_output", self.column)), p)
                 gw = g2.t() @ x2  # wgrad: G_W = G_Y^T X
                 self._add("gw_sq", _sq(gw))
                 for p, e in self.w_errors.items():
@@ -162,7 +181,7 @@ class Collector:
 
     def __init__(self, linears: list, *, num_layers: int, error_fn: ErrorFn, precisions=None,
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None):
+                 tp_group=None, token_stride: int = 1):
         from snip_megatron.plan import all_keys
         from snip_megatron.stats.table import CANDIDATES
 
@@ -170,6 +189,7 @@ class Collector:
         self.keys = all_keys(num_layers)
         self.error_fn, self.seed, self.first_order = error_fn, seed, first_order
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.token_stride = token_stride
         self.mode = None
         self.scales: dict = {}
         self.table = StatsTable(keys=self.keys, precisions=self.precisions)

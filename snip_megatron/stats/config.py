@@ -25,6 +25,10 @@ class MeasureConfig:
     """Candidate precisions whose quantization errors are collected."""
     first_order: bool = True
     """Collect <G_X, E_X> (keeps each layer's fprop input error until its backward)."""
+    error_token_stride: int = 4
+    """Quantization errors of activations and gradients are measured on every `stride`-th chunk
+    of 16 consecutive tokens and scaled up (they are sums over tokens); 1 = every token. On CPU
+    emulation the errors cost more than the passes themselves; weights use every element."""
     fp8_recipe: str = "blockwise"
     """FP8 recipe of the quantization errors (formats.FP8_RECIPES)."""
     fp4_recipe: str = "nvfp4"
@@ -35,6 +39,9 @@ class MeasureConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"MeasureConfig.{name} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.error_token_stride, int) or self.error_token_stride < 1:
+            raise ValueError(f"MeasureConfig.error_token_stride must be a positive integer, "
+                             f"got {self.error_token_stride!r}")
         ps = tuple(Precision.parse(p) for p in self.precisions)
         if not ps or Precision.BF16 in ps:
             raise ValueError(f"MeasureConfig.precisions must list fp8 and/or fp4, got {self.precisions!r}")

@@ -175,7 +175,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                           precisions=config.precisions, seed=config.seed, first_order=config.first_order,
                           tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_size=ps.get_tensor_model_parallel_world_size(),
-                          tp_group=ps.get_tensor_model_parallel_group())
+                          tp_group=ps.get_tensor_model_parallel_group(),
+                          token_stride=config.error_token_stride)
     run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size)
     snap = _rng_snapshot()
     try:

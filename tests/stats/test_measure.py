@@ -16,7 +16,7 @@ from snip_megatron.stats.quant_error import blockwise_error_fn
 from tests.stats.measure_worker import SHAPE, batches, build
 
 FP8, FP4 = Precision.FP8, Precision.FP4
-CFG = MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3)
+CFG = MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3, error_token_stride=1)
 
 
 def _run(model, mbs, *, fwd_noise=None, bwd_noise=None, zero_loss=False):
@@ -144,3 +144,22 @@ def test_nonfinite_statistics_reported_per_layer(megatron_single):
     for k in table.keys:
         finite = math.isfinite(costs.costs[k][FP4])
         assert finite == (k not in bad)
+
+
+def test_token_subsampled_errors_close_to_full(megatron_single):
+    model = build()[0]
+    run = dict(seq_length=SHAPE.seq_length, micro_batch_size=2, error_fn=blockwise_error_fn())
+    run["micro_batch_size"] = 8  # 256 tokens per micro-batch: stride 2 keeps 8 of 16 chunks
+    mbs = batches(mbs=8)
+    full = measure([model], make_forward_step(), mbs, config=CFG, **run)
+    sub = measure([model], make_forward_step(), mbs,
+                  config=MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3, error_token_stride=2), **run)
+    for f in ("ex", "ex_w", "egy_d", "egy_w"):
+        for p in (FP8, FP4):
+            a, b = full.column(f"{f}.{p}"), sub.column(f"{f}.{p}")
+            # a 128-token sample per micro-batch of a tiny model: loose per layer, tighter in total
+            np.testing.assert_allclose(b, a, rtol=0.5, err_msg=f"{f}.{p}")
+            assert b.sum() == pytest.approx(a.sum(), rel=0.2), (f, p)
+            assert not np.array_equal(a, b)  # it did subsample
+    for f in ("x_sq", "gy_sq", "gw_sq", "ew.fp4", "fwd_zg_noisy", "bwd_dgw_sq"):  # untouched by the stride
+        np.testing.assert_allclose(sub.column(f), full.column(f), rtol=1e-6, err_msg=f)

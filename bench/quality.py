@@ -1,0 +1,365 @@
+"""Quality at equal FP4 budgets: SNIP against uniform precision and the fixed heuristics.
+
+Every method trains the same model on the same data for the same steps; a given seed feeds the same
+weights and data order to every method, so gaps are compared pair by pair. Every method runs the
+same initial plan (all planned linears in FP8) until the warm-up measurement; BF16 runs BF16
+throughout. Runs go in parallel processes (one thread each).
+
+    python bench/quality.py --quick            # budgets 75/80, 3 heuristics, 2 seeds (~15 min)
+    python bench/quality.py                    # budgets 50/75/80/90, every heuristic, 3 seeds, NVFP4+MXFP4
+
+Writes docs/results.md (tables, loss curves, the SNIP plan heat map, the command, machine, wall
+time) and ends with
+`RESULT snip_gap_75=.. best_baseline_gap_75=.. recipe_gap_75=.. snip_gap_80=.. best_baseline_gap_80=..
+recipe_gap_80=.. uniform_fp4_gap=.. noise=..` for the main format (relative validation-loss gaps to BF16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HEURISTICS = ("first_last_k", "last_fraction", "layer_type", "min_rel_error", "random")
+QUICK_HEURISTICS = ("first_last_k", "last_fraction", "min_rel_error")
+SNIP_METHODS = ("snip_once", "snip_periodic")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    method: str
+    budget: float | None
+    seed: int
+    fp4_recipe: str
+    steps: int
+    warmup: int
+    model: dict
+    data_cache: str
+    max_bytes: int
+    micro_batch_size: int
+    run_dir: str
+
+    @property
+    def name(self) -> str:
+        b = "" if self.budget is None else f"_{round(self.budget * 100)}"
+        return f"{self.fp4_recipe}_{self.method}{b}_s{self.seed}"
+
+
+def snip_config(spec: RunSpec):
+    from snip_megatron.config import SnipConfig
+
+    common = dict(enabled=True, warmup=spec.warmup, lag=1, initial_precision="fp8",
+                  fp4_recipe=spec.fp4_recipe, seed=spec.seed, solver_time_limit_s=60)
+    budget = spec.budget if spec.budget is not None else 1.0
+    if spec.method == "bf16":
+        return SnipConfig(enabled=False)
+    if spec.method in ("uniform_fp8", "uniform_fp4"):
+        return SnipConfig(**common, baseline=spec.method, fp4_budget=budget, interval=spec.steps)
+    if spec.method in HEURISTICS:
+        return SnipConfig(**common, baseline=spec.method, fp4_budget=budget, interval=spec.steps)
+    if spec.method == "snip_once":
+        return SnipConfig(**common, fp4_budget=budget, interval=spec.steps)
+    if spec.method == "snip_periodic":
+        return SnipConfig(**common, fp4_budget=budget, interval=max(2, (spec.steps - spec.warmup) // 3))
+    raise ValueError(f"unknown method {spec.method!r}")
+
+
+def run_one(spec: RunSpec) -> dict:
+    """One training run in this (fresh) process; returns its figures."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_PORT"] = str(_free_port())
+    from snip_megatron.controller import SnipController
+    from snip_megatron.data.prepare import DataConfig
+    from snip_megatron.formats.precision import Precision
+    from snip_megatron.plan import Plan
+    from snip_megatron.shapes import ModelShape
+    from snip_megatron.train.config import TrainConfig
+    from snip_megatron.train.loop import Trainer
+
+    shape = ModelShape(**spec.model)
+    run_dir = Path(spec.run_dir) / spec.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("*.jsonl"):
+        stale.unlink()
+    train = TrainConfig(model=shape, steps=spec.steps, micro_batch_size=spec.micro_batch_size,
+                        lr=3e-3, min_lr=3e-4, seed=spec.seed, eval_interval=max(1, spec.steps // 5),
+                        eval_batches=8, progress=False, metrics_path=str(run_dir / "metrics.jsonl"),
+                        precision="bf16" if spec.method == "bf16" else "fp8",
+                        data=DataConfig(corpus="stdlib", vocab_size=shape.vocab_size,
+                                        max_bytes=spec.max_bytes, cache_dir=spec.data_cache))
+    ctrl = SnipController(snip_config(spec), shape, total_steps=spec.steps, run_dir=run_dir,
+                          tokens_per_step=spec.micro_batch_size * shape.seq_length, log=lambda m: None)
+    start = time.perf_counter()
+    trainer = Trainer(train, hooks=[ctrl])
+    history = trainer.fit()
+    trainer.config = _with_eval_batches(trainer.config, 32)  # the final evaluations: more batches
+    final_plan = ctrl.plan
+    val_plan = trainer.evaluate()
+    trainer.set_plan(Plan.uniform(shape.num_layers, Precision.BF16))
+    val_bf16 = trainer.evaluate()
+    trainer.close()
+    losses = [m["loss"] for m in history if m.get("loss") is not None]
+    return {"spec": asdict(spec), "name": spec.name, "val_bf16": val_bf16, "val_plan": val_plan,
+            "fp4_fraction": final_plan.fp4_fraction(ctrl.flops),
+            "diverged": not all(math.isfinite(x) for x in losses) or not math.isfinite(val_bf16),
+            "seconds": time.perf_counter() - start, "run_dir": str(run_dir)}
+
+
+def _with_eval_batches(config, n):
+    from dataclasses import replace
+
+    return replace(config, eval_batches=n)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_specs(args) -> list[RunSpec]:
+    model = dict(name="quality", num_layers=args.layers, hidden_size=args.hidden,
+                 ffn_hidden_size=args.ffn, num_attention_heads=4, num_query_groups=2,
+                 vocab_size=args.vocab, seq_length=args.seq)
+    warmup = max(1, round(0.2 * args.steps))
+    common = dict(steps=args.steps, warmup=warmup, model=model, data_cache=args.data_cache,
+                  max_bytes=args.max_bytes, micro_batch_size=args.micro_batch_size,
+                  run_dir=args.run_dir)
+    heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
+    specs = []
+    for fmt in args.formats:
+        for seed in range(args.seeds):
+            for method in ("bf16", "uniform_fp8", "uniform_fp4"):
+                specs.append(RunSpec(method=method, budget=None, seed=seed, fp4_recipe=fmt, **common))
+            for budget in args.budgets:
+                methods = heuristics + (("snip_periodic",) if args.quick else SNIP_METHODS)
+                for method in methods:
+                    specs.append(RunSpec(method=method, budget=budget, seed=seed, fp4_recipe=fmt, **common))
+    return specs
+
+
+# -- aggregation ---------------------------------------------------------------------------------
+
+def summarize(results: list[dict], fmt: str, budgets, heuristics) -> dict:
+    by = {(r["spec"]["method"], r["spec"]["budget"], r["spec"]["seed"]): r
+          for r in results if r["spec"]["fp4_recipe"] == fmt}
+    seeds = sorted({s for (_, _, s) in by})
+    bf16 = {s: by[("bf16", None, s)]["val_bf16"] for s in seeds if ("bf16", None, s) in by}
+
+    def gaps(method, budget, key="val_bf16"):
+        out = {}
+        for s in seeds:
+            r = by.get((method, budget, s))
+            if r is not None and s in bf16:
+                out[s] = (r[key] - bf16[s]) / bf16[s]
+        return out
+
+    rows = []
+    snip_main = "snip_periodic"
+    cells = [("uniform_fp8", None), ("uniform_fp4", None)] + [
+        (m, b) for b in budgets for m in heuristics + SNIP_METHODS]
+    for method, budget in cells:
+        g = gaps(method, budget)
+        if not g:
+            continue
+        g_plan = gaps(method, budget, "val_plan")
+        snip = gaps(snip_main, budget) if budget is not None else {}
+        paired = [g[s] - snip[s] for s in g if s in snip]
+        runs = [by[(method, budget, s)] for s in g]
+        rows.append({
+            "method": method, "budget": budget,
+            "gap_mean": statistics.fmean(g.values()),
+            "gap_spread": statistics.pstdev(g.values()) if len(g) > 1 else 0.0,
+            "gap_abs_mean": statistics.fmean(by[(method, budget, s)]["val_bf16"] - bf16[s] for s in g),
+            "gap_plan_mean": statistics.fmean(g_plan.values()),
+            "vs_snip_mean": statistics.fmean(paired) if paired else math.nan,
+            "vs_snip_spread": statistics.pstdev(paired) if len(paired) > 1 else 0.0,
+            "fp4": statistics.fmean(r["fp4_fraction"] for r in runs),
+            "diverged": sum(r["diverged"] for r in runs),
+            "seeds": len(g),
+        })
+    bf = list(bf16.values())
+    return {"rows": rows, "bf16": bf16,
+            "noise": statistics.pstdev(bf) / statistics.fmean(bf) if len(bf) > 1 else math.nan}
+
+
+def result_line(summary: dict, heuristics) -> str:
+    rows = {(r["method"], r["budget"]): r for r in summary["rows"]}
+
+    def gap(m, b):
+        r = rows.get((m, b))
+        return r["gap_mean"] if r else math.nan
+
+    parts = []
+    for b in (0.75, 0.8):
+        tag = round(b * 100)
+        best = min((gap(h, b) for h in heuristics if (h, b) in rows), default=math.nan)
+        recipe = min((gap(h, b) for h in ("last_fraction", "min_rel_error") if (h, b) in rows),
+                     default=math.nan)
+        parts += [f"snip_gap_{tag}={gap('snip_periodic', b):.4f}", f"best_baseline_gap_{tag}={best:.4f}",
+                  f"recipe_gap_{tag}={recipe:.4f}"]
+    parts += [f"uniform_fp4_gap={gap('uniform_fp4', None):.4f}", f"noise={summary['noise']:.4f}"]
+    return "RESULT " + " ".join(parts)
+
+
+def format_table(summary: dict) -> str:
+    lines = ["| method | FP4 budget | achieved FP4 | rel. gap to BF16 (mean ± spread) | abs. gap | "
+             "gap, final plan applied | paired diff to SNIP (mean ± spread) | diverged |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        b = "-" if r["budget"] is None else f"{r['budget']:.0%}"
+        vs = "-" if math.isnan(r["vs_snip_mean"]) else f"{r['vs_snip_mean']:+.4f} ± {r['vs_snip_spread']:.4f}"
+        lines.append(f"| {r['method']} | {b} | {r['fp4']:.1%} | {r['gap_mean']:+.2%} ± {r['gap_spread']:.2%} | "
+                     f"{r['gap_abs_mean']:+.4f} | {r['gap_plan_mean']:+.2%} | {vs} | {r['diverged']}/{r['seeds']} |")
+    return "\n".join(lines)
+
+
+def draw_curves(results: list[dict], fmt: str, budget: float, out: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from snip_megatron.report import read_jsonl
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    drawn = 0
+    for r in results:
+        s = r["spec"]
+        if s["fp4_recipe"] != fmt or s["seed"] != 0 or s["budget"] not in (None, budget):
+            continue
+        metrics = read_jsonl(Path(r["run_dir"]) / "metrics.jsonl")
+        val = [(m["step"], m["val_loss"]) for m in metrics if m.get("val_loss") is not None]
+        if val:
+            ax.plot(*zip(*val), marker="o", ms=3, label=s["method"])
+            drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"{fmt}, FP4 budget {budget:.0%}, seed 0")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_results(path: Path, args, results, summaries, lines, wall: float) -> None:
+    from snip_megatron.report import draw_heatmap, load_plan_history
+
+    docs = path.parent
+    docs.mkdir(parents=True, exist_ok=True)
+    main_fmt = args.formats[0]
+    curves = draw_curves(results, main_fmt, 0.75, docs / "quality_curves.png")
+    heat = None
+    snip_runs = [r for r in results if r["spec"]["method"] == "snip_periodic" and r["spec"]["fp4_recipe"] == main_fmt
+                 and r["spec"]["seed"] == 0 and r["spec"]["budget"] == 0.75]
+    if snip_runs:
+        heat = draw_heatmap(load_plan_history(Path(snip_runs[0]["run_dir"])), docs / "quality_snip_heatmap.png",
+                            args.steps)
+    cpu = _cpu_name()
+    text = [
+        "# Quality at equal FP4 budgets (written by `bench/quality.py`)",
+        "",
+        f"Command: `python bench/quality.py {' '.join(sys.argv[1:])}`  ",
+        f"Machine: {os.cpu_count()} CPU cores ({cpu}), {platform.python_version()}; wall time {wall / 60:.1f} min.  ",
+        f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, seq {args.seq}, vocab {args.vocab}; "
+        f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; warm-up (all FP8) "
+        f"{max(1, round(0.2 * args.steps))} steps. Gaps: final validation loss of the final weights "
+        "evaluated in BF16, relative to the BF16 run of the same seed.",
+        "",
+    ]
+    for fmt, summary in summaries.items():
+        text += [f"## {fmt}", "", format_table(summary), "",
+                 f"BF16 validation loss per seed: {', '.join(f'{v:.4f}' for v in summary['bf16'].values())} "
+                 f"(relative spread {summary['noise']:.4f}).", "", "```", lines[fmt], "```", ""]
+    if curves:
+        text += [f"![validation loss]({curves.name})", ""]
+    if heat:
+        text += [f"![SNIP plan over training]({heat.name})", ""]
+    path.write_text("\n".join(text))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--formats", default=None, help="comma list: nvfp4,mxfp4 (quick: nvfp4)")
+    p.add_argument("--budgets", default=None, help="comma list of FP4 fractions")
+    p.add_argument("--seeds", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=352)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--max-bytes", type=int, default=6_000_000)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--data-cache", default=str(ROOT / ".cache" / "snip-data"))
+    p.add_argument("--run-dir", default=str(ROOT / "runs" / "quality"))
+    p.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
+    args = p.parse_args(argv)
+    args.formats = (args.formats or ("nvfp4" if args.quick else "nvfp4,mxfp4")).split(",")
+    args.budgets = [float(b) for b in (args.budgets or ("0.75,0.8" if args.quick else "0.5,0.75,0.8,0.9")).split(",")]
+    args.seeds = args.seeds or (2 if args.quick else 3)
+    args.steps = args.steps or (150 if args.quick else 400)
+    heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
+
+    # Tokenize once, before the workers start (they would race on the cache otherwise).
+    from snip_megatron.data.prepare import DataConfig, prepare
+    prepare(DataConfig(corpus="stdlib", vocab_size=args.vocab, max_bytes=args.max_bytes, cache_dir=args.data_cache))
+
+    specs = build_specs(args)
+    print(f"{len(specs)} runs, {args.jobs} at a time", flush=True)
+    start = time.perf_counter()
+    results = []
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(args.jobs, maxtasksperchild=1) as pool:
+        for r in pool.imap_unordered(run_one, specs):
+            results.append(r)
+            print(f"[{len(results)}/{len(specs)}] {r['name']}: val(bf16) {r['val_bf16']:.4f} "
+                  f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
+    wall = time.perf_counter() - start
+    summaries, lines = {}, {}
+    for fmt in args.formats:
+        summaries[fmt] = summarize(results, fmt, args.budgets, heuristics)
+        lines[fmt] = result_line(summaries[fmt], heuristics)
+        print(f"\n## {fmt}\n{format_table(summaries[fmt])}\n{lines[fmt]}")
+    (Path(args.run_dir) / "results.json").write_text(json.dumps(results, indent=1))
+    write_results(Path(args.out), args, results, summaries, lines, wall)
+    print(f"wrote {args.out}; wall time {wall / 60:.1f} min")
+    print(lines[args.formats[0]])
+
+
+if __name__ == "__main__":
+    main()
