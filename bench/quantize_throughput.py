@@ -42,8 +42,12 @@ def our_methods():
 
 
 def torchao_methods():
-    from torchao.prototype.mx_formats.mx_tensor import MXTensor, ScaleCalculationMode
-    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor, ScaleCalculationMode
+        from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    except Exception as e:  # torchao is a test/bench-only dependency
+        raise SystemExit(f"this benchmark compares against torchao 0.18 ({e}); "
+                         "pip install torchao==0.18.0") from e
 
     def nvfp4(x):
         scale = per_tensor_amax_to_scale(x.abs().amax())
