@@ -321,6 +321,10 @@ def main(argv=None) -> None:
         h.tr.step = step
         log(f"trained to step {step}; measuring '{name}'")
         results[name] = measure_point(h, long_horizon, log)
+        if args.out:  # keep what is done if a later phase is interrupted
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out + ".partial").write_text(json.dumps({"keys": [str(k) for k in h.keys],
+                                                               "results": results}))
     default_lam = EstimateConfig().lam
     all_scores = {n: scores(r, args.lambdas, default_lam) for n, r in results.items()}
     for n, r in results.items():
