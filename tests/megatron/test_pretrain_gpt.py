@@ -170,7 +170,7 @@ def losses(out: str) -> list[float]:
 @needs_training
 def test_snip_measures_replans_checkpoints_and_resumes(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    snip = ["--snip", "--snip-warmup", "2", "--snip-interval", "2", "--snip-lag", "1", "--snip-fp4-budget", "0.5"]
+    snip = ["--snip", "--snip-warmup", "2", "--snip-interval", "10", "--snip-lag", "1", "--snip-fp4-budget", "0.5"]
     common = ["--mock-data", "--vocab-size", "256", "--train-iters", "6", "--eval-interval", "100",
               "--save", ckpt, "--load", ckpt, "--save-interval", "4", *snip]
     out = train(tmp_path, *common, "--exit-interval", "4")
