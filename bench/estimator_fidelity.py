@@ -172,7 +172,7 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     t0 = time.perf_counter()
     base = h.val_halves()
     harm = {}
-    for p in (FP8, FP4):
+    for p in ((FP8, FP4) if "harm" in args.truths else ()):
         rows = []
         for k in h.keys:
             h.set_only(k, p)
@@ -190,7 +190,7 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     u0 = h.adam_update()
     norm0 = sum(float((u ** 2).sum()) for u in u0.values())
     dev = {}
-    for p in (FP8, FP4):
+    for p in ((FP8, FP4) if "dev" in args.truths else ()):
         rows = []
         for k in h.keys:
             vals = []
@@ -206,7 +206,7 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     log(f"  update deviation: {time.perf_counter() - t0:.0f}s")
 
     # truth 3: long-horizon harm, each layer alone, 2 data orders
-    if long_horizon and args.long_precisions:
+    if long_horizon and args.long_precisions and "long" in args.truths:
         t0 = time.perf_counter()
         orders = [tr.reader.take(args.long_steps * args.num_mb) for _ in range(2)]
         long = {}
@@ -244,6 +244,10 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
 # -- scores ----------------------------------------------------------------------------------------
 def scores(r: dict, lambdas, default_lam) -> dict:
     s = {}
+    if not r["harm"]:
+        r = dict(r, harm={p: [[math.nan, math.nan]] * len(r["kappa"]) for p in ("fp8", "fp4")})
+    if not r["dev"]:
+        r = dict(r, dev={p: [math.nan] * len(r["kappa"]) for p in ("fp8", "fp4")})
     harm = {p: np.array(r["harm"][p]).mean(1) for p in ("fp8", "fp4")}
     halves = {p: np.array(r["harm"][p]) for p in ("fp8", "fp4")}
     dL = {p: np.array(r["pred"][p]["dL"]) for p in ("fp8", "fp4")}
@@ -303,6 +307,8 @@ def main(argv=None) -> None:
     ap.add_argument("--long-precisions", default="fp4,fp8")
     ap.add_argument("--lambdas", default="0,0.3,1,3")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--truths", default="harm,dev,long", help="which truths to measure")
+    ap.add_argument("--points", default="early,later", help="which points to measure")
     ap.add_argument("--out", default=None, help="write all raw numbers as JSON")
     args = ap.parse_args(argv)
     args.lambdas = [float(x) for x in args.lambdas.split(",")]
@@ -316,6 +322,8 @@ def main(argv=None) -> None:
     log(f"llama_tiny, {len(h.keys)} planned linears, fp4 recipe {args.fp4_recipe}")
     results = {}
     for name, step, long_horizon in (("early", args.early, False), ("later", args.steps, True)):
+        if name not in args.points:
+            continue
         data = h.tr.reader.take((step - h.tr.step) * args.num_mb)
         h.train_steps(data)
         h.tr.step = step
@@ -328,12 +336,13 @@ def main(argv=None) -> None:
     default_lam = EstimateConfig().lam
     all_scores = {n: scores(r, args.lambdas, default_lam) for n, r in results.items()}
     for n, r in results.items():
-        print_table(h, r, f"{n} point ({args.fp4_recipe})")
+        if r["harm"] and r["dev"]:
+            print_table(h, r, f"{n} point ({args.fp4_recipe})")
     print(f"\n== Spearman over {len(h.keys)} layers ({args.fp4_recipe}); predicted dL vs one-step harm, "
           f"WD vs update deviation, Q(lambda) vs long-horizon harm")
     for n, s in all_scores.items():
         print(f"{n}: " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
-    later = all_scores["later"]
+    later = all_scores.get("later", next(iter(all_scores.values())))
     best = max(args.lambdas, key=lambda lam: later.get(f"long_fp4_Q{lam}", -1))
     print(f"lambda by long-horizon FP4 score: " + " ".join(
         f"{lam}:{later.get(f'long_fp4_Q{lam}', math.nan):.3f}" for lam in args.lambdas)

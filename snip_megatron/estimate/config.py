@@ -16,11 +16,18 @@ class EstimateConfig:
     first_order: bool = False
     """Add the signed first-order loss term <G_X, E_X> + <G_W, E_W>. Off by default: it was noise
     late in training in our measurements; turn on only when averaged over many batches."""
+    adam_error_model: str = "proportional"
+    """How a layer's gradient error spreads over its weights, for the AdamW scale: "proportional"
+    (like the gradient: E|du|^2 = c^2 |e|^2 sum(v/(sqrt v+eps)^2) / sum(v)) or "uniform"
+    (E|du|^2 = c^2 |e|^2 mean(1/(sqrt v+eps)^2), dominated by the weights with the smallest v)."""
     kappa_floor: float = 0.0
     """Curvatures below this are clamped to it (a negative one-sample estimate is noise)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.lam, (int, float)) and math.isfinite(self.lam) and self.lam >= 0):
             raise ValueError(f"EstimateConfig.lam must be a finite number >= 0, got {self.lam!r}")
+        if self.adam_error_model not in ("proportional", "uniform"):
+            raise ValueError(f"EstimateConfig.adam_error_model must be 'proportional' or 'uniform', "
+                             f"got {self.adam_error_model!r}")
         if not (isinstance(self.kappa_floor, (int, float)) and math.isfinite(self.kappa_floor)):
             raise ValueError(f"EstimateConfig.kappa_floor must be a finite number, got {self.kappa_floor!r}")

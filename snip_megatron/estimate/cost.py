@@ -77,7 +77,7 @@ def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> 
     for p in stats.precisions:
         dl = dv.loss_divergence(stats, p, first_order=config.first_order,
                                 kappa_floor=config.kappa_floor) / loss
-        wd = dv.weight_divergence(stats, p)
+        wd = dv.weight_divergence(stats, p, config.adam_error_model)
         q = dl + config.lam * wd
         for i, k in enumerate(keys):
             # a layer with any non-finite statistic gets NaN, never a finite cost

@@ -61,22 +61,28 @@ def propagation_gain(t: StatsTable) -> np.ndarray:
     return _div(_c(t, "bwd_dgw_sq"), later)
 
 
-def adam_scales(t: StatsTable) -> tuple[np.ndarray, float]:
-    """(a_l, U): squared AdamW update change per unit squared gradient change (mean over the
-    layer's elements), and the squared norm of the BF16 update over all planned linears.
+def adam_scales(t: StatsTable, model: str = "proportional") -> tuple[np.ndarray, float]:
+    """(a_l, U): squared AdamW update change per unit squared gradient change, and the squared
+    norm of the BF16 update over all planned linears. model "uniform": the error spread evenly
+    over the weights (a = mean of c^2/(sqrt v+eps)^2); "proportional": spread like the gradient's
+    second moment v (a = sum v c^2/(sqrt v+eps)^2 / sum v).
     Without optimizer state (before the first step) falls back to plain SGD: a = 1, U = sum ||G_W||^2."""
     numel = _c(t, "adam_numel")
     if (numel > 0).all():
-        return _div(_c(t, "adam_du_sq"), numel), float(_c(t, "adam_upd_sq").sum())
+        if model == "uniform":
+            a = _div(_c(t, "adam_du_sq"), numel)
+        else:
+            a = _div(_c(t, "adam_dv_sq"), _c(t, "adam_v_sum"))
+        return a, float(_c(t, "adam_upd_sq").sum())
     return np.ones(len(t.keys)), float(_c(t, "gw_sq").sum())
 
 
-def weight_divergence(t: StatsTable, p: Precision) -> np.ndarray:
+def weight_divergence(t: StatsTable, p: Precision, adam_error_model: str = "proportional") -> np.ndarray:
     """WD_l(p) = [a_l ||dG_W,l||^2 + ||dG_X,l||^2 sum_{j before l} g_j a_j] / (dp * U).
 
     Own weight-gradient error plus the error sent upstream, each turned into an AdamW update
     error, relative to the whole BF16 update. dp: replicas average their independent errors."""
-    a, total = adam_scales(t)
+    a, total = adam_scales(t, adam_error_model)
     ga = propagation_gain(t) * a
     before = np.concatenate([[0.0], np.cumsum(ga)[:-1]])  # sum over j < l
     dp = max(t.globals_.get("dp_size", 1.0), 1.0)

@@ -47,15 +47,17 @@ def _group_of(inner, param):
 
 @torch.no_grad()
 def adam_statistics(optimizer, weights: dict) -> dict:
-    """{key: (adam_du_sq, adam_upd_sq, adam_numel)} for this rank's share of each weight.
+    """{key: {field: value}} (table.ADAM fields) for this rank's share of each weight.
 
     adam_du_sq = sum (c / (sqrt(v_hat) + eps))^2 with c = (1 - b1) / (1 - b1^t): how much the
     update moves per unit change of the gradient (lr left out); adam_upd_sq = sum of the squared
-    BF16 update m_hat / (sqrt(v_hat) + eps) (lr left out). Zeros where there is no state yet."""
+    BF16 update m_hat / (sqrt(v_hat) + eps) (lr left out); adam_dv_sq and adam_v_sum weight the
+    first by v_hat (errors distributed like the gradient). Zeros where there is no state yet."""
     by_id = {id(w): k for k, w in weights.items()}
-    out = {k: [0.0, 0.0, 0.0] for k in weights}
+    names = ("adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel")
+    out = {k: dict.fromkeys(names, 0.0) for k in weights}
     if optimizer is None:
-        return {k: tuple(v) for k, v in out.items()}
+        return out
     for model_param, main_param, inner in _pairs(optimizer):
         key = by_id.get(id(model_param))
         if key is None:
@@ -69,10 +71,14 @@ def adam_statistics(optimizer, weights: dict) -> dict:
         step = float(state["step"]) if "step" in state else 1.0
         m = state["exp_avg"].double()
         v = state["exp_avg_sq"].double()
-        denom = (v / (1 - b2 ** step)).sqrt() + eps
+        v_hat = v / (1 - b2 ** step)
+        denom = v_hat.sqrt() + eps
         c = (1 - b1) / (1 - b1 ** step)
+        scale = (c / denom) ** 2
         acc = out[key]
-        acc[0] += float(((c / denom) ** 2).sum())
-        acc[1] += float(((m / (1 - b1 ** step) / denom) ** 2).sum())
-        acc[2] += float(v.numel())
-    return {k: tuple(v) for k, v in out.items()}
+        acc["adam_du_sq"] += float(scale.sum())
+        acc["adam_dv_sq"] += float((v_hat * scale).sum())
+        acc["adam_v_sum"] += float(v_hat.sum())
+        acc["adam_upd_sq"] += float(((m / (1 - b1 ** step) / denom) ** 2).sum())
+        acc["adam_numel"] += float(v.numel())
+    return out

@@ -186,10 +186,9 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             losses = _run_pass(chunks, forward_step_func, batches, **run)
             collector.end()
             _rng_restore(snap)
-            for key, (du, upd, numel) in adam.adam_statistics(optimizer, {k: m.weight for k, m in linears}).items():
-                clean.set(key, "adam_du_sq", du)
-                clean.set(key, "adam_upd_sq", upd)
-                clean.set(key, "adam_numel", numel)
+            for key, fields in adam.adam_statistics(optimizer, {k: m.weight for k, m in linears}).items():
+                for f, v in fields.items():
+                    clean.set(key, f, v)
             if ps.is_pipeline_last_stage(ignore_virtual=True):
                 clean.globals_.update(loss=sum(losses) / len(losses), num_microbatches=len(batches),
                                       dp_size=ps.get_data_parallel_world_size())

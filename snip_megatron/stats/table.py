@@ -16,6 +16,8 @@ Field meanings (sums run over the micro-batches of the measured step, one data-p
   bwd_eta_sq         ||eta||^2, the noise this layer injected into its G_X
   adam_du_sq         sum over weight elements of (c / (sqrt(v_hat) + eps))^2, c = (1-b1)/(1-b1^t):
                      the AdamW update change per unit gradient change, squared (lr left out)
+  adam_dv_sq         sum of v_hat * (c / (sqrt(v_hat) + eps))^2, and adam_v_sum = sum of v_hat: the
+                     same scale for gradient errors distributed like the gradient (see estimate)
   adam_upd_sq        sum of (m_hat / (sqrt(v_hat) + eps))^2: the BF16 update, squared (lr left out)
   adam_numel         weight elements with AdamW state (0: no state yet)
   present            1 for a row some rank measured
@@ -42,7 +44,7 @@ from snip_megatron.plan import LayerKey, forward_order
 BASE_FIELDS = (
     "x_sq", "w_sq", "y_sq", "gy_sq", "gx_sq", "gw_sq", "n", "k", "m",
     "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq", "noise_scale", "bwd_dgw_sq", "bwd_eta_sq",
-    "adam_du_sq", "adam_upd_sq", "adam_numel", "present",
+    "adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel", "present",
 )
 ERROR_ROLES = ("ex", "ew", "egy_d", "ew_d", "egy_w", "ex_w")
 PRECISION_FIELDS = ERROR_ROLES + ("gx_ex", "gw_ew")

@@ -19,6 +19,7 @@ def make_table(num_layers=2, err=(1e-4, 1e-2), kappa=1.0, adam=True, **overrides
     base = dict(x_sq=100.0, w_sq=10.0, y_sq=50.0, gy_sq=1e-2, gx_sq=1e-2, gw_sq=1e-3, n=64, k=16, m=16,
                 fwd_zg_clean=0.0, fwd_zg_noisy=kappa * 0.1 * 1000.0, fwd_z_sq=1000.0, noise_scale=0.1,
                 bwd_dgw_sq=1.0, bwd_eta_sq=1.0, adam_du_sq=160.0 if adam else 0.0,
+                adam_dv_sq=16.0 if adam else 0.0, adam_v_sum=16.0 if adam else 0.0,
                 adam_upd_sq=50.0 if adam else 0.0, adam_numel=160.0 if adam else 0.0, present=1.0)
     for f, v in base.items():
         t.column(f)[:] = v
@@ -95,8 +96,12 @@ def test_weight_divergence_own_plus_propagated():
 
 def test_weight_divergence_scales_with_adam_and_falls_back_without_state():
     t = make_table()
-    t2 = make_table(adam_du_sq={i: 640.0 for i in range(8)})
-    np.testing.assert_allclose(dv.weight_divergence(t2, FP4), 4 * dv.weight_divergence(t, FP4))
+    t2 = make_table(adam_du_sq={i: 640.0 for i in range(8)}, adam_dv_sq={i: 64.0 for i in range(8)})
+    for model in ("uniform", "proportional"):
+        np.testing.assert_allclose(dv.weight_divergence(t2, FP4, model), 4 * dv.weight_divergence(t, FP4, model))
+    # the models differ where small-v weights dominate the uniform mean
+    t4 = make_table(adam_du_sq={0: 1600.0})
+    assert dv.weight_divergence(t4, FP4, "uniform")[0] > 5 * dv.weight_divergence(t4, FP4, "proportional")[0]
     t3 = make_table(adam=False)
     wd = dv.weight_divergence(t3, FP4)
     assert np.isfinite(wd).all() and (wd > 0).all()

@@ -96,6 +96,9 @@ def test_adam_statistics_equal_direct_computation(megatron_single):
         denom = (st["exp_avg_sq"].double() / (1 - b2 ** t)).sqrt() + eps
         c = (1 - b1) / (1 - b1 ** t)
         assert table.get(key, "adam_du_sq") == pytest.approx(float(((c / denom) ** 2).sum()), rel=1e-9)
+        v_hat = st["exp_avg_sq"].double() / (1 - b2 ** t)
+        assert table.get(key, "adam_dv_sq") == pytest.approx(float((v_hat * (c / denom) ** 2).sum()), rel=1e-9)
+        assert table.get(key, "adam_v_sum") == pytest.approx(float(v_hat.sum()), rel=1e-9)
         upd = st["exp_avg"].double() / (1 - b1 ** t) / denom
         assert table.get(key, "adam_upd_sq") == pytest.approx(float((upd ** 2).sum()), rel=1e-9)
         assert table.get(key, "adam_numel") == mod.weight.numel()
