@@ -160,7 +160,9 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     out = {"measure_s": time.perf_counter() - t0, "stats": stats.to_array().tolist()}
     costs = {lam: cost_table(stats, EstimateConfig(lam=lam)) for lam in args.lambdas}
     c0 = costs[args.lambdas[0]]
+    cu = cost_table(stats, EstimateConfig(lam=0.0, adam_error_model="uniform"))
     out["pred"] = {p.value: {"dL": list(c0.column(p, "loss_div")), "WD": list(c0.column(p, "weight_div")),
+                             "WD_uniform": list(cu.column(p, "weight_div")),
                              **{f"Q{lam}": list(costs[lam].column(p)) for lam in args.lambdas}}
                    for p in (FP8, FP4)}
     proxy = proxy_table(stats)
@@ -263,6 +265,8 @@ def scores(r: dict, lambdas, default_lam) -> dict:
     for p in ("fp8", "fp4"):
         dev = np.array(r["dev"][p])
         s[f"wd_{p}"] = spearman(r["pred"][p]["WD"], dev)
+        if "WD_uniform" in r["pred"][p]:
+            s[f"wd_uniform_{p}"] = spearman(r["pred"][p]["WD_uniform"], dev)
         s[f"proxy_wd_{p}"] = spearman(prox[p], dev)
     s["wd"] = s["wd_fp4"]
     if "long" in r:
