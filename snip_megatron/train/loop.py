@@ -264,7 +264,11 @@ class Trainer:
             state = {"model": self.modules[0].sharded_state_dict()}
         else:
             state = {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.modules)}
-        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading)
+        # The distributed optimizer's own DP-sharded layout (Megatron-LM's default): no gather.
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"} if self.config.distributed_optimizer else None
+        if is_loading and self.config.distributed_optimizer:
+            _init_adam_state(self.optimizer)
+        state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         state["scheduler"] = self.scheduler.state_dict()
         state["trainer"] = {
             "step": self.step,
@@ -292,7 +296,8 @@ class Trainer:
                 f"this run {self.global_batch_size}: the data position would not match")
         for i, module in enumerate(self.modules):
             module.load_state_dict(state["model" if len(self.modules) == 1 else f"model{i}"], strict=True)
-        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # fp32 + distributed optimizer: main params are views of the weights
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(trainer_state["step"])
         self.consumed_train_samples = int(trainer_state["consumed_train_samples"])
@@ -306,6 +311,23 @@ class Trainer:
     def close(self) -> None:
         """Tear down Megatron's parallel state (the process group stays for the caller)."""
         runtime.destroy()
+
+
+def _init_adam_state(optimizer) -> None:
+    """Give a fresh optimizer zero Adam state, as its first step would.
+
+    Without TE/apex, Megatron's distributed optimizer reads Adam's 'step' out of existing state to
+    build even the state dict that a checkpoint is loaded into, and fails on a fresh optimizer.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p.data)
+                    state["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
 def _barrier() -> None:
