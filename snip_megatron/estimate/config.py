@@ -16,6 +16,10 @@ class EstimateConfig:
     first_order: bool = False
     """Add the signed first-order loss term <G_X, E_X> + <G_W, E_W>. Off by default: it was noise
     late in training in our measurements; turn on only when averaged over many batches."""
+    curvature: str = "mean"
+    """Curvature kappa_l of the loss along Y_l: "noise" (forward-noise pass, one-sample Hutchinson),
+    "fisher" (empirical Fisher / Gauss-Newton, ||G_Y||^2 / m, from the clean pass) or "mean" of the
+    two: they estimate the same quantity with independent noise (docs/method.md, section 3)."""
     adam_error_model: str = "proportional"
     """How a layer's gradient error spreads over its weights, for the AdamW scale: "proportional"
     (like the gradient: E|du|^2 = c^2 |e|^2 sum(v/(sqrt v+eps)^2) / sum(v)) or "uniform"
@@ -26,6 +30,9 @@ class EstimateConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.lam, (int, float)) and math.isfinite(self.lam) and self.lam >= 0):
             raise ValueError(f"EstimateConfig.lam must be a finite number >= 0, got {self.lam!r}")
+        if self.curvature not in ("noise", "fisher", "mean"):
+            raise ValueError(f"EstimateConfig.curvature must be 'noise', 'fisher' or 'mean', "
+                             f"got {self.curvature!r}")
         if self.adam_error_model not in ("proportional", "uniform"):
             raise ValueError(f"EstimateConfig.adam_error_model must be 'proportional' or 'uniform', "
                              f"got {self.adam_error_model!r}")

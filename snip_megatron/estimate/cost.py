@@ -71,12 +71,12 @@ def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> 
         stats = stats.copy()
         for k in bad:
             stats.values[stats.row_index(k)] = 0.0
-    kappa = dv.curvature(stats, config.kappa_floor)
+    kappa = dv.curvature(stats, config.kappa_floor, config.curvature)
     gain = dv.propagation_gain(stats)
     costs, ldiv, wdiv = ({k: {Precision.BF16: 0.0} for k in keys} for _ in range(3))
     for p in stats.precisions:
-        dl = dv.loss_divergence(stats, p, first_order=config.first_order,
-                                kappa_floor=config.kappa_floor) / loss
+        dl = dv.loss_divergence(stats, p, first_order=config.first_order, kappa_floor=config.kappa_floor,
+                                curvature_kind=config.curvature) / loss
         wd = dv.weight_divergence(stats, p, config.adam_error_model)
         q = dl + config.lam * wd
         for i, k in enumerate(keys):

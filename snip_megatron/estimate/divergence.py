@@ -23,9 +23,25 @@ def _div(num: np.ndarray, den: np.ndarray) -> np.ndarray:
     return np.where(den == 0, np.where(np.isfinite(num), 0.0, num), out)
 
 
-def curvature(t: StatsTable, floor: float = 0.0) -> np.ndarray:
-    """kappa_l = <eps, G~_Y - G_Y> / ||eps||^2 from the forward-noise pass, clamped below at floor."""
-    kappa = _div(_c(t, "fwd_zg_noisy") - _c(t, "fwd_zg_clean"), _c(t, "noise_scale") * _c(t, "fwd_z_sq"))
+def noise_curvature(t: StatsTable) -> np.ndarray:
+    """kappa_l = <eps, G~_Y - G_Y> / ||eps||^2 from the forward-noise pass (unclamped)."""
+    return _div(_c(t, "fwd_zg_noisy") - _c(t, "fwd_zg_clean"), _c(t, "noise_scale") * _c(t, "fwd_z_sq"))
+
+
+def fisher_curvature(t: StatsTable) -> np.ndarray:
+    """kappa_l ~ ||G_Y||^2 / m: the empirical Fisher (Gauss-Newton) of a mean token loss along a
+    random direction of Y_l, from the clean pass alone (docs/method.md)."""
+    return _div(_c(t, "gy_sq"), _c(t, "m"))
+
+
+def curvature(t: StatsTable, floor: float = 0.0, kind: str = "mean") -> np.ndarray:
+    """The curvature the loss divergence uses ("noise", "fisher" or their "mean"), clamped at floor."""
+    if kind == "noise":
+        kappa = noise_curvature(t)
+    elif kind == "fisher":
+        kappa = fisher_curvature(t)
+    else:
+        kappa = 0.5 * (np.maximum(noise_curvature(t), 0.0) + fisher_curvature(t))
     return np.where(np.isnan(kappa), kappa, np.maximum(kappa, floor))
 
 
@@ -35,9 +51,9 @@ def output_error_sq(t: StatsTable, p: Precision) -> np.ndarray:
 
 
 def loss_divergence(t: StatsTable, p: Precision, *, first_order: bool = False,
-                    kappa_floor: float = 0.0) -> np.ndarray:
+                    kappa_floor: float = 0.0, curvature_kind: str = "mean") -> np.ndarray:
     """dL_l(p) = 1/2 kappa_l ||dY||^2 (+ <G_X, E_X> + <G_W, E_W> when first_order)."""
-    dl = 0.5 * curvature(t, kappa_floor) * output_error_sq(t, p)
+    dl = 0.5 * curvature(t, kappa_floor, curvature_kind) * output_error_sq(t, p)
     if first_order:
         dl = dl + _c(t, "gx_ex", p) + _c(t, "gw_ew", p)
     return dl
@@ -69,7 +85,7 @@ def adam_scales(t: StatsTable, model: str = "proportional") -> tuple[np.ndarray,
     Without optimizer state (before the first step) falls back to plain SGD: a = 1, U = sum ||G_W||^2."""
     numel = _c(t, "adam_numel")
     if (numel > 0).all():
-        if model == "uniform":
+        if model == "uniform" or not (_c(t, "adam_v_sum") > 0).all():  # (tables without v sums)
             a = _div(_c(t, "adam_du_sq"), numel)
         else:
             a = _div(_c(t, "adam_dv_sq"), _c(t, "adam_v_sum"))

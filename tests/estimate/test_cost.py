@@ -53,21 +53,21 @@ def test_cost_grows_with_error():
     t = make_table()
     t.values[0, t.col("ex.fp4")] *= 4
     t.values[0, t.col("ew.fp4")] *= 4
-    c = cost_table(t, EstimateConfig(lam=0.0))
+    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise"))
     k0, k1 = t.keys[0], t.keys[1]
     assert c.loss_div[k0][FP4] == pytest.approx(4 * c.loss_div[k1][FP4])
 
 
 def test_cost_grows_with_curvature():
     t = make_table(fwd_zg_noisy={1: 3 * 0.1 * 1000.0})
-    c = cost_table(t, EstimateConfig(lam=0.0))
+    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise"))
     assert c.kappa[t.keys[1]] == pytest.approx(3.0)
     assert c.costs[t.keys[1]][FP4] == pytest.approx(3 * c.costs[t.keys[0]][FP4])
 
 
 def test_second_order_formula_by_hand():
     t = make_table()
-    c = cost_table(t, EstimateConfig(lam=0.0))
+    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise"))
     dy = (1e-2 * 100 * 10 + 100 * 1e-2 * 10) / 16  # (|E_X|^2 |W|^2 + |X|^2 |E_W|^2) / k
     assert c.loss_div[t.keys[0]][FP4] == pytest.approx(0.5 * 1.0 * dy / 2.0)
 
@@ -75,8 +75,8 @@ def test_second_order_formula_by_hand():
 def test_negative_curvature_clamped_and_first_order_option():
     t = make_table(fwd_zg_noisy={0: -50.0})
     t.values[0, t.col("gx_ex.fp4")] = 1e-3
-    assert cost_table(t, EstimateConfig(lam=0.0)).costs[t.keys[0]][FP4] == 0.0
-    c = cost_table(t, EstimateConfig(lam=0.0, first_order=True))
+    assert cost_table(t, EstimateConfig(lam=0.0, curvature="noise")).costs[t.keys[0]][FP4] == 0.0
+    c = cost_table(t, EstimateConfig(lam=0.0, first_order=True, curvature="noise"))
     assert c.costs[t.keys[0]][FP4] == pytest.approx(1e-3 / 2.0)
 
 
@@ -109,7 +109,7 @@ def test_weight_divergence_scales_with_adam_and_falls_back_without_state():
 
 def test_lambda_adds_weight_divergence():
     t = make_table()
-    c0, c1 = cost_table(t, EstimateConfig(lam=0.0)), cost_table(t, EstimateConfig(lam=1.0))
+    c0, c1 = cost_table(t, EstimateConfig(lam=0.0, curvature="noise")), cost_table(t, EstimateConfig(lam=1.0, curvature="noise"))
     k = t.keys[0]
     assert c1.costs[k][FP4] == pytest.approx(c0.costs[k][FP4] + c1.weight_div[k][FP4])
 
@@ -146,3 +146,16 @@ def test_format_lists_every_layer():
     c = cost_table(make_table(x_sq={0: math.nan}))
     text = c.format()
     assert "1.linear_qkv" in text and "NONFINITE" in text and len(text.splitlines()) == 9
+
+
+def test_fisher_and_mean_curvature():
+    t = make_table()  # noise kappa 1; ||G_Y||^2 / m = 1e-2 / 16
+    kf = 1e-2 / 16
+    assert dv.curvature(t, kind="fisher")[0] == pytest.approx(kf)
+    assert dv.curvature(t, kind="mean")[0] == pytest.approx(0.5 * (1.0 + kf))
+    t2 = make_table(fwd_zg_noisy={0: -100.0})  # a negative noise estimate counts as 0 in the mean
+    assert dv.curvature(t2, kind="mean")[0] == pytest.approx(0.5 * kf)
+    c = cost_table(t, EstimateConfig(lam=0.0, curvature="fisher"))
+    assert c.kappa[t.keys[0]] == pytest.approx(kf)
+    with pytest.raises(ValueError, match="curvature"):
+        EstimateConfig(curvature="nope")
