@@ -143,6 +143,43 @@ class Harness:
         return out
 
 
+# -- predictions from a statistics table -----------------------------------------------------------
+def predictions(stats, lambdas) -> dict:
+    """Everything the estimator predicts (default EstimateConfig, lambda varied) and the proxy."""
+    costs = {lam: cost_table(stats, EstimateConfig(lam=lam)) for lam in lambdas}
+    c0 = costs[lambdas[0]]
+    cu = cost_table(stats, EstimateConfig(lam=0.0, adam_error_model="uniform"))
+    pred = {p.value: {"dL": list(c0.column(p, "loss_div")), "WD": list(c0.column(p, "weight_div")),
+                      "WD_uniform": list(cu.column(p, "weight_div")),
+                      **{f"Q{lam}": list(costs[lam].column(p)) for lam in lambdas}}
+            for p in (FP8, FP4)}
+    for kind in ("noise", "fisher"):
+        ck = cost_table(stats, EstimateConfig(lam=0.0, curvature=kind))
+        for p in (FP8, FP4):
+            pred[p.value][f"dL_{kind}"] = list(ck.column(p, "loss_div"))
+    proxy = proxy_table(stats)
+    return {"pred": pred, "proxy": {p.value: [proxy[k][p] for k in stats.keys] for p in (FP8, FP4)},
+            "kappa": [c0.kappa[k] for k in stats.keys]}
+
+
+def load_stats(keys, array, fields=None):
+    """A StatsTable from a saved array; files from before a field was added get zeros for it."""
+    from snip_megatron.stats.table import StatsTable, field_names
+
+    array = np.asarray(array, float)
+    new = field_names()
+    if fields is None and array.shape[1] != len(new):
+        fields = [f for f in new if f not in ("adam_dv_sq", "adam_v_sum")]  # the first layout
+    if fields is not None and list(fields) != list(new):
+        out = np.zeros((array.shape[0], len(new)))
+        for j, f in enumerate(fields):
+            out[:, new.index(f)] = array[:, j]
+        out[-1, :] = 0.0
+        out[-1, :3] = array[-1, :3]
+        array = out
+    return StatsTable.from_array(keys, array)
+
+
 # -- one evaluation point ------------------------------------------------------------------------
 def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     args, tr = h.args, h.tr
@@ -157,17 +194,9 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     tr.current_batch = batch
     stats = measure(tr, config=mconfig)
     tr.current_batch = None
-    out = {"measure_s": time.perf_counter() - t0, "stats": stats.to_array().tolist()}
-    costs = {lam: cost_table(stats, EstimateConfig(lam=lam)) for lam in args.lambdas}
-    c0 = costs[args.lambdas[0]]
-    cu = cost_table(stats, EstimateConfig(lam=0.0, adam_error_model="uniform"))
-    out["pred"] = {p.value: {"dL": list(c0.column(p, "loss_div")), "WD": list(c0.column(p, "weight_div")),
-                             "WD_uniform": list(cu.column(p, "weight_div")),
-                             **{f"Q{lam}": list(costs[lam].column(p)) for lam in args.lambdas}}
-                   for p in (FP8, FP4)}
-    proxy = proxy_table(stats)
-    out["proxy"] = {p.value: [proxy[k][p] for k in h.keys] for p in (FP8, FP4)}
-    out["kappa"] = [c0.kappa[k] for k in h.keys]
+    out = {"measure_s": time.perf_counter() - t0, "stats": stats.to_array().tolist(),
+           "stats_fields": list(stats.fields)}
+    out.update(predictions(stats, args.lambdas))
     snap = h.snapshot()
 
     # truth 1: one-step loss harm on validation batches, each layer alone
@@ -255,6 +284,11 @@ def scores(r: dict, lambdas, default_lam) -> dict:
     dL = {p: np.array(r["pred"][p]["dL"]) for p in ("fp8", "fp4")}
     prox = {p: np.array(r["proxy"][p]) for p in ("fp8", "fp4")}
     s["fp4"] = spearman(dL["fp4"], harm["fp4"])
+    for kind in ("noise", "fisher"):
+        if f"dL_{kind}" in r["pred"]["fp4"]:
+            d4, d8 = np.array(r["pred"]["fp4"][f"dL_{kind}"]), np.array(r["pred"]["fp8"][f"dL_{kind}"])
+            s[f"fp4_{kind}"] = spearman(d4, harm["fp4"])
+            s[f"marginal_{kind}"] = spearman(d4 - d8, harm["fp4"] - harm["fp8"])
     s["fp8"] = spearman(dL["fp8"], harm["fp8"])
     s["marginal"] = spearman(dL["fp4"] - dL["fp8"], harm["fp4"] - harm["fp8"])
     s["proxy_fp4"] = spearman(prox["fp4"], harm["fp4"])
@@ -282,11 +316,11 @@ def scores(r: dict, lambdas, default_lam) -> dict:
     return s
 
 
-def print_table(h: Harness, r: dict, name: str) -> None:
+def print_table(keys, r: dict, name: str) -> None:
     print(f"\n== {name}: per layer (harm = validation loss increase; dev = relative update deviation)")
     print(f"{'layer':<16}{'kappa':>9}{'dL.fp8':>10}{'harm.fp8':>10}{'dL.fp4':>10}{'harm.fp4':>10}"
           f"{'proxy4':>9}{'WD.fp4':>10}{'dev.fp4':>10}" + (f"{'long.fp4':>10}{'long.fp8':>10}" if "long" in r else ""))
-    for i, k in enumerate(h.keys):
+    for i, k in enumerate(keys):
         line = (f"{str(k):<16}{r['kappa'][i]:>9.3g}{r['pred']['fp8']['dL'][i]:>10.3g}"
                 f"{np.mean(r['harm']['fp8'][i]):>10.3g}{r['pred']['fp4']['dL'][i]:>10.3g}"
                 f"{np.mean(r['harm']['fp4'][i]):>10.3g}{r['proxy']['fp4'][i]:>9.3g}"
@@ -313,10 +347,14 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--truths", default="harm,dev,long", help="which truths to measure")
     ap.add_argument("--points", default="early,later", help="which points to measure")
+    ap.add_argument("--rescore", default=None, help="recompute predictions and scores from a saved "
+                    "--out JSON with the current estimator (the measurement and truths are reused)")
     ap.add_argument("--out", default=None, help="write all raw numbers as JSON")
     args = ap.parse_args(argv)
     args.lambdas = [float(x) for x in args.lambdas.split(",")]
     args.long_precisions = [Precision.parse(p) for p in args.long_precisions.split(",") if p]
+    if args.rescore:
+        return rescore(args)
     start = time.perf_counter()
 
     def log(msg):
@@ -337,12 +375,35 @@ def main(argv=None) -> None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out + ".partial").write_text(json.dumps({"keys": [str(k) for k in h.keys],
                                                                "results": results}))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": {k: (v if not isinstance(v, list) else [str(x) for x in v])
+                                                        for k, v in vars(args).items()},
+                                              "keys": [str(k) for k in h.keys], "results": results}))
+    log("done")
+    report([str(k) for k in h.keys], results, args)
+
+
+def rescore(args) -> None:
+    from snip_megatron.plan import parse_key
+
+    saved = json.loads(Path(args.rescore).read_text())
+    keys = [parse_key(k) for k in saved["keys"]]
+    args.fp4_recipe = saved.get("args", {}).get("fp4_recipe", args.fp4_recipe)
+    results = saved["results"]
+    for r in results.values():
+        r.update(predictions(load_stats(keys, r["stats"], r.get("stats_fields")), args.lambdas))
+    print(f"rescored {args.rescore} with the current estimator ({EstimateConfig()})")
+    report([str(k) for k in keys], results, args)
+
+
+def report(keys, results: dict, args) -> None:
     default_lam = EstimateConfig().lam
     all_scores = {n: scores(r, args.lambdas, default_lam) for n, r in results.items()}
     for n, r in results.items():
         if r["harm"] and r["dev"]:
-            print_table(h, r, f"{n} point ({args.fp4_recipe})")
-    print(f"\n== Spearman over {len(h.keys)} layers ({args.fp4_recipe}); predicted dL vs one-step harm, "
+            print_table(keys, r, f"{n} point ({args.fp4_recipe})")
+    print(f"\n== Spearman over {len(keys)} layers ({args.fp4_recipe}); predicted dL vs one-step harm, "
           f"WD vs update deviation, Q(lambda) vs long-horizon harm")
     for n, s in all_scores.items():
         print(f"{n}: " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
@@ -351,13 +412,6 @@ def main(argv=None) -> None:
     print(f"lambda by long-horizon FP4 score: " + " ".join(
         f"{lam}:{later.get(f'long_fp4_Q{lam}', math.nan):.3f}" for lam in args.lambdas)
           + f"  -> best {best} (EstimateConfig default {default_lam})")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": {k: (v if not isinstance(v, list) else [str(x) for x in v])
-                                                        for k, v in vars(args).items()},
-                                              "keys": [str(k) for k in h.keys], "results": results,
-                                              "scores": all_scores}, indent=1))
-    log("done")
     print(f"RESULT spearman_fp4={later['fp4']:.3f} spearman_marginal={later['marginal']:.3f} "
           f"spearman_long={later.get('long', math.nan):.3f} spearman_wd={later['wd']:.3f} "
           f"spearman_proxy={later['proxy_fp4']:.3f} ceiling_split={later['ceiling_split']:.3f} "
