@@ -10,13 +10,16 @@ from distributed import run_distributed  # noqa: E402
 SCRIPT = str(Path(__file__).with_name("resume_script.py"))
 
 
-@pytest.mark.parametrize("flags, dp", [(["--tp", "2"], 1), (["--tp", "1", "--distributed-optimizer"], 2)],
-                         ids=["tp2", "dp2-distopt"])
-def test_resume_matches_uninterrupted_run_on_two_ranks(data_config, tmp_path, flags, dp):
-    out = tmp_path / "result.json"
-    run_distributed([SCRIPT, *flags, "--data-cache", data_config.cache_dir, "--ckpt", str(tmp_path / "ckpt"),
-                     "--out", str(out)], nproc=2, timeout=300)
-    result = json.loads(out.read_text())
-    assert result["world"] == 2 and result["dp"] == dp
-    assert len(result["full"]) == 4 and len(result["resumed"]) == 1
-    assert result["resumed"][0] == pytest.approx(result["full"][3], rel=1e-6)
+def test_resume_matches_uninterrupted_run_with_tp2_and_dp2(data_config, tmp_path):
+    # One launch for both layouts: process start-up and Megatron's import dominate the cost.
+    run_distributed([SCRIPT, "--data-cache", data_config.cache_dir, "--work", str(tmp_path)],
+                    nproc=2, timeout=400)
+    results = json.loads((tmp_path / "result.json").read_text())
+    assert (results["tp2"]["tp"], results["tp2"]["dp"]) == (2, 1)
+    assert (results["dp2-distopt"]["tp"], results["dp2-distopt"]["dp"]) == (1, 2)
+    for name, r in results.items():
+        assert len(r["full"]) == 4 and len(r["resumed"]) == 1, name
+        assert r["resumed"][0] == pytest.approx(r["full"][3], rel=1e-6), name
+    # Both layouts train the same model on the same 8 samples per step (2 micro-batches on one DP
+    # rank, or 1 on each of two): the same losses up to float reordering.
+    assert results["tp2"]["full"] == pytest.approx(results["dp2-distopt"]["full"], rel=1e-4)
