@@ -583,13 +583,17 @@ def install_step_hook(run: SnipRun) -> None:
     original = mtraining.train_step
 
     def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        from megatron.training import get_args
+
         iteration = kwargs.get("iteration")
         if iteration is None:
-            from megatron.training import get_args
-
             iteration = get_args().curr_iteration
         step = iteration + 1
         data_iterator = run.step_begin(step, model, optimizer, data_iterator)
+        # Gradient stochastic rounding: a stream per (layer, step), so a resumed run rounds alike.
+        from snip_megatron.megatron.sr_seed import reseed_stochastic_rounding
+
+        reseed_stochastic_rounding(model, step, get_args().seed)
         result = original(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
         run.step_end(step, result[0].get("lm loss") if result[0] else None)
         return result

@@ -26,6 +26,7 @@ from snip_megatron.data.gpt import BatchReader, build_splits
 from snip_megatron.data.prepare import prepare
 from snip_megatron.formats.precision import Precision
 from snip_megatron.megatron import runtime
+from snip_megatron.megatron.sr_seed import reseed_stochastic_rounding
 from snip_megatron.plan import Plan
 from snip_megatron.train import checkpoint
 from snip_megatron.train.config import TrainConfig
@@ -185,6 +186,8 @@ class Trainer:
         self.current_batch = self.reader.take(self.num_microbatches)
         for hook in self.hooks:
             hook.on_step_start(self, step)
+        # Gradient stochastic rounding: a stream per (layer, step), so a resumed run rounds alike.
+        reseed_stochastic_rounding(self.chunks, step, self.config.seed)
         start = time.perf_counter()
         loss = self.forward_backward()
         ok, grad_norm, _ = self.optimizer.step()
