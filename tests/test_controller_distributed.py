@@ -1,0 +1,97 @@
+"""SnipController in real Megatron-Core runs (gloo): TP=2, PP=2, DP=2 apply the same plan at the
+same step as one process; kill-and-resume keeps plan, schedule and losses; no collective on
+ordinary steps. TP and DP initialise the same weights as one process; PP initialises differently,
+so the PP run continues from a single-process checkpoint (resharded on load)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import ROOT, run_distributed
+
+WORKER = str(ROOT / "tests" / "workers" / "controller_worker.py")
+MEASURE_STEP, APPLY_STEP = 4, 5  # warmup 4, lag 1
+
+
+def _run(out, cache, nproc=1, extra=()):
+    run_distributed([WORKER, "--out", str(out), "--data-cache", str(cache), *extra], nproc=nproc,
+                    timeout=600)
+    return [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """A 2-step FP8 run without SNIP, checkpointed: the common starting point."""
+    root = tmp_path_factory.mktemp("ctrl")
+    cache, ckpt = root / "data", root / "start"
+    _run(root / "base", cache, extra=["--no-snip", "--steps", "2", "--save", str(ckpt), "--save-interval", "2"])
+    return root, cache, ckpt
+
+
+@pytest.fixture(scope="module")
+def single(start):
+    root, cache, ckpt = start
+    return _run(root / "single", cache, extra=["--steps", "6"])[0]
+
+
+@pytest.fixture(scope="module")
+def single_resumed(start):
+    root, cache, ckpt = start
+    return _run(root / "single_resumed", cache, extra=["--load", str(ckpt), "--steps", "6"])[0]
+
+
+def _plans(rank):
+    return [(step, json.dumps(plan, sort_keys=True)) for step, plan in rank["applied"]]
+
+
+def test_single_process_replans_at_the_apply_step(single):
+    steps = [s for s, _ in single["applied"]]
+    assert APPLY_STEP in steps
+    new = dict(single["applied"])[APPLY_STEP]
+    assert sum(p == "fp4" for p in new.values()) > 0
+    assert single["next_measure"] == MEASURE_STEP + 100
+
+
+def _same_plans_everywhere(ranks, reference, nproc):
+    assert len(ranks) == nproc
+    for rank in ranks:
+        assert rank["final"] == ranks[0]["final"]
+        assert _plans(rank) == _plans(ranks[0])            # same plans at the same steps
+    assert _plans(ranks[0]) == _plans(reference)            # and the single-process ones
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], []], ids=["tp2", "dp2"])
+def test_every_rank_applies_the_single_process_plan(start, single, tmp_path, layout):
+    root, cache, ckpt = start
+    _same_plans_everywhere(_run(tmp_path, cache, nproc=2, extra=["--steps", "6", *layout]), single, 2)
+
+
+def test_no_collective_on_ordinary_steps(start, tmp_path):
+    root, cache, ckpt = start
+    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--tp", "2"])
+    for rank in ranks:
+        calls = {int(s): n for s, n in rank["calls"].items()}
+        assert calls[MEASURE_STEP] > 0 and calls[APPLY_STEP] > 0
+        ordinary = {s: n for s, n in calls.items() if s not in (MEASURE_STEP, APPLY_STEP)}
+        assert ordinary and all(n == 0 for n in ordinary.values()), calls
+
+
+def test_kill_after_plan_change_and_resume(start, tmp_path):
+    root, cache, ckpt = start
+    full = _run(tmp_path / "full", cache, extra=["--load", str(ckpt), "--steps", "9", "--interval", "3",
+                                                 "--save", str(tmp_path / "ck"), "--save-interval", "6"])[0]
+    # "killed" after step 6 (plan changed at 5, next measurement at 7): resume from that checkpoint
+    resumed = _run(tmp_path / "resumed", cache, extra=["--load", str(tmp_path / "ck"), "--load-step", "6",
+                                                       "--steps", "9", "--interval", "3"])[0]
+    assert resumed["final"] == full["final"]
+    assert resumed["next_measure"] == full["next_measure"]
+    assert _plans(resumed)[-1] == _plans(full)[-1]
+    for step in ("7", "8", "9"):
+        a, b = full["losses"][step], resumed["losses"][step]
+        assert abs(a - b) <= 1e-6 * abs(a), (step, a, b)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
