@@ -54,6 +54,15 @@ class Trainer:
         if config.load_dir is not None:
             self.load(config.load_dir, config.load_step)
 
+    @property
+    def seq_length(self) -> int:
+        """Tokens per sample (the same attribute Megatron-LM's step adapter exposes to the controller)."""
+        return self.config.seq_len
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.config.micro_batch_size
+
     # ---- setup -------------------------------------------------------------------------------
 
     def _setup_parallel(self) -> None:

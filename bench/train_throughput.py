@@ -1,0 +1,68 @@
+"""Training throughput of a tiny model with every planned linear in BF16, FP8 and FP4 (emulated).
+
+    python bench/train_throughput.py                      # llama_tiny on the stdlib corpus, CPU
+    python bench/train_throughput.py --rounds 5 --steps-per-round 10
+
+One Trainer, one model: the precisions take turns in rounds (each round times `steps-per-round`
+optimizer steps per precision after a warm-up step), so a busy machine slows all three alike. The
+ratios are the emulation slowdown (tokens/s relative to BF16; below 1 is slower). No target yet:
+record it. Last line: `RESULT fp8_vs_bf16=<ratio> fp4_vs_bf16=<ratio>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
+from snip_megatron.plan import Plan
+from snip_megatron.shapes import get_shape
+from snip_megatron.train.config import TrainConfig
+from snip_megatron.train.loop import Trainer
+
+PRECISIONS = ("bf16", "fp8", "fp4")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama_tiny")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps-per-round", type=int, default=5)
+    p.add_argument("--data-cache", default=DEFAULT_CACHE_DIR)
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus cap (stdlib sources)")
+    args = p.parse_args(argv)
+
+    shape = get_shape(args.model)
+    per_precision = args.rounds * (args.steps_per_round + 1)
+    config = TrainConfig(model=args.model, steps=per_precision * len(PRECISIONS),
+                         micro_batch_size=args.micro_batch_size, eval_interval=None, progress=False,
+                         data=DataConfig(vocab_size=shape.vocab_size, cache_dir=args.data_cache,
+                                         max_bytes=args.max_bytes))
+    trainer = Trainer(config)
+    tokens_per_step = trainer.global_batch_size * config.seq_len
+    times = {p: [] for p in PRECISIONS}
+    for _ in range(args.rounds):
+        for precision in PRECISIONS:
+            trainer.set_plan(Plan.uniform(shape.num_layers, precision))
+            trainer.train_step()  # warm-up: first step after a switch builds new quantizer state
+            for _ in range(args.steps_per_round):
+                start = time.perf_counter()
+                trainer.train_step()
+                times[precision].append(time.perf_counter() - start)
+    trainer.close()
+
+    if trainer.is_reporter:
+        print(f"{args.model}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
+              f"{tokens_per_step} tokens/step, {args.rounds} x {args.steps_per_round} timed steps each")
+        tps = {}
+        for precision in PRECISIONS:
+            step = statistics.median(times[precision])
+            tps[precision] = tokens_per_step / step
+            print(f"  {precision:5s} {tps[precision]:10.0f} tokens/s  {step * 1e3:8.1f} ms/step (median)")
+        print(f"RESULT fp8_vs_bf16={tps['fp8'] / tps['bf16']:.3f} fp4_vs_bf16={tps['fp4'] / tps['bf16']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
