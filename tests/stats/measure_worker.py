@@ -59,23 +59,30 @@ def main():
     ap.add_argument("--out", required=True, help="folder for <layout>.npy")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    runtime.init_process_group()
+    for name in args.layouts.split(","):
+        table = measure_layout(name)
+        if dist.get_rank() == 0:
+            np.save(f"{args.out}/{name}.npy", table.to_array())
+    dist.barrier()
+    runtime.destroy(process_group=True)
+
+
+def measure_layout(name: str):
+    """Build the model of layout `name`, measure one step, tear the parallel state down."""
     from snip_megatron.megatron.batch import make_forward_step
     from snip_megatron.stats.config import MeasureConfig
     from snip_megatron.stats.measure import measure
     from snip_megatron.stats.quant_error import blockwise_error_fn
 
-    runtime.init_process_group()
-    for name in args.layouts.split(","):
-        tp, pp, megatron_init = LAYOUTS[name]
-        chunks = build(tp, pp, reinit=not megatron_init)
-        table = measure(chunks, make_forward_step(), batches(), seq_length=SHAPE.seq_length,
-                        micro_batch_size=2, config=MeasureConfig(noise_frac=0.05),
-                        error_fn=blockwise_error_fn())
-        if dist.get_rank() == 0:
-            np.save(f"{args.out}/{name}.npy", table.to_array())
+    tp, pp, megatron_init = LAYOUTS[name]
+    chunks = build(tp, pp, reinit=not megatron_init)
+    try:
+        return measure(chunks, make_forward_step(), batches(), seq_length=SHAPE.seq_length,
+                       micro_batch_size=2, config=MeasureConfig(noise_frac=0.05),
+                       error_fn=blockwise_error_fn())
+    finally:
         runtime.destroy()
-    dist.barrier()
-    runtime.destroy(process_group=True)
 
 
 if __name__ == "__main__":
