@@ -68,6 +68,12 @@ def test_every_rank_applies_the_single_process_plan(start, single, tmp_path, lay
     _same_plans_everywhere(_run(tmp_path, cache, nproc=2, extra=["--steps", "6", *layout]), single, 2)
 
 
+def test_pipeline_ranks_apply_the_single_process_plan(start, single_resumed, tmp_path):
+    root, cache, ckpt = start
+    ranks = _run(tmp_path, cache, nproc=2, extra=["--load", str(ckpt), "--steps", "6", "--pp", "2"])
+    _same_plans_everywhere(ranks, single_resumed, 2)
+
+
 def test_no_collective_on_ordinary_steps(start, tmp_path):
     root, cache, ckpt = start
     ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--tp", "2"])

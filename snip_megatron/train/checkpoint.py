@@ -156,6 +156,15 @@ def load(root: "str | Path", step: int | None, sharded_state_dict: dict) -> tupl
     return int(path.name[5:]), state
 
 
+def saved_world_size(root: "str | Path", step: int | None) -> int | None:
+    """The world size a verified checkpoint was written with (None for checkpoints that predate it)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(verify(root, step)))
+    size = common.get("trainer", {}).get("world_size")
+    return None if size is None else int(size)
+
+
 def rng_state() -> dict:
     """This rank's RNG streams: torch's and Megatron's model-parallel tracker."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker

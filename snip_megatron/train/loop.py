@@ -44,6 +44,7 @@ class Trainer:
         check_unique_names(self.hooks)
         self.step = 0
         """Optimizer steps completed."""
+        self._resharding = False
         self.consumed_train_samples = 0
         self.current_batch: list[dict] | None = None
         self.history: list[dict] = []
@@ -287,11 +288,15 @@ class Trainer:
             "consumed_train_samples": self.consumed_train_samples,
             "global_batch_size": self.global_batch_size,
             "plan": json.dumps({str(k): p.value for k, p in self.plan.items()}),
+            "world_size": self.world_size,
+            # Rank 0's hook state, for a resume on another layout (where per-rank state cannot map).
+            "hooks": hooks_to_json(self.hooks),
         }
         # Per rank (hooks may keep rank-local state, RNG streams differ by TP rank): one shard each.
-        per_rank = {"rng": checkpoint.rng_state(), "hooks": hooks_to_json(self.hooks)}
-        state["rank_state"] = ShardedObject("rank_state", per_rank, (self.world_size,), (self.rank,),
-                                            replica_id=0)
+        if not (is_loading and self._resharding):
+            per_rank = {"rng": checkpoint.rng_state(), "hooks": hooks_to_json(self.hooks)}
+            state["rank_state"] = ShardedObject("rank_state", per_rank, (self.world_size,), (self.rank,),
+                                                replica_id=0)
         return state
 
     def save(self, root: "str | Path") -> Path:
@@ -300,6 +305,10 @@ class Trainer:
 
     def load(self, root: "str | Path", step: int | None = None) -> int:
         """Resume from a checkpoint (latest when step is None); returns its step. Collective."""
+        saved_world = checkpoint.saved_world_size(root, step)
+        # Another world size (a new TP/PP/DP layout): weights, optimizer and scheduler reshard;
+        # per-rank RNG streams cannot map, so they restart from the seed (said, not silent).
+        self._resharding = saved_world is not None and saved_world != self.world_size
         step, state = checkpoint.load(root, step, self.sharded_state_dict(is_loading=True))
         trainer_state = state["trainer"]
         if trainer_state["global_batch_size"] != self.global_batch_size:
@@ -315,9 +324,15 @@ class Trainer:
         self.consumed_train_samples = int(trainer_state["consumed_train_samples"])
         self.reader.consumed = self.consumed_train_samples
         self.set_plan(Plan(json.loads(trainer_state["plan"]).items()))
-        rank_state = state["rank_state"]
-        hooks_from_json(self.hooks, rank_state["hooks"])
-        checkpoint.set_rng_state(rank_state["rng"])
+        if self._resharding:
+            hooks_from_json(self.hooks, trainer_state["hooks"])
+            if self.is_reporter:
+                print(f"resuming step {step} on {self.world_size} ranks from a checkpoint of "
+                      f"{saved_world}: RNG streams restart from the seed", flush=True)
+        else:
+            rank_state = state["rank_state"]
+            hooks_from_json(self.hooks, rank_state["hooks"])
+            checkpoint.set_rng_state(rank_state["rng"])
         return step
 
     def close(self) -> None:
