@@ -12,13 +12,18 @@ import argparse
 import statistics
 import sys
 
+from pathlib import Path
+
+from snip_megatron.config import SnipConfig
+from snip_megatron.controller import SnipController
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
+from snip_megatron.megatron.args import add_snip_args, snip_config_from_args
 from snip_megatron.shapes import get_shape
 from snip_megatron.train.config import TrainConfig
 from snip_megatron.train.loop import Trainer
 
 
-def parse_args(argv: list[str] | None = None) -> TrainConfig:
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, str | None]:
     p = argparse.ArgumentParser(prog="python -m snip_megatron.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
@@ -56,11 +61,19 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     d.add_argument("--tokenizer", default=None)
     d.add_argument("--max-docs", type=int, default=None)
     d.add_argument("--max-bytes", type=int, default=None)
+    add_snip_args(p)
+    p.add_argument("--run-dir", default=None,
+                   help="folder for the SNIP plan log (snip_plans.jsonl) and the report; default: "
+                        "beside --metrics")
     args = p.parse_args(argv)
     data = DataConfig(corpus=args.corpus, cache_dir=args.data_cache, tokenizer=args.tokenizer,
                       vocab_size=args.vocab_size or get_shape(args.model).vocab_size,
                       max_docs=args.max_docs, max_bytes=args.max_bytes)
-    return TrainConfig(
+    snip = snip_config_from_args(args)
+    run_dir = args.run_dir or (str(Path(args.metrics).parent) if args.metrics else None)
+    if snip.enabled and args.precision == "bf16":
+        args.precision = snip.initial_precision  # the plan before SNIP's first measurement
+    train = TrainConfig(
         model=args.model, data=data, steps=args.steps, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, lr=args.lr,
         min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_style=args.lr_decay_style,
@@ -71,11 +84,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         log_interval=args.log_interval, metrics_path=args.metrics, save_dir=args.save_dir,
         save_interval=args.save_interval, load_dir=args.load_dir, load_step=args.load_step,
         progress=not args.no_progress)
+    return train, snip, run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
-    trainer = Trainer(config)
+    config, snip, run_dir = parse_args(argv)
+    hooks = []
+    if snip.enabled:
+        hooks.append(SnipController(snip, config.shape, total_steps=config.steps, run_dir=run_dir,
+                                    tokens_per_step=config.micro_batch_size * config.seq_len))
+    trainer = Trainer(config, hooks=hooks)
     history = trainer.fit()
     if trainer.is_reporter:
         vals = [m["val_loss"] for m in history if "val_loss" in m]

@@ -181,13 +181,13 @@ def test_tiny_recipe_becomes_compact_loop_arguments():
 
 
 def test_compact_loop_parses_its_arguments():
-    """The compact loop's own parser takes everything but the --snip* flags, which it must add
-    with snip_megatron.megatron.add_snip_args."""
+    """The compact loop's parser takes every argument of the recipe, the --snip* flags included."""
     from snip_megatron.train.__main__ import parse_args
 
-    args = compact_args(compose_recipe(["parallel=dp2", "train.train_iters=120"]))
-    config = parse_args(args[:args.index("--snip")])
+    args = compact_args(compose_recipe(["parallel=dp2", "train.train_iters=120", "snip.fp4_budget=0.8"]))
+    config, snip, _ = parse_args(args)
     assert (config.steps, config.global_batch_size, config.distributed_optimizer) == (120, 8, True)
+    assert snip.enabled and snip.fp4_budget == 0.8 and config.precision == snip.initial_precision
 
 
 @pytest.mark.parametrize("overrides, message", [
