@@ -19,6 +19,7 @@ setup(
         "tokenizers",
         "tqdm",
         "matplotlib",
+        "psutil",  # Megatron's checkpoint writer logs process memory with it
     ],
     extras_require={
         # GPU only: never install these on a CPU machine (a half-installed TE breaks megatron.core).
