@@ -10,9 +10,10 @@ from dataclasses import dataclass
 class EstimateConfig:
     """How statistics become per-layer costs Q_l(p) = dL_l(p) / L + lam * WD_l(p)."""
 
-    lam: float = 0.3
+    lam: float = 0.0
     """Weight of the (normalised) weight divergence against the relative loss divergence.
-    Default chosen from the long-horizon score of bench/estimator_fidelity.py (docs/method.md)."""
+    0 is the best long-horizon score of bench/estimator_fidelity.py on llama_tiny (lambda 0 / 0.3 /
+    1 / 3: 0.35 / 0.08 / 0.08 / 0.03, NVFP4, step 1000; docs/method.md). Re-check on real models."""
     first_order: bool = False
     """Add the signed first-order loss term <G_X, E_X> + <G_W, E_W>. Off by default: it was noise
     late in training in our measurements; turn on only when averaged over many batches."""
