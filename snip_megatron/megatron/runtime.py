@@ -30,16 +30,17 @@ def init_process_group(backend: str | None = None, timeout_s: float = 300.0) -> 
     Returns (rank, world_size). A no-op if already initialised.
     """
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun, SLURM scripts
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # One process. No os.environ edits: child processes must not inherit this port.
+            dist.init_process_group(backend=backend, timeout=timeout, rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -222,21 +222,24 @@ from snip_megatron.megatron import add_snip_args
 from snip_megatron.megatron import pretrain_gpt as pg
 from snip_megatron.megatron.pretrain_gpt import setup_megatron_lm
 
-sys.argv = [sys.argv[0]] + pg.CPU_FLAGS + pg._ckpt_format_flags() + sys.argv[1:]
-pg.patch_arguments_for_cpu()
-from megatron.core.enums import ModelType
-from megatron.training import pretrain
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
 
-args = parse_and_validate_args(extra_args_provider=lambda parser: add_snip_args(parser),
-                               args_defaults={"tokenizer_type": "NullTokenizer"})
-pg.prepare_cpu(args)  # CPU only; Megatron-LM does this itself on GPUs
-model_cfg = gpt_config_from_args(args)
-setup_megatron_lm(args, model_cfg)
-pg.skip_prebuilt_helpers()
-full_config = pretrain_cfg_container_from_args(args, model_cfg)
-pretrain(full_config, pg.datasets_provider, ModelType.encoder_or_decoder, pg.forward_step)
+# Megatron-LM's own main guard: its checkpoint writer spawns processes that re-import __main__.
+if __name__ == "__main__":
+    sys.argv = [sys.argv[0]] + pg.CPU_FLAGS + pg._ckpt_format_flags() + sys.argv[1:]
+    pg.patch_arguments_for_cpu()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=lambda parser: add_snip_args(parser),
+                                   args_defaults={"tokenizer_type": "NullTokenizer"})
+    pg.prepare_cpu(args)  # CPU only; Megatron-LM does this itself on GPUs
+    model_cfg = gpt_config_from_args(args)
+    setup_megatron_lm(args, model_cfg)
+    pg.skip_prebuilt_helpers()
+    full_config = pretrain_cfg_container_from_args(args, model_cfg)
+    pretrain(full_config, pg.datasets_provider, ModelType.encoder_or_decoder, pg.forward_step)
 """
 
 
