@@ -60,8 +60,9 @@ class SnipConfig:
     """last_fraction baseline: fraction of the final layers kept out of FP4."""
     initial_precision: str = "fp8"
     """Precision of every planned linear before the first plan (bf16, fp8 or fp4)."""
-    lambda_wd: float = 1.0
-    """Weight of the weight-divergence term against the loss-divergence term in the cost."""
+    lambda_wd: float = 0.0
+    """Weight of the weight-divergence term against the loss-divergence term in the cost. 0 by default:
+    it scored best against the long-horizon harm in bench/estimator_fidelity.py (docs/method.md)."""
     switch_penalty: float = 0.0
     """Cost added for changing a layer's precision against the previous plan (>= 0)."""
     solver_time_limit_s: float = 60.0
