@@ -62,10 +62,20 @@ def _same_plans_everywhere(ranks, reference, nproc):
     assert _plans(ranks[0]) == _plans(reference)            # and the single-process ones
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], []], ids=["tp2", "dp2"])
-def test_every_rank_applies_the_single_process_plan(start, single, tmp_path, layout):
+def test_tp_ranks_apply_the_single_process_plan(start, single, tmp_path):
     root, cache, ckpt = start
-    _same_plans_everywhere(_run(tmp_path, cache, nproc=2, extra=["--steps", "6", *layout]), single, 2)
+    _same_plans_everywhere(_run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--tp", "2"]), single, 2)
+
+
+def test_dp_replicas_apply_one_plan_at_the_same_step(start, single, tmp_path):
+    # Each replica measures its own half of the global batch and the statistics are averaged, so
+    # the plan equals the single-process one when the replicas see the same data: that equality
+    # is checked on the statistics themselves in tests/stats/test_measure_parallel.py. Here: every
+    # replica switches to the identical plan at the same step as one process does.
+    root, cache, ckpt = start
+    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6"])
+    assert ranks[0]["final"] == ranks[1]["final"] and _plans(ranks[0]) == _plans(ranks[1])
+    assert [s for s, _ in ranks[0]["applied"]] == [s for s, _ in single["applied"]]
 
 
 def test_pipeline_ranks_apply_the_single_process_plan(start, single_resumed, tmp_path):
