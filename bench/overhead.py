@@ -8,15 +8,20 @@
 2. The CPU time of estimate + solve on the 70B layout (80 layers, 320 planned linears, PP=8
    per-stage budgets) with synthetic statistics: cost_table + solve_plan at a 75% FP4 budget.
 
-    python bench/overhead.py
-Last line: RESULT measure_step_equiv=<x> cpu_s_70b=<x>
+3. The whole-loop overhead at intervals 100 and 1000: training with the SNIP controller against
+   the same run without it, side by side (bench/loop_overhead.py), in percent of training time.
+
+    python bench/overhead.py [--loop-steps 2000] [--no-loop]
+Last line: RESULT measure_step_equiv=<x> cpu_s_70b=<x> loop_overhead_pct_100=<x> loop_overhead_pct_1000=<x>
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -111,6 +116,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=5, help="interleaved (steps, measurement) rounds")
     ap.add_argument("--mbs", type=int, default=8)
+    ap.add_argument("--loop-steps", type=int, default=2000, help="steps of each side-by-side loop run")
+    ap.add_argument("--no-loop", action="store_true", help="skip the whole-loop overhead runs")
     args = ap.parse_args(argv)
 
     cost = measure_cost(args.pairs, args.mbs)
@@ -122,7 +129,17 @@ def main(argv=None) -> None:
     cpu_s, result = estimate_and_solve_70b()
     print(f"70B layout (320 linears, PP=8 per-stage budgets, rho=0.75): estimate + solve "
           f"{cpu_s:.3f}s median of 3; solver {getattr(result, 'solver', '?')}")
-    print(f"RESULT measure_step_equiv={cost['ratio']['bf16']:.2f} cpu_s_70b={cpu_s:.3f}")
+    loop = ""
+    if not args.no_loop:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from loop_overhead import loop_overhead
+
+        for interval, f in loop_overhead((100, 1000), args.loop_steps).items():
+            print(f"interval {interval}: {f['updates']} updates; plain {f['plain_s']:.1f}s, with SNIP "
+                  f"{f['snip_s']:.1f}s ({f['overhead_pct']:+.2f}%); inside the controller's hooks "
+                  f"{f['hook_s']:.2f}s ({f['hook_pct']:.2f}%)")
+            loop += f" loop_overhead_pct_{interval}={f['overhead_pct']:.2f}"
+    print(f"RESULT measure_step_equiv={cost['ratio']['bf16']:.2f} cpu_s_70b={cpu_s:.3f}{loop}")
 
 
 if __name__ == "__main__":
