@@ -317,12 +317,12 @@ def main(argv=None) -> None:
     p.add_argument("--budgets", default=None, help="comma list of FP4 fractions")
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=None, help="default 8 (quick: 6)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=352)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=None, help="default 8 (quick: 4)")
     p.add_argument("--max-bytes", type=int, default=6_000_000)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--data-cache", default=str(ROOT / ".cache" / "snip-data"))
@@ -332,7 +332,9 @@ def main(argv=None) -> None:
     args.formats = (args.formats or ("nvfp4" if args.quick else "nvfp4,mxfp4")).split(",")
     args.budgets = [float(b) for b in (args.budgets or ("0.75,0.8" if args.quick else "0.5,0.75,0.8,0.9")).split(",")]
     args.seeds = args.seeds or (2 if args.quick else 3)
-    args.steps = args.steps or (150 if args.quick else 400)
+    args.steps = args.steps or (120 if args.quick else 400)
+    args.layers = args.layers or (6 if args.quick else 8)
+    args.micro_batch_size = args.micro_batch_size or (4 if args.quick else 8)
     heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
 
     # Tokenize once, before the workers start (they would race on the cache otherwise).
