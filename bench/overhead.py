@@ -135,7 +135,7 @@ def main(argv=None) -> None:
         from loop_overhead import loop_overhead
 
         for interval, f in loop_overhead((100, 1000), args.loop_steps).items():
-            print(f"interval {interval}: {f['updates']} updates; plain {f['plain_s']:.1f}s, with SNIP "
+            print(f"interval {interval}: {f['updates']} updates; fixed plan {f['plain_s']:.1f}s, with SNIP "
                   f"{f['snip_s']:.1f}s ({f['overhead_pct']:+.2f}%); inside the controller's hooks "
                   f"{f['hook_s']:.2f}s ({f['hook_pct']:.2f}%)")
             loop += f" loop_overhead_pct_{interval}={f['overhead_pct']:.2f}"
