@@ -1,7 +1,9 @@
 """SnipController in real Megatron-Core runs (gloo): TP=2, PP=2, DP=2 apply the same plan at the
 same step as one process; kill-and-resume keeps plan, schedule and losses; no collective on
 ordinary steps. TP and DP initialise the same weights as one process; PP initialises differently,
-so the PP run continues from a single-process checkpoint (resharded on load)."""
+so the PP run continues from a single-process checkpoint (resharded on load). The layout
+comparisons train in BF16 before the measurement: emulated FP8 blocks of this small model straddle
+TP shards, so FP8 training itself would differ slightly between layouts (see emulation tests)."""
 
 import json
 import sys
@@ -33,7 +35,7 @@ def start(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(start):
     root, cache, ckpt = start
-    return _run(root / "single", cache, extra=["--steps", "6"])[0]
+    return _run(root / "single", cache, extra=["--steps", "6", "--initial", "bf16"])[0]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,8 @@ def _same_plans_everywhere(ranks, reference, nproc):
 
 def test_tp_ranks_apply_the_single_process_plan(start, single, tmp_path):
     root, cache, ckpt = start
-    _same_plans_everywhere(_run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--tp", "2"]), single, 2)
+    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--tp", "2", "--initial", "bf16"])
+    _same_plans_everywhere(ranks, single, 2)
 
 
 def test_dp_replicas_apply_one_plan_at_the_same_step(start, single, tmp_path):
@@ -73,7 +76,7 @@ def test_dp_replicas_apply_one_plan_at_the_same_step(start, single, tmp_path):
     # is checked on the statistics themselves in tests/stats/test_measure_parallel.py. Here: every
     # replica switches to the identical plan at the same step as one process does.
     root, cache, ckpt = start
-    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6"])
+    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--initial", "bf16"])
     assert ranks[0]["final"] == ranks[1]["final"] and _plans(ranks[0]) == _plans(ranks[1])
     assert [s for s, _ in ranks[0]["applied"]] == [s for s, _ in single["applied"]]
 

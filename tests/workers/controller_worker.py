@@ -82,12 +82,13 @@ def main():
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--interval", type=int, default=100)
     p.add_argument("--lag", type=int, default=1)
+    p.add_argument("--initial", default="fp8", help="precision before the first plan")
     args = p.parse_args()
 
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     dp = world // (args.tp * args.pp)
     train = TrainConfig(model=SHAPE, steps=args.steps, micro_batch_size=4 // dp, global_batch_size=4,
-                        lr=3e-3, warmup_steps=1, eval_interval=None, progress=False, precision="fp8",
+                        lr=3e-3, warmup_steps=1, eval_interval=None, progress=False, precision=args.initial,
                         tp=args.tp, pp=args.pp, seed=7, save_dir=args.save, save_interval=args.save_interval,
                         load_dir=args.load, load_step=args.load_step,
                         data=DataConfig(corpus="stdlib", vocab_size=SHAPE.vocab_size, max_bytes=400_000,
@@ -95,7 +96,7 @@ def main():
     hooks = []
     if not args.no_snip:
         snip = SnipConfig(enabled=True, fp4_budget=0.5, warmup=args.warmup, interval=args.interval,
-                          lag=args.lag, solver_time_limit_s=60)
+                          lag=args.lag, solver_time_limit_s=60, initial_precision=args.initial)
         ctrl = CountingController(snip, SHAPE, total_steps=args.steps, log=print,
                                   tokens_per_step=train.seq_len * 4)
         hooks.append(ctrl)
