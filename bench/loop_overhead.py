@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,14 +30,9 @@ def _run(args: tuple) -> dict:
     import warnings
 
     warnings.filterwarnings("ignore")
-    import socket
-
     import torch
 
     torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     from snip_megatron.config import SnipConfig
     from snip_megatron.controller import SnipController
     from snip_megatron.data.prepare import DataConfig

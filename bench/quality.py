@@ -83,7 +83,6 @@ def run_one(spec: RunSpec) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    os.environ["MASTER_PORT"] = str(_free_port())
     from snip_megatron.controller import SnipController
     from snip_megatron.data.prepare import DataConfig
     from snip_megatron.formats.precision import Precision
@@ -125,14 +124,6 @@ def _with_eval_batches(config, n):
     from dataclasses import replace
 
     return replace(config, eval_batches=n)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_specs(args) -> list[RunSpec]:

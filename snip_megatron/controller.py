@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.formats.precision import Precision
-from snip_megatron.plan import LayerKey, Plan, all_keys
+from snip_megatron.plan import LayerKey, Plan, all_keys, parse_key
 from snip_megatron.shapes import ModelShape
 
 PLANS_FILE = "snip_plans.jsonl"
@@ -312,9 +312,13 @@ class SnipController:
 
     # -- reporting ------------------------------------------------------------------------------
     def _record(self, step: int, plan: Plan, previous: Plan | None, info: dict) -> None:
-        fp4 = plan.fp4_fraction(self.flops)
+        from snip_megatron.planner.config import DEFAULT_GEMM_COST
+        from snip_megatron.planner.problem import measure
+
+        achieved = measure(plan, self.flops, DEFAULT_GEMM_COST)  # the planner's own models
+        fp4 = achieved.fp4_fraction
         row = {"step": step, "plan": {str(k): p.value for k, p in plan.items()},
-               "digest": plan.digest(), "fp4_fraction": fp4, "speedup": _speedup(plan, self.flops)}
+               "digest": plan.digest(), "fp4_fraction": fp4, "speedup": achieved.speedup}
         result = info.get("result")
         if result is not None:
             row.update(solver=result.solver, status=result.status, objective=result.objective,
@@ -377,7 +381,7 @@ class SnipController:
         plan = Plan.from_dict(state["plan"]).check_model(self.shape.num_layers)
         smoothed = state.get("smoothed_costs")
         if smoothed is not None:
-            smoothed = {LayerKey(*_key(k)): {Precision.parse(p): float(q) for p, q in row.items()}
+            smoothed = {parse_key(k): {Precision.parse(p): float(q) for p, q in row.items()}
                         for k, row in smoothed.items()}
             Plan({k: Precision.BF16 for k in smoothed}).check_model(self.shape.num_layers)
         pending = state.get("pending")
@@ -399,19 +403,6 @@ class SnipController:
                 self.pending.error = "the solve was not finished when the checkpoint was written"
         if self.model_chunks:
             self._apply(self.model_chunks, self.plan)
-
-
-def _key(text: str) -> tuple[int, str]:
-    layer, _, name = text.partition(".")
-    return int(layer), name
-
-
-def _speedup(plan: Plan, flops: Mapping) -> float:
-    from snip_megatron.planner.config import DEFAULT_GEMM_COST
-
-    total = sum(flops[k] for k in plan)
-    time_ = sum(flops[k] * DEFAULT_GEMM_COST[p] for k, p in plan.items())
-    return total / time_ if time_ else math.nan
 
 
 def format_plan_table(plan: Plan, previous: Plan, costs=None) -> str:
