@@ -58,6 +58,9 @@ class SnipConfig:
     """first_last_k baseline: transformer layers kept out of FP4 at each end of the model."""
     baseline_fraction: float = 0.15
     """last_fraction baseline: fraction of the final layers kept out of FP4."""
+    baseline_relax: bool = False
+    """When a baseline's kept-high linears leave less than `fp4_budget`, give them FP4 last (in the rule's
+    order) instead of refusing the budget (the rule is unchanged wherever it was feasible)."""
     initial_precision: str = "fp8"
     """Precision of every planned linear before the first plan (bf16, fp8 or fp4)."""
     lambda_wd: float = 0.0
@@ -79,7 +82,7 @@ class SnipConfig:
     """Seed of the noise passes and of the random baseline."""
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "per_stage_budget", "pin_plan"):
+        for name in ("enabled", "per_stage_budget", "pin_plan", "baseline_relax"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SnipConfig.{name} must be true or false, got {getattr(self, name)!r}")
         if not _is_number(self.fp4_budget) or not 0.0 <= self.fp4_budget <= 1.0:

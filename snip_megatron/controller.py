@@ -201,7 +201,8 @@ class SnipController:
                 rel_error = proxy_table(stats)
             result = baseline_plan(cfg.baseline, self.keys, self.flops, cfg.fp4_budget,
                                    rel_error=rel_error, seed=cfg.seed, k=cfg.baseline_k,
-                                   fraction=cfg.baseline_fraction, stages=self.stages)
+                                   fraction=cfg.baseline_fraction, stages=self.stages,
+                                   relax=cfg.baseline_relax)
             return {"plan": result.plan, "result": result, "costs": None, "measure_s": measure_s,
                     "solve_s": time.perf_counter() - start, "skipped": {}}
         costs = self._estimate(stats)

@@ -144,6 +144,17 @@ def test_baseline_replaces_the_solver():
     assert plan.fp4_fraction(h.ctrl.flops) >= 0.5 - 1e-9
 
 
+def test_relaxed_baseline_meets_a_budget_its_rule_cannot():
+    # last_fraction keeps layer 4 (25% of the FLOPs) high: 0.9 is out of reach unless relaxed.
+    strict = Harness(baseline="last_fraction", fp4_budget=0.9)
+    strict.run(0, 8)
+    assert strict.ctrl.plan == Plan.uniform(4, "fp8") and any("infeasible" in line for line in strict.logs)
+    relaxed = Harness(baseline="last_fraction", fp4_budget=0.9, baseline_relax=True)
+    relaxed.run(0, 8)
+    assert relaxed.ctrl.plan.fp4_fraction(relaxed.ctrl.flops) >= 0.9 - 1e-9
+    assert relaxed.ctrl.plan[(4, "linear_fc2")] is Precision.FP8  # the rule's last linear gives in last
+
+
 def test_disabled_and_pinned_never_measure(tmp_path):
     off = Harness(enabled=False)
     off.run(0, 30)

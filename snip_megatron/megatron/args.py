@@ -33,6 +33,7 @@ FIELD_TO_FLAG = {
     "baseline": "--snip-baseline",
     "baseline_k": "--snip-baseline-k",
     "baseline_fraction": "--snip-baseline-fraction",
+    "baseline_relax": "--snip-baseline-relax",
     "initial_precision": "--snip-initial-precision",
     "lambda_wd": "--snip-lambda-wd",
     "switch_penalty": "--snip-switch-penalty",
@@ -134,6 +135,8 @@ def add_snip_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--snip-baseline-fraction", type=_fraction, default=d.baseline_fraction,
                    dest=_dest("baseline_fraction"),
                    help=f"last_fraction: fraction of final layers kept out of FP4 (default {d.baseline_fraction}).")
+    g.add_argument("--snip-baseline-relax", action="store_true", dest=_dest("baseline_relax"),
+                   help="Where a baseline keeps too many linears high for the budget, give them FP4 last.")
     g.add_argument("--snip-initial-precision", choices=PRECISIONS, default=d.initial_precision,
                    dest=_dest("initial_precision"),
                    help=f"Precision of every planned linear before the first plan (default {d.initial_precision}).")

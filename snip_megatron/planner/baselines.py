@@ -4,8 +4,10 @@ Every rule except the uniform ones is "a priority order over the eligible linear
 that order, per group (each pipeline stage when `stages` is given, else the whole model), until the
 group's FP4 FLOPs reach rho of its linear FLOPs (so it may overshoot by at most one linear); every
 other linear runs in `high`. Linears a rule keeps high by definition are never eligible; if the
-eligible ones cannot reach rho, ValueError names the largest rho the rule can meet. So methods are
-compared at equal FP4 budgets, as in the paper's table.
+eligible ones cannot reach rho, ValueError names the largest rho the rule can meet, unless `relax`
+is set: then the kept linears get FP4 last (in the rule's own order), so a rule meets any budget and
+is unchanged wherever it was feasible. So methods are compared at equal FP4 budgets, as in the
+paper's table.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
                   high: Precision | str = Precision.FP8, rel_error: Mapping | None = None,
                   seed: int = 0, k: int = 1, fraction: float = 0.15, keep_type: str = "linear_fc2",
                   stages: Mapping | None = None, costs: Mapping | None = None,
-                  gemm_cost: Mapping | None = None) -> PlanResult:
+                  gemm_cost: Mapping | None = None, relax: bool = False) -> PlanResult:
     """The plan of baseline `name` at FP4 budget `rho`.
 
     - uniform_bf16 / uniform_fp8 / uniform_fp4: every linear in that precision (rho is ignored).
@@ -43,6 +45,9 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
     - min_rel_error: FP4 goes first to the linears whose relative FP4 quantization error (`rel_error`:
       LayerKey -> float, or LayerKey -> {Precision: float}) is smallest.
     - random: FP4 in a random order drawn from `seed`.
+    `relax`: where the linears a rule keeps high leave less than rho, they get FP4 last (first_last_k:
+    the outermost layers last; last_fraction: in forward order; layer_type: `keep_type` last) instead
+    of the budget being refused.
     `costs` (optional, a cost table) only fills the result's objective; `gemm_cost` the speed-up model.
     """
     start = time.perf_counter()
@@ -70,6 +75,8 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
     else:
         order = _priority(name, keys, rel_error=rel_error, seed=seed, k=k, fraction=fraction,
                           keep_type=keep_type)
+        if relax:
+            order = order + _relaxed_tail(name, keys, order)
         assignment = _fill(name, keys, order, flop_of, rho, high, stage_of)
 
     gemm = {Precision.parse(p): float(c) for p, c in (gemm_cost or DEFAULT_GEMM_COST).items()}
@@ -112,6 +119,18 @@ def _priority(name: str, keys: list[LayerKey], *, rel_error, seed, k, fraction,
     order = list(keys)
     random.Random(seed).shuffle(order)
     return order
+
+
+def _relaxed_tail(name: str, keys: list[LayerKey], order: list[LayerKey]) -> list[LayerKey]:
+    """The linears rule `name` keeps high, in the order they get FP4 when the budget needs them."""
+    eligible = set(order)
+    kept = [key for key in keys if key not in eligible]
+    if name == "first_last_k":
+        layers = sorted({key.layer for key in keys})
+        pos = {layer: i for i, layer in enumerate(layers)}
+        centre = (len(layers) - 1) / 2
+        return sorted(kept, key=lambda key: (abs(pos[key.layer] - centre), forward_order(key)))
+    return kept  # forward order: last_fraction's final layers, layer_type's kept linears
 
 
 def _fp4_errors(rel_error: Mapping | None, keys: list[LayerKey]) -> dict[LayerKey, float]:

@@ -43,6 +43,7 @@ def test_flags_reach_the_config():
 
 def test_plan_or_baseline_enables_snip():
     assert snip_config_from_args(parse("--snip-baseline", "uniform_fp8")).enabled
+    assert snip_config_from_args(parse("--snip-baseline", "first_last_k", "--snip-baseline-relax")).baseline_relax
     cfg = snip_config_from_args(parse("--snip-plan", "plan.json", "--snip-pin-plan"))
     assert cfg.enabled and cfg.pin_plan and not cfg.measures
 

@@ -69,6 +69,32 @@ def test_last_fraction_keeps_the_last_fifteen_percent_high():
         baseline_plan("last_fraction", KEYS, FLOPS, 0.9)
 
 
+@pytest.mark.parametrize("name", ["first_last_k", "last_fraction", "layer_type"])
+def test_relax_meets_any_budget_and_changes_nothing_where_feasible(name):
+    small = get_shape("llama_tiny")  # 6 layers: first_last_k and last_fraction top out below 0.9
+    flops = flop_table(small)
+    keys = list(flops)
+    with pytest.raises(ValueError, match="largest rho"):
+        baseline_plan(name, keys, flops, 0.9)
+    for rho in (0.5, 0.9, 0.95):
+        r = baseline_plan(name, keys, flops, rho, relax=True)
+        assert r.achieved.fp4_fraction >= rho - 1e-9
+    # Where the strict rule is feasible, relaxing it changes nothing.
+    assert baseline_plan(name, keys, flops, 0.3, relax=True).plan == baseline_plan(name, keys, flops, 0.3).plan
+
+
+def test_relaxed_rules_give_their_kept_linears_fp4_last():
+    small = get_shape("llama_tiny")
+    flops = flop_table(small)
+    keys = list(flops)
+    edges = baseline_plan("first_last_k", keys, flops, 0.75, relax=True).plan
+    assert edges[(1, "linear_qkv")] is P.FP4 or edges[(6, "linear_fc2")] is P.FP4  # one edge layer gave in
+    assert all(edges[k] is P.FP4 for k in keys if 2 <= k.layer <= 5)  # every middle layer first
+    tail = baseline_plan("last_fraction", keys, flops, 0.9, relax=True).plan
+    assert all(tail[k] is P.FP4 for k in keys if k.layer <= 5)
+    assert tail[(6, "linear_fc2")] is P.FP8  # the last linear is the last to give in
+
+
 def test_layer_type_keeps_one_linear_high():
     plan = baseline_plan("layer_type", KEYS, FLOPS, 0.6, keep_type="linear_fc2").plan
     assert all(plan[k] is P.FP8 for k in KEYS if k.name == "linear_fc2")
