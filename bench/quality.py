@@ -3,10 +3,17 @@
 Every method trains the same model on the same data for the same steps; a given seed feeds the same
 weights and data order to every method, so gaps are compared pair by pair. Every method runs the
 same initial plan (all planned linears in FP8) until the warm-up measurement; BF16 runs BF16
-throughout. Runs go in parallel processes (one thread each).
+throughout. Runs go in parallel processes (one thread each). Heuristics whose kept-high linears
+leave less than the budget are relaxed (SnipConfig.baseline_relax: the kept linears get FP4 last),
+so every method runs at the same FP4 budget. BF16 and uniform FP8 do not depend on the FP4 format
+and run once per seed.
 
-    python bench/quality.py --quick            # budgets 75/80, 3 heuristics, 2 seeds (~15 min)
-    python bench/quality.py                    # budgets 50/75/80/90, every heuristic, 3 seeds, NVFP4+MXFP4
+    python bench/quality.py --quick   # main format, budgets 75/80, 3 heuristics, 2 seeds (~15 min)
+    python bench/quality.py           # main format (MXFP4): budgets 50/75/80/90, every method, 3 seeds;
+                                      # the other format (NVFP4): budgets 75/80, every method
+
+Each finished run is appended to <run-dir>/results.jsonl; `--resume` skips the runs found there
+(same settings), so an interrupted benchmark continues where it stopped.
 
 Writes docs/results.md (tables, loss curves, the SNIP plan heat map, the command, machine, wall
 time) and ends with
@@ -60,7 +67,7 @@ def snip_config(spec: RunSpec):
     from snip_megatron.config import SnipConfig
 
     common = dict(enabled=True, warmup=spec.warmup, lag=1, initial_precision="fp8",
-                  fp4_recipe=spec.fp4_recipe, seed=spec.seed, solver_time_limit_s=60)
+                  fp4_recipe=spec.fp4_recipe, seed=spec.seed, solver_time_limit_s=60, baseline_relax=True)
     budget = spec.budget if spec.budget is not None else 1.0
     if spec.method == "bf16":
         return SnipConfig(enabled=False)
@@ -97,8 +104,8 @@ def run_one(spec: RunSpec) -> dict:
     for stale in run_dir.glob("*.jsonl"):
         stale.unlink()
     train = TrainConfig(model=shape, steps=spec.steps, micro_batch_size=spec.micro_batch_size,
-                        lr=3e-3, min_lr=3e-4, seed=spec.seed, eval_interval=max(1, spec.steps // 5),
-                        eval_batches=8, progress=False, metrics_path=str(run_dir / "metrics.jsonl"),
+                        lr=3e-3, min_lr=3e-4, seed=spec.seed, eval_interval=max(1, spec.steps // 4),
+                        eval_batches=4, progress=False, metrics_path=str(run_dir / "metrics.jsonl"),
                         precision="bf16" if spec.method == "bf16" else "fp8",
                         data=DataConfig(corpus="stdlib", vocab_size=shape.vocab_size,
                                         max_bytes=spec.max_bytes, cache_dir=spec.data_cache))
@@ -120,6 +127,24 @@ def run_one(spec: RunSpec) -> dict:
             "seconds": time.perf_counter() - start, "run_dir": str(run_dir)}
 
 
+def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
+    """The runs of `specs` already in the results log (a run counts only with identical settings)."""
+    if not path.exists():
+        return []
+    wanted = {s.name: asdict(s) for s in specs}
+    finished = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut off by an interrupted write
+        if wanted.get(r.get("name")) == r.get("spec"):
+            finished[r["name"]] = r
+    return list(finished.values())
+
+
 def _with_eval_batches(config, n):
     from dataclasses import replace
 
@@ -135,23 +160,30 @@ def build_specs(args) -> list[RunSpec]:
                   max_bytes=args.max_bytes, micro_batch_size=args.micro_batch_size,
                   run_dir=args.run_dir)
     heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
+    methods = heuristics + (("snip_periodic",) if args.quick else SNIP_METHODS)
+    main = args.formats[0]
     specs = []
     for fmt in args.formats:
+        budgets = args.budgets if fmt == main else args.other_budgets
         for seed in range(args.seeds):
-            for method in ("bf16", "uniform_fp8", "uniform_fp4"):
+            # BF16 and uniform FP8 never touch the FP4 format: once per seed, filed under the main format.
+            shared = ("bf16", "uniform_fp8") if fmt == main else ()
+            for method in shared + ("uniform_fp4",):
                 specs.append(RunSpec(method=method, budget=None, seed=seed, fp4_recipe=fmt, **common))
-            for budget in args.budgets:
-                methods = heuristics + (("snip_periodic",) if args.quick else SNIP_METHODS)
+            for budget in budgets:
                 for method in methods:
                     specs.append(RunSpec(method=method, budget=budget, seed=seed, fp4_recipe=fmt, **common))
     return specs
+
+
+FORMAT_FREE = ("bf16", "uniform_fp8")
 
 
 # -- aggregation ---------------------------------------------------------------------------------
 
 def summarize(results: list[dict], fmt: str, budgets, heuristics) -> dict:
     by = {(r["spec"]["method"], r["spec"]["budget"], r["spec"]["seed"]): r
-          for r in results if r["spec"]["fp4_recipe"] == fmt}
+          for r in results if r["spec"]["fp4_recipe"] == fmt or r["spec"]["method"] in FORMAT_FREE}
     seeds = sorted({s for (_, _, s) in by})
     bf16 = {s: by[("bf16", None, s)]["val_bf16"] for s in seeds if ("bf16", None, s) in by}
 
@@ -235,7 +267,8 @@ def draw_curves(results: list[dict], fmt: str, budget: float, out: Path) -> Path
     drawn = 0
     for r in results:
         s = r["spec"]
-        if s["fp4_recipe"] != fmt or s["seed"] != 0 or s["budget"] not in (None, budget):
+        if (s["fp4_recipe"] != fmt and s["method"] not in FORMAT_FREE) or s["seed"] != 0 \
+                or s["budget"] not in (None, budget):
             continue
         metrics = read_jsonl(Path(r["run_dir"]) / "metrics.jsonl")
         val = [(m["step"], m["val_loss"]) for m in metrics if m.get("val_loss") is not None]
@@ -273,11 +306,14 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
         "# Quality at equal FP4 budgets (written by `bench/quality.py`)",
         "",
         f"Command: `python bench/quality.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {os.cpu_count()} CPU cores ({cpu}), {platform.python_version()}; wall time {wall / 60:.1f} min.  ",
+        f"Machine: {os.cpu_count()} CPU cores ({cpu}), {platform.python_version()}; wall time {wall / 60:.1f} min"
+        f"{f' (this invocation; {args.resumed} runs came from an interrupted earlier one)' if getattr(args, 'resumed', 0) else ''}.  ",
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, seq {args.seq}, vocab {args.vocab}; "
         f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; warm-up (all FP8) "
-        f"{max(1, round(0.2 * args.steps))} steps. Gaps: final validation loss of the final weights "
-        "evaluated in BF16, relative to the BF16 run of the same seed.",
+        f"{max(1, round(0.2 * args.steps))} steps. Gaps: final validation loss (32 held-out batches) of the "
+        "final weights evaluated in BF16, relative to the BF16 run of the same seed. \"BF16\" is the "
+        "unquantized model: FP32 parameters, every planned linear unquantized. Heuristics whose kept "
+        "linears leave less than the budget are relaxed (the kept linears get FP4 last).",
         "",
     ]
     for fmt, summary in summaries.items():
@@ -304,28 +340,30 @@ def _cpu_name() -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--formats", default=None, help="comma list: nvfp4,mxfp4 (quick: nvfp4)")
-    p.add_argument("--budgets", default=None, help="comma list of FP4 fractions")
+    p.add_argument("--formats", default=None,
+                   help="comma list, main format first (default mxfp4,nvfp4; quick: mxfp4)")
+    p.add_argument("--budgets", default=None, help="FP4 fractions for the main format (default 0.5,0.75,0.8,0.9)")
+    p.add_argument("--other-budgets", default="0.75,0.8", help="FP4 fractions for the other formats")
+    p.add_argument("--resume", action="store_true", help="skip runs already in <run-dir>/results.jsonl")
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None, help="default 8 (quick: 6)")
+    p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=352)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--micro-batch-size", type=int, default=None, help="default 8 (quick: 4)")
+    p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--max-bytes", type=int, default=6_000_000)
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--data-cache", default=str(ROOT / ".cache" / "snip-data"))
     p.add_argument("--run-dir", default=str(ROOT / "runs" / "quality"))
     p.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
     args = p.parse_args(argv)
-    args.formats = (args.formats or ("nvfp4" if args.quick else "nvfp4,mxfp4")).split(",")
+    args.formats = (args.formats or ("mxfp4" if args.quick else "mxfp4,nvfp4")).split(",")
     args.budgets = [float(b) for b in (args.budgets or ("0.75,0.8" if args.quick else "0.5,0.75,0.8,0.9")).split(",")]
+    args.other_budgets = [float(b) for b in args.other_budgets.split(",")]
     args.seeds = args.seeds or (2 if args.quick else 3)
-    args.steps = args.steps or (120 if args.quick else 400)
-    args.layers = args.layers or (6 if args.quick else 8)
-    args.micro_batch_size = args.micro_batch_size or (4 if args.quick else 8)
+    args.steps = args.steps or (120 if args.quick else 160)
     heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
 
     # Tokenize once, before the workers start (they would race on the cache otherwise).
@@ -333,19 +371,29 @@ def main(argv=None) -> None:
     prepare(DataConfig(corpus="stdlib", vocab_size=args.vocab, max_bytes=args.max_bytes, cache_dir=args.data_cache))
 
     specs = build_specs(args)
-    print(f"{len(specs)} runs, {args.jobs} at a time", flush=True)
+    log_path = Path(args.run_dir) / "results.jsonl"
+    results = load_finished(log_path, specs) if args.resume else []
+    if not args.resume and log_path.exists():
+        log_path.unlink()
+    done = {r["name"] for r in results}
+    todo = [s for s in specs if s.name not in done]
+    print(f"{len(specs)} runs ({len(results)} already done), {args.jobs} at a time", flush=True)
     start = time.perf_counter()
-    results = []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    with ctx.Pool(args.jobs, maxtasksperchild=1) as pool:
-        for r in pool.imap_unordered(run_one, specs):
+    with ctx.Pool(args.jobs, maxtasksperchild=1) as pool, log_path.open("a") as log:
+        for r in pool.imap_unordered(run_one, todo):
             results.append(r)
+            log.write(json.dumps(r) + "\n")
+            log.flush()
             print(f"[{len(results)}/{len(specs)}] {r['name']}: val(bf16) {r['val_bf16']:.4f} "
                   f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
     wall = time.perf_counter() - start
+    args.resumed = len(done)
     summaries, lines = {}, {}
     for fmt in args.formats:
-        summaries[fmt] = summarize(results, fmt, args.budgets, heuristics)
+        budgets = args.budgets if fmt == args.formats[0] else args.other_budgets
+        summaries[fmt] = summarize(results, fmt, budgets, heuristics)
         lines[fmt] = result_line(summaries[fmt], heuristics)
         print(f"\n## {fmt}\n{format_table(summaries[fmt])}\n{lines[fmt]}")
     (Path(args.run_dir) / "results.json").write_text(json.dumps(results, indent=1))
