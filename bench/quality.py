@@ -10,7 +10,7 @@ and run once per seed.
 
     python bench/quality.py --quick   # main format, budgets 75/80, 3 heuristics, 2 seeds (~15 min)
     python bench/quality.py           # main format (MXFP4): budgets 50/75/80/90, every method, 3 seeds;
-                                      # the other format (NVFP4): budgets 75/80, every method
+                                      # the other format (NVFP4): budget 75, every method
 
 Each finished run is appended to <run-dir>/results.jsonl; `--resume` skips the runs found there
 (same settings), so an interrupted benchmark continues where it stopped.
@@ -343,7 +343,7 @@ def main(argv=None) -> None:
     p.add_argument("--formats", default=None,
                    help="comma list, main format first (default mxfp4,nvfp4; quick: mxfp4)")
     p.add_argument("--budgets", default=None, help="FP4 fractions for the main format (default 0.5,0.75,0.8,0.9)")
-    p.add_argument("--other-budgets", default="0.75,0.8", help="FP4 fractions for the other formats")
+    p.add_argument("--other-budgets", default="0.75", help="FP4 fractions for the other formats")
     p.add_argument("--resume", action="store_true", help="skip runs already in <run-dir>/results.jsonl")
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
@@ -363,7 +363,7 @@ def main(argv=None) -> None:
     args.budgets = [float(b) for b in (args.budgets or ("0.75,0.8" if args.quick else "0.5,0.75,0.8,0.9")).split(",")]
     args.other_budgets = [float(b) for b in args.other_budgets.split(",")]
     args.seeds = args.seeds or (2 if args.quick else 3)
-    args.steps = args.steps or (120 if args.quick else 160)
+    args.steps = args.steps or (120 if args.quick else 260)
     heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
 
     # Tokenize once, before the workers start (they would race on the cache otherwise).
