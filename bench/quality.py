@@ -337,7 +337,8 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The benchmark's settings, with the full run's (or --quick's) defaults filled in."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--formats", default=None,
@@ -364,6 +365,11 @@ def main(argv=None) -> None:
     args.other_budgets = [float(b) for b in args.other_budgets.split(",")]
     args.seeds = args.seeds or (2 if args.quick else 3)
     args.steps = args.steps or (120 if args.quick else 260)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
 
     # Tokenize once, before the workers start (they would race on the cache otherwise).

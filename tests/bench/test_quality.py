@@ -1,0 +1,91 @@
+"""bench/quality.py bookkeeping: which runs exist, resuming, and the paired gap arithmetic."""
+
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def quality():
+    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "bench" / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_full_run_shares_format_free_runs_and_gives_every_method_each_budget(quality):
+    args = quality.parse_args([])
+    specs = quality.build_specs(args)
+    names = [s.name for s in specs]
+    assert len(names) == len(set(names))
+    main, other = args.formats
+    assert (main, other) == ("mxfp4", "nvfp4") and args.steps == 260
+    for seed in range(3):
+        # BF16 and uniform FP8 once per seed (filed under the main format), uniform FP4 per format.
+        assert f"{main}_bf16_s{seed}" in names and f"{other}_bf16_s{seed}" not in names
+        assert f"{main}_uniform_fp8_s{seed}" in names and f"{other}_uniform_fp8_s{seed}" not in names
+        assert f"{main}_uniform_fp4_s{seed}" in names and f"{other}_uniform_fp4_s{seed}" in names
+        for method in quality.HEURISTICS + quality.SNIP_METHODS:
+            assert all(f"{main}_{method}_{b}_s{seed}" in names for b in (50, 75, 80, 90))
+            assert f"{other}_{method}_75_s{seed}" in names and f"{other}_{method}_80_s{seed}" not in names
+    assert len(specs) == 3 * (3 + 4 * 7) + 3 * (1 + 7)
+
+
+def test_heuristics_run_relaxed_at_the_same_budget(quality):
+    spec = quality.RunSpec(method="first_last_k", budget=0.9, seed=0, fp4_recipe="mxfp4", steps=10, warmup=2,
+                           model={}, data_cache="", max_bytes=1, micro_batch_size=1, run_dir="")
+    cfg = quality.snip_config(spec)
+    assert cfg.baseline == "first_last_k" and cfg.baseline_relax and cfg.fp4_budget == 0.9
+    assert not quality.snip_config(quality.RunSpec(**{**asdict(spec), "method": "bf16", "budget": None})).enabled
+    with pytest.raises(ValueError, match="unknown method"):
+        quality.snip_config(quality.RunSpec(**{**asdict(spec), "method": "snip_twice"}))
+
+
+def test_resume_keeps_only_runs_with_identical_settings(quality, tmp_path):
+    base = dict(seed=0, fp4_recipe="mxfp4", steps=10, warmup=2, model={"num_layers": 2}, data_cache="",
+                max_bytes=1, micro_batch_size=1, run_dir="")
+    a = quality.RunSpec(method="bf16", budget=None, **base)
+    b = quality.RunSpec(method="snip_once", budget=0.75, **base)
+    log = tmp_path / "results.jsonl"
+    changed = {**asdict(b), "steps": 20}  # same name, other settings: must run again
+    log.write_text("\n".join([json.dumps({"name": a.name, "spec": asdict(a), "val_bf16": 1.0}),
+                              json.dumps({"name": b.name, "spec": changed, "val_bf16": 2.0}),
+                              '{"name": "cut off']) + "\n")
+    done = quality.load_finished(log, [a, b])
+    assert [r["name"] for r in done] == [a.name]
+    assert quality.load_finished(tmp_path / "missing.jsonl", [a]) == []
+
+
+def _result(method, budget, seed, val, fmt="mxfp4", fp4=0.0):
+    return {"spec": {"method": method, "budget": budget, "seed": seed, "fp4_recipe": fmt},
+            "val_bf16": val, "val_plan": val, "fp4_fraction": fp4, "diverged": False}
+
+
+def test_summary_gaps_are_paired_by_seed_and_shared_runs_serve_every_format(quality):
+    results = []
+    for seed, base in ((0, 4.0), (1, 5.0)):
+        results += [_result("bf16", None, seed, base), _result("uniform_fp8", None, seed, base * 1.01),
+                    _result("uniform_fp4", None, seed, base * 1.04, fmt="nvfp4", fp4=1.0),
+                    _result("snip_periodic", 0.75, seed, base * 1.02, fmt="nvfp4", fp4=0.75),
+                    _result("last_fraction", 0.75, seed, base * (1.03 + 0.01 * seed), fmt="nvfp4", fp4=0.75)]
+    summary = quality.summarize(results, "nvfp4", [0.75], ("last_fraction",))
+    rows = {(r["method"], r["budget"]): r for r in summary["rows"]}
+    assert rows[("uniform_fp8", None)]["gap_mean"] == pytest.approx(0.01)  # from the main format's runs
+    assert rows[("snip_periodic", 0.75)]["gap_mean"] == pytest.approx(0.02)
+    lf = rows[("last_fraction", 0.75)]
+    assert lf["gap_mean"] == pytest.approx(0.035) and lf["gap_spread"] == pytest.approx(0.005)
+    assert lf["vs_snip_mean"] == pytest.approx(0.015) and lf["vs_snip_spread"] == pytest.approx(0.005)
+    assert summary["noise"] == pytest.approx(0.5 / 4.5)
+    line = quality.result_line(summary, ("last_fraction",))
+    assert "snip_gap_75=0.0200" in line and "best_baseline_gap_75=0.0350" in line
+    assert "uniform_fp4_gap=0.0400" in line and "snip_gap_80=nan" in line
+    assert not math.isnan(summary["noise"])
