@@ -153,7 +153,7 @@ def _with_eval_batches(config, n):
 
 def build_specs(args) -> list[RunSpec]:
     model = dict(name="quality", num_layers=args.layers, hidden_size=args.hidden,
-                 ffn_hidden_size=args.ffn, num_attention_heads=4, num_query_groups=2,
+                 ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.groups,
                  vocab_size=args.vocab, seq_length=args.seq)
     warmup = max(1, round(0.2 * args.steps))
     common = dict(steps=args.steps, warmup=warmup, model=model, data_cache=args.data_cache,
@@ -305,10 +305,11 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
     text = [
         "# Quality at equal FP4 budgets (written by `bench/quality.py`)",
         "",
-        f"Command: `python bench/quality.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {os.cpu_count()} CPU cores ({cpu}), {platform.python_version()}; wall time {wall / 60:.1f} min"
+        f"Command: `python bench/quality.py {' '.join(args.argv)}`  ",
+        f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; wall time {wall / 60:.1f} min"
         f"{f' (this invocation; {args.resumed} runs came from an interrupted earlier one)' if getattr(args, 'resumed', 0) else ''}.  ",
-        f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, seq {args.seq}, vocab {args.vocab}; "
+        f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
+        f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; "
         f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; warm-up (all FP8) "
         f"{max(1, round(0.2 * args.steps))} steps. Gaps: final validation loss (32 held-out batches) of the "
         "final weights evaluated in BF16, relative to the BF16 run of the same seed. \"BF16\" is the "
@@ -325,6 +326,12 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
     if heat:
         text += [f"![SNIP plan over training]({heat.name})", ""]
     path.write_text("\n".join(text))
+
+
+def _device_name() -> str:
+    import torch
+
+    return f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no GPU"
 
 
 def _cpu_name() -> str:
@@ -351,6 +358,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=352)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--groups", type=int, default=2, help="query groups (GQA)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -360,6 +369,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=str(ROOT / "runs" / "quality"))
     p.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.formats = (args.formats or ("mxfp4" if args.quick else "mxfp4,nvfp4")).split(",")
     args.budgets = [float(b) for b in (args.budgets or ("0.75,0.8" if args.quick else "0.5,0.75,0.8,0.9")).split(",")]
     args.other_budgets = [float(b) for b in args.other_budgets.split(",")]

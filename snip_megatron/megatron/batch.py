@@ -35,11 +35,19 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
     return (per_token_loss.float() * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def to_model_device(batch: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """The batch on the device of the model's parameters (batches are built on the CPU)."""
+    param = next(model.parameters(), None)
+    if param is None or all(v.device == param.device for v in batch.values()):
+        return batch
+    return {k: v.to(param.device, non_blocking=True) for k, v in batch.items()}
+
+
 def make_forward_step(loss_key: str = "lm loss"):
     """A `forward_step_func` for Megatron's schedules: batch dicts in, masked mean loss out."""
 
     def forward_step(data_iterator, model):
-        batch = next(data_iterator)
+        batch = to_model_device(next(data_iterator), model)
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                        labels=batch["labels"])
 

@@ -15,9 +15,8 @@ ACTIVATIONS = {
     "relu": (F.relu, False),
 }
 
-# Flags without which Megatron-Core's local path needs fused CUDA kernels (notes/platform.md).
-CPU_SAFE_FLAGS = dict(
-    use_cpu_initialization=True,
+# Fused kernels Megatron-Core's local path takes from Transformer Engine or apex (notes/platform.md).
+FUSED_KERNELS_OFF = dict(
     gradient_accumulation_fusion=False,
     masked_softmax_fusion=False,
     bias_activation_fusion=False,
@@ -25,6 +24,25 @@ CPU_SAFE_FLAGS = dict(
     apply_rope_fusion=False,
     persist_layer_norm=False,
 )
+# ... and without a GPU the weights are also initialised on the CPU.
+CPU_SAFE_FLAGS = dict(use_cpu_initialization=True, **FUSED_KERNELS_OFF)
+
+
+def platform_flags(cuda: bool, te: bool) -> dict:
+    """TransformerConfig flags for where the model runs: CPU, a GPU without Transformer Engine
+    (the emulated linears: fused kernels off), or a GPU with it (Megatron's defaults)."""
+    if not cuda:
+        return dict(CPU_SAFE_FLAGS)
+    return {} if te else dict(FUSED_KERNELS_OFF)
+
+
+def te_importable() -> bool:
+    try:
+        import importlib.util
+
+        return importlib.util.find_spec("transformer_engine") is not None
+    except Exception:  # a broken TE install counts as none
+        return False
 
 
 def validate_layout(shape: ModelShape, tp: int = 1, pp: int = 1, vpp: int | None = None,
@@ -53,7 +71,7 @@ def validate_layout(shape: ModelShape, tp: int = 1, pp: int = 1, vpp: int | None
 def make_transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
                             activation: str = "swiglu", params_dtype: torch.dtype = torch.float32,
                             quant_recipe=None, sequence_parallel: bool = False, **overrides):
-    """A TransformerConfig for `shape`; CPU-safe flags where there is no GPU."""
+    """A TransformerConfig for `shape`; flags for the platform (`platform_flags`), then `overrides`."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     validate_layout(shape, tp, pp, vpp, activation)
@@ -81,8 +99,8 @@ def make_transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp:
         bf16=bf16,
         quant_recipe=quant_recipe,
     )
-    if not torch.cuda.is_available():
-        kwargs.update(CPU_SAFE_FLAGS)
+    cuda = torch.cuda.is_available()
+    kwargs.update(platform_flags(cuda, te_importable() if cuda else False))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -46,3 +46,13 @@ def test_builds_llama_like_model(megatron_single):
         isinstance(getattr(layer.input_layernorm, "module", layer.input_layernorm), torch.nn.RMSNorm) or \
         "rms" in repr(layer.input_layernorm).lower()
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_platform_flags_switch_fused_kernels_off_wherever_te_is_missing():
+    from snip_megatron.megatron.model import CPU_SAFE_FLAGS, FUSED_KERNELS_OFF, platform_flags
+
+    assert platform_flags(cuda=False, te=False) == CPU_SAFE_FLAGS and CPU_SAFE_FLAGS["use_cpu_initialization"]
+    gpu_no_te = platform_flags(cuda=True, te=False)
+    assert gpu_no_te == FUSED_KERNELS_OFF and "use_cpu_initialization" not in gpu_no_te
+    assert not any(gpu_no_te.values())
+    assert platform_flags(cuda=True, te=True) == {}  # Megatron's own defaults with TE
