@@ -106,7 +106,7 @@ def run_one(spec: RunSpec) -> dict:
     train = TrainConfig(model=shape, steps=spec.steps, micro_batch_size=spec.micro_batch_size,
                         lr=3e-3, min_lr=3e-4, seed=spec.seed, eval_interval=max(1, spec.steps // 4),
                         eval_batches=4, progress=False, metrics_path=str(run_dir / "metrics.jsonl"),
-                        precision="bf16" if spec.method == "bf16" else "fp8",
+                        precision="bf16" if spec.method == "bf16" else "fp8", fp4_recipe=spec.fp4_recipe,
                         data=DataConfig(corpus="stdlib", vocab_size=shape.vocab_size,
                                         max_bytes=spec.max_bytes, cache_dir=spec.data_cache))
     ctrl = SnipController(snip_config(spec), shape, total_steps=spec.steps, run_dir=run_dir,

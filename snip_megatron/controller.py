@@ -21,6 +21,7 @@ which the loss rose by more than `loss_guard_factor`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
@@ -103,7 +104,9 @@ class SnipController:
         self._measure = measure or _default_measure(config)
         self._estimate = estimate or _default_estimate(config)
         self._solve = solve or _default_solve(config)
-        self._apply = apply or _default_apply
+        self._apply_is_default = apply is None
+        self._apply = apply or functools.partial(_default_apply, fp8_recipe=config.fp8_recipe,
+                                                 fp4_recipe=config.fp4_recipe)
         self.schedule = Schedule(first=config.warmup_steps(total_steps), interval=config.interval,
                                  lag=config.lag)
         self.plan = self._initial_plan()
@@ -133,9 +136,19 @@ class SnipController:
     def on_train_start(self, trainer) -> None:
         """Trainer hook: after set-up and any resume, apply the plan to the trainer's chunks.
         Plans then go through `trainer.set_plan`, so the trainer's checkpoints name the live plan."""
-        if self._apply is _default_apply and hasattr(trainer, "set_plan"):
+        if self._apply_is_default and hasattr(trainer, "set_plan"):
+            self._check_formats(getattr(trainer, "config", None))
             self._apply = lambda chunks, plan: trainer.set_plan(plan)
         self.attach(trainer.chunks, step=trainer.step)
+
+    def _check_formats(self, train_config) -> None:
+        """The trainer must run the formats SNIP measures, or its plans would mean other formats."""
+        for name in ("fp8_recipe", "fp4_recipe"):
+            theirs = getattr(train_config, name, None)
+            ours = getattr(self.config, name)
+            if theirs is not None and theirs != ours:
+                raise ValueError(f"SnipConfig.{name}={ours!r} but the trainer runs {name}={theirs!r}: "
+                                 f"set TrainConfig.{name}={ours!r} (or SnipConfig.{name}={theirs!r})")
 
     @property
     def rank(self) -> int:
@@ -485,7 +498,7 @@ def _default_solve(config: SnipConfig):
     return solve
 
 
-def _default_apply(model_chunks, plan):
+def _default_apply(model_chunks, plan, *, fp8_recipe: str, fp4_recipe: str):
     from snip_megatron.megatron.apply import apply_plan
 
-    return apply_plan(model_chunks, plan)
+    return apply_plan(model_chunks, plan, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)

@@ -155,6 +155,32 @@ def test_relaxed_baseline_meets_a_budget_its_rule_cannot():
     assert relaxed.ctrl.plan[(4, "linear_fc2")] is Precision.FP8  # the rule's last linear gives in last
 
 
+def test_plans_are_applied_in_snips_formats(monkeypatch):
+    import snip_megatron.megatron.apply as apply_module
+
+    calls = []
+    monkeypatch.setattr(apply_module, "apply_plan", lambda chunks, plan, **kw: calls.append(kw))
+    ctrl = SnipController(SnipConfig(enabled=True, fp4_recipe="mxfp4", fp8_recipe="mxfp8"), SHAPE,
+                          total_steps=100, log=lambda m: None)
+    ctrl.attach(["chunk"])
+    assert calls == [{"fp8_recipe": "mxfp8", "fp4_recipe": "mxfp4"}]
+
+
+def test_a_trainer_in_other_formats_is_refused():
+    def trainer(fp4_recipe):
+        applied = []
+        return SimpleNamespace(config=SimpleNamespace(fp8_recipe="blockwise", fp4_recipe=fp4_recipe),
+                               set_plan=applied.append, chunks=["chunk"], step=0, applied=applied)
+
+    ctrl = SnipController(SnipConfig(enabled=True, fp4_recipe="mxfp4"), SHAPE, total_steps=100,
+                          log=lambda m: None)
+    with pytest.raises(ValueError, match=r"SnipConfig.fp4_recipe='mxfp4' but the trainer runs fp4_recipe='nvfp4'"):
+        ctrl.on_train_start(trainer("nvfp4"))
+    same = trainer("mxfp4")
+    ctrl.on_train_start(same)
+    assert same.applied == [Plan.uniform(4, "fp8")]
+
+
 def test_disabled_and_pinned_never_measure(tmp_path):
     off = Harness(enabled=False)
     off.run(0, 30)

@@ -80,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, 
         weight_decay=args.weight_decay, clip_grad=args.clip_grad, tp=args.tp, pp=args.pp,
         distributed_optimizer=args.distributed_optimizer, params_dtype=args.params_dtype,
         backend=args.backend, precision=args.precision, seed=args.seed,
+        fp8_recipe=snip.fp8_recipe, fp4_recipe=snip.fp4_recipe,  # one flag sets both: the formats SNIP measures
         eval_interval=args.eval_interval or None, eval_batches=args.eval_batches,
         log_interval=args.log_interval, metrics_path=args.metrics, save_dir=args.save_dir,
         save_interval=args.save_interval, load_dir=args.load_dir, load_step=args.load_step,

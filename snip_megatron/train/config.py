@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from snip_megatron.data.prepare import DataConfig
 from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.spec import FP4_RECIPES, FP8_RECIPES
 from snip_megatron.shapes import ModelShape, get_shape
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -59,6 +60,10 @@ class TrainConfig:
     """Planned linears: "emulated" (SNIP's emulated layers, any plan), "local" (plain Megatron), "te"."""
     precision: str = "bf16"
     """Initial uniform precision of every planned linear (bf16, fp8 or fp4)."""
+    fp8_recipe: str = "blockwise"
+    """The FP8 format of the emulated linears (formats.FP8_RECIPES); SNIP's must be the same."""
+    fp4_recipe: str = "nvfp4"
+    """The FP4 format of the emulated linears (formats.FP4_RECIPES); SNIP's must be the same."""
     seed: int = 1234
     """Seed for weights, data order and RNG streams."""
     eval_interval: int | None = 50
@@ -104,6 +109,10 @@ class TrainConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"TrainConfig.backend={self.backend!r}; valid: {', '.join(BACKENDS)}")
         Precision.parse(self.precision)
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"TrainConfig.fp8_recipe={self.fp8_recipe!r}; valid: {', '.join(FP8_RECIPES)}")
+        if self.fp4_recipe not in FP4_RECIPES:
+            raise ValueError(f"TrainConfig.fp4_recipe={self.fp4_recipe!r}; valid: {', '.join(FP4_RECIPES)}")
         if self.backend == "local" and Precision.parse(self.precision) is not Precision.BF16:
             raise ValueError(f"TrainConfig.precision={self.precision!r} needs backend='emulated' "
                              f"(the 'local' backend runs plain Megatron linears)")

@@ -155,7 +155,8 @@ class Trainer:
                 raise ValueError("backend 'local' runs plain Megatron linears and cannot take FP8/FP4 "
                                  "plans; use backend='emulated'")
         else:
-            apply_plan(self.chunks, plan, num_layers=self.shape.num_layers)
+            apply_plan(self.chunks, plan, num_layers=self.shape.num_layers,
+                       fp8_recipe=self.config.fp8_recipe, fp4_recipe=self.config.fp4_recipe)
         self.plan = plan
 
     # ---- one step ----------------------------------------------------------------------------

@@ -16,6 +16,8 @@ def test_sequence_longer_than_the_model_raises():
     ("min_lr", 1.0, "min_lr"),
     ("backend", "cuda", "backend"),
     ("precision", "fp2", "precision"),
+    ("fp4_recipe", "fp4", "fp4_recipe.*nvfp4"),
+    ("fp8_recipe", "e4m3", "fp8_recipe.*blockwise"),
     ("warmup_steps", 500, "warmup_steps"),
     ("load_step", 3, "load_dir"),
 ])

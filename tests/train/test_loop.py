@@ -89,6 +89,18 @@ def test_plan_reaches_every_planned_linear(tiny_config):
         trainer.close()
 
 
+def test_plans_run_in_the_configured_formats(tiny_config):
+    from snip_megatron.stats.discover import planned_linears
+
+    trainer = Trainer(tiny_config(precision="fp4", fp4_recipe="mxfp4", fp8_recipe="mxfp8"))
+    try:
+        assert {m.format_spec.recipe for _, m in planned_linears(trainer.chunks)} == {"mxfp4"}
+        trainer.set_plan(Plan.uniform(2, "fp8"))
+        assert {m.format_spec.recipe for _, m in planned_linears(trainer.chunks)} == {"mxfp8"}
+    finally:
+        trainer.close()
+
+
 def test_checkpoint_resume_gives_the_same_next_step_loss(tiny_config, tmp_path):
     ckpt = tmp_path / "ckpt"
     hook = Recorder()
