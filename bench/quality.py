@@ -9,8 +9,8 @@ so every method runs at the same FP4 budget. BF16 and uniform FP8 do not depend 
 and run once per seed.
 
     python bench/quality.py --quick   # main format, budgets 75/80, 3 heuristics, 2 seeds (~15 min)
-    python bench/quality.py           # main format (MXFP4): budgets 50/75/80/90, every method, 3 seeds;
-                                      # the other format (NVFP4): budget 75, every method
+    python bench/quality.py           # main format (NVFP4): budgets 50/75/80/90, every method, 3 seeds;
+                                      # the other format (MXFP4): budget 75, every method
 
 Each finished run is appended to <run-dir>/results.jsonl; `--resume` skips the runs found there
 (same settings), so an interrupted benchmark continues where it stopped.
@@ -306,7 +306,8 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
         "# Quality at equal FP4 budgets (written by `bench/quality.py`)",
         "",
         f"Command: `python bench/quality.py {' '.join(args.argv)}`  ",
-        f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; wall time {wall / 60:.1f} min"
+        f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; wall time {wall / 60:.1f} min, "
+        f"{sum(r['seconds'] for r in results) / 60:.0f} process-minutes in {len(results)} runs"
         f"{f' (this invocation; {args.resumed} runs came from an interrupted earlier one)' if getattr(args, 'resumed', 0) else ''}.  ",
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
         f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; "
@@ -317,6 +318,10 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
         "linears leave less than the budget are relaxed (the kept linears get FP4 last).",
         "",
     ]
+    if getattr(args, "missing", None):
+        text += [f"**Unfinished: {len(args.missing)} of the benchmark's runs have not run yet** "
+                 f"(`python bench/quality.py {' '.join(a for a in args.argv if a != '--report-only')} --resume` "
+                 "runs them); the tables below hold the runs that have.", ""]
     for fmt, summary in summaries.items():
         text += [f"## {fmt}", "", format_table(summary), "",
                  f"BF16 validation loss per seed: {', '.join(f'{v:.4f}' for v in summary['bf16'].values())} "
@@ -349,10 +354,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--formats", default=None,
-                   help="comma list, main format first (default mxfp4,nvfp4; quick: mxfp4)")
+                   help="comma list, main format first (default nvfp4,mxfp4; quick: nvfp4)")
     p.add_argument("--budgets", default=None, help="FP4 fractions for the main format (default 0.5,0.75,0.8,0.9)")
     p.add_argument("--other-budgets", default="0.75", help="FP4 fractions for the other formats")
-    p.add_argument("--resume", action="store_true", help="skip runs already in <run-dir>/results.jsonl")
+    p.add_argument("--resume", action="store_true", help="skip runs already in the results log")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: report the runs in the results log (an unfinished benchmark says so)")
+    p.add_argument("--log", default=None, help="results log (JSONL; default <run-dir>/results.jsonl)")
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--layers", type=int, default=6)
@@ -370,7 +378,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.formats = (args.formats or ("mxfp4" if args.quick else "mxfp4,nvfp4")).split(",")
+    args.formats = (args.formats or ("nvfp4" if args.quick else "nvfp4,mxfp4")).split(",")
     args.budgets = [float(b) for b in (args.budgets or ("0.75,0.8" if args.quick else "0.5,0.75,0.8,0.9")).split(",")]
     args.other_budgets = [float(b) for b in args.other_budgets.split(",")]
     args.seeds = args.seeds or (2 if args.quick else 3)
@@ -387,12 +395,14 @@ def main(argv=None) -> None:
     prepare(DataConfig(corpus="stdlib", vocab_size=args.vocab, max_bytes=args.max_bytes, cache_dir=args.data_cache))
 
     specs = build_specs(args)
-    log_path = Path(args.run_dir) / "results.jsonl"
-    results = load_finished(log_path, specs) if args.resume else []
-    if not args.resume and log_path.exists():
+    log_path = Path(args.log) if args.log else Path(args.run_dir) / "results.jsonl"
+    keep = args.resume or args.report_only
+    results = load_finished(log_path, specs) if keep else []
+    if not keep and log_path.exists():
         log_path.unlink()
     done = {r["name"] for r in results}
-    todo = [s for s in specs if s.name not in done]
+    todo = [] if args.report_only else [s for s in specs if s.name not in done]
+    args.missing = [s.name for s in specs if s.name not in done] if args.report_only else []
     print(f"{len(specs)} runs ({len(results)} already done), {args.jobs} at a time", flush=True)
     start = time.perf_counter()
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -412,9 +422,9 @@ def main(argv=None) -> None:
         summaries[fmt] = summarize(results, fmt, budgets, heuristics)
         lines[fmt] = result_line(summaries[fmt], heuristics)
         print(f"\n## {fmt}\n{format_table(summaries[fmt])}\n{lines[fmt]}")
-    (Path(args.run_dir) / "results.json").write_text(json.dumps(results, indent=1))
     write_results(Path(args.out), args, results, summaries, lines, wall)
-    print(f"wrote {args.out}; wall time {wall / 60:.1f} min")
+    print(f"wrote {args.out}; wall time {wall / 60:.1f} min, "
+        f"{sum(r['seconds'] for r in results) / 60:.0f} process-minutes in {len(results)} runs")
     print(lines[args.formats[0]])
 
 

@@ -28,7 +28,7 @@ def test_full_run_shares_format_free_runs_and_gives_every_method_each_budget(qua
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
     main, other = args.formats
-    assert (main, other) == ("mxfp4", "nvfp4") and args.steps == 260
+    assert (main, other) == ("nvfp4", "mxfp4") and args.steps == 260
     for seed in range(3):
         # BF16 and uniform FP8 once per seed (filed under the main format), uniform FP4 per format.
         assert f"{main}_bf16_s{seed}" in names and f"{other}_bf16_s{seed}" not in names
