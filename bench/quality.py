@@ -318,6 +318,10 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
         "linears leave less than the budget are relaxed (the kept linears get FP4 last).",
         "",
     ]
+    relabelled = [r for r in results if r.get("relabelled")]
+    if relabelled:
+        notes = sorted({r["relabelled"] for r in relabelled})
+        text += [f"{len(relabelled)} runs carry a `relabelled` note in the results log: " + " / ".join(notes), ""]
     if getattr(args, "missing", None):
         text += [f"**Unfinished: {len(args.missing)} of the benchmark's runs have not run yet** "
                  f"(`python bench/quality.py {' '.join(a for a in args.argv if a != '--report-only')} --resume` "
