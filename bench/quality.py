@@ -43,6 +43,11 @@ QUICK_HEURISTICS = ("first_last_k", "last_fraction", "min_rel_error")
 SNIP_METHODS = ("snip_once", "snip_periodic")
 
 
+def at_root(path: str) -> Path:
+    """`path`, relative ones taken from the repository root."""
+    return Path(path) if Path(path).is_absolute() else ROOT / path
+
+
 @dataclass(frozen=True)
 class RunSpec:
     method: str
@@ -99,7 +104,7 @@ def run_one(spec: RunSpec) -> dict:
     from snip_megatron.train.loop import Trainer
 
     shape = ModelShape(**spec.model)
-    run_dir = Path(spec.run_dir) / spec.name
+    run_dir = at_root(spec.run_dir) / spec.name
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("*.jsonl"):
         stale.unlink()
@@ -108,7 +113,7 @@ def run_one(spec: RunSpec) -> dict:
                         eval_batches=4, progress=False, metrics_path=str(run_dir / "metrics.jsonl"),
                         precision="bf16" if spec.method == "bf16" else "fp8", fp4_recipe=spec.fp4_recipe,
                         data=DataConfig(corpus="stdlib", vocab_size=shape.vocab_size,
-                                        max_bytes=spec.max_bytes, cache_dir=spec.data_cache))
+                                        max_bytes=spec.max_bytes, cache_dir=str(at_root(spec.data_cache))))
     ctrl = SnipController(snip_config(spec), shape, total_steps=spec.steps, run_dir=run_dir,
                           tokens_per_step=spec.micro_batch_size * shape.seq_length, log=lambda m: None)
     start = time.perf_counter()
@@ -124,7 +129,7 @@ def run_one(spec: RunSpec) -> dict:
     return {"spec": asdict(spec), "name": spec.name, "val_bf16": val_bf16, "val_plan": val_plan,
             "fp4_fraction": final_plan.fp4_fraction(ctrl.flops),
             "diverged": not all(math.isfinite(x) for x in losses) or not math.isfinite(val_bf16),
-            "seconds": time.perf_counter() - start, "run_dir": str(run_dir)}
+            "seconds": time.perf_counter() - start, "run_dir": str(Path(spec.run_dir) / spec.name)}
 
 
 def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
@@ -270,7 +275,7 @@ def draw_curves(results: list[dict], fmt: str, budget: float, out: Path) -> Path
         if (s["fp4_recipe"] != fmt and s["method"] not in FORMAT_FREE) or s["seed"] != 0 \
                 or s["budget"] not in (None, budget):
             continue
-        metrics = read_jsonl(Path(r["run_dir"]) / "metrics.jsonl")
+        metrics = read_jsonl(at_root(r["run_dir"]) / "metrics.jsonl")
         val = [(m["step"], m["val_loss"]) for m in metrics if m.get("val_loss") is not None]
         if val:
             ax.plot(*zip(*val), marker="o", ms=3, label=s["method"])
@@ -299,16 +304,19 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
     snip_runs = [r for r in results if r["spec"]["method"] == "snip_periodic" and r["spec"]["fp4_recipe"] == main_fmt
                  and r["spec"]["seed"] == 0 and r["spec"]["budget"] == 0.75]
     if snip_runs:
-        heat = draw_heatmap(load_plan_history(Path(snip_runs[0]["run_dir"])), docs / "quality_snip_heatmap.png",
+        heat = draw_heatmap(load_plan_history(at_root(snip_runs[0]["run_dir"])), docs / "quality_snip_heatmap.png",
                             args.steps)
     cpu = _cpu_name()
     text = [
         "# Quality at equal FP4 budgets (written by `bench/quality.py`)",
         "",
-        f"Command: `python bench/quality.py {' '.join(args.argv)}`  ",
-        f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; wall time {wall / 60:.1f} min, "
-        f"{sum(r['seconds'] for r in results) / 60:.0f} process-minutes in {len(results)} runs"
-        f"{f' (this invocation; {args.resumed} runs came from an interrupted earlier one)' if getattr(args, 'resumed', 0) else ''}.  ",
+        f"Command: `{' '.join(['python bench/quality.py'] + [a for a in args.argv if a not in ('--report-only', '--resume')])}`  ",
+        f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; "
+        + (f"the {len(results)} runs took {sum(r['seconds'] for r in results) / 60:.0f} process-minutes, "
+           f"{args.jobs} at a time (this report was made from the results log)." if args.report_only else
+           f"wall time {wall / 60:.1f} min, {sum(r['seconds'] for r in results) / 60:.0f} process-minutes in "
+           f"{len(results)} runs"
+           + (f" ({args.resumed} of them from an interrupted earlier invocation)." if getattr(args, 'resumed', 0) else ".")),
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
         f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; "
         f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; warm-up (all FP8) "
@@ -324,7 +332,7 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
         text += [f"{len(relabelled)} runs carry a `relabelled` note in the results log: " + " / ".join(notes), ""]
     if getattr(args, "missing", None):
         text += [f"**Unfinished: {len(args.missing)} of the benchmark's runs have not run yet** "
-                 f"(`python bench/quality.py {' '.join(a for a in args.argv if a != '--report-only')} --resume` "
+                 f"(`{' '.join(['python bench/quality.py'] + [a for a in args.argv if a != '--report-only'] + ['--resume'])}` "
                  "runs them); the tables below hold the runs that have.", ""]
     for fmt, summary in summaries.items():
         text += [f"## {fmt}", "", format_table(summary), "",
@@ -377,8 +385,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--max-bytes", type=int, default=6_000_000)
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--data-cache", default=str(ROOT / ".cache" / "snip-data"))
-    p.add_argument("--run-dir", default=str(ROOT / "runs" / "quality"))
+    # Relative paths are taken from the repository root (and stored so in the results log).
+    p.add_argument("--data-cache", default=".cache/snip-data")
+    p.add_argument("--run-dir", default="runs/quality")
     p.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -396,10 +405,10 @@ def main(argv=None) -> None:
 
     # Tokenize once, before the workers start (they would race on the cache otherwise).
     from snip_megatron.data.prepare import DataConfig, prepare
-    prepare(DataConfig(corpus="stdlib", vocab_size=args.vocab, max_bytes=args.max_bytes, cache_dir=args.data_cache))
+    prepare(DataConfig(corpus="stdlib", vocab_size=args.vocab, max_bytes=args.max_bytes, cache_dir=str(at_root(args.data_cache))))
 
     specs = build_specs(args)
-    log_path = Path(args.log) if args.log else Path(args.run_dir) / "results.jsonl"
+    log_path = at_root(args.log) if args.log else at_root(args.run_dir) / "results.jsonl"
     keep = args.resume or args.report_only
     results = load_finished(log_path, specs) if keep else []
     if not keep and log_path.exists():

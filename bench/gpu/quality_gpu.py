@@ -26,7 +26,7 @@ GPU_DEFAULTS = [
     "--layers", "12", "--hidden", "512", "--ffn", "1408", "--heads", "8", "--groups", "4",
     "--seq", "256", "--vocab", "8192", "--micro-batch-size", "16", "--steps", "1000",
     "--max-bytes", "30000000", "--jobs", "8",
-    "--run-dir", str(ROOT / "runs" / "quality_gpu"), "--out", str(ROOT / "docs" / "results_gpu.md"),
+    "--run-dir", "runs/quality_gpu", "--out", str(ROOT / "docs" / "results_gpu.md"),
 ]
 
 

@@ -39,7 +39,7 @@ def tables(tmp_path_factory):
     from tests.stats.measure_worker import measure_layout
 
     d = tmp_path_factory.mktemp("stats")
-    run_distributed([WORKER, "--layouts", "tp2,pp2,dp2", "--out", str(d)], nproc=2, timeout=300)
+    run_distributed([WORKER, "--layouts", "tp2,pp2,dp2", "--out", str(d)], nproc=2, timeout=600)
     out = {p.stem: _table(p) for p in d.glob("*.npy")}
     runtime.init_process_group()  # the single-process references run here
     for name in ("single", "single_megatron"):
