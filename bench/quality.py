@@ -275,7 +275,10 @@ def draw_curves(results: list[dict], fmt: str, budget: float, out: Path) -> Path
         if (s["fp4_recipe"] != fmt and s["method"] not in FORMAT_FREE) or s["seed"] != 0 \
                 or s["budget"] not in (None, budget):
             continue
-        metrics = read_jsonl(at_root(r["run_dir"]) / "metrics.jsonl")
+        path = at_root(r["run_dir"]) / "metrics.jsonl"
+        if not path.exists():  # a run whose folder is gone: its figures stay in the table
+            continue
+        metrics = read_jsonl(path)
         val = [(m["step"], m["val_loss"]) for m in metrics if m.get("val_loss") is not None]
         if val:
             ax.plot(*zip(*val), marker="o", ms=3, label=s["method"])
