@@ -73,10 +73,10 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
         p = Precision.parse(name.removeprefix("uniform_"))
         assignment = {key: p for key in keys}
     else:
-        order = _priority(name, keys, rel_error=rel_error, seed=seed, k=k, fraction=fraction,
-                          keep_type=keep_type)
-        if relax:
-            order = order + _relaxed_tail(name, keys, order)
+        order, kept = _priority(name, keys, rel_error=rel_error, seed=seed, k=k, fraction=fraction,
+                                keep_type=keep_type)
+        if not relax:
+            order = [key for key in order if key not in kept]
         assignment = _fill(name, keys, order, flop_of, rho, high, stage_of)
 
     gemm = {Precision.parse(p): float(c) for p, c in (gemm_cost or DEFAULT_GEMM_COST).items()}
@@ -92,45 +92,35 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
 
 
 def _priority(name: str, keys: list[LayerKey], *, rel_error, seed, k, fraction,
-              keep_type) -> list[LayerKey]:
-    """The eligible linears of rule `name`, the first to get FP4 first."""
+              keep_type) -> tuple[list[LayerKey], set[LayerKey]]:
+    """Rule `name`'s order over every linear (the first to get FP4 first, the linears it keeps high
+    last) and the set it keeps high."""
     layers = sorted({key.layer for key in keys})
     pos = {layer: i for i, layer in enumerate(layers)}
     n = len(layers)
     if name == "first_last_k":
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"k={k!r} must be a non-negative integer")
-        eligible = [key for key in keys if k <= pos[key.layer] < n - k]
-        centre = (n - 1) / 2
-        return sorted(eligible, key=lambda key: (abs(pos[key.layer] - centre), forward_order(key)))
+        centre = (n - 1) / 2  # middle-out: the k outermost layers at each end come last
+        order = sorted(keys, key=lambda key: (abs(pos[key.layer] - centre), forward_order(key)))
+        return order, {key for key in keys if not k <= pos[key.layer] < n - k}
     if name == "last_fraction":
         if not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction={fraction!r} must be in [0, 1]")
         kept = math.ceil(fraction * n - 1e-9)
-        return [key for key in keys if pos[key.layer] < n - kept]
+        return list(keys), {key for key in keys if pos[key.layer] >= n - kept}
     if name == "layer_type":
         if keep_type not in LINEAR_NAMES:
             raise ValueError(f"keep_type={keep_type!r} is unknown; valid: {', '.join(LINEAR_NAMES)}")
-        return [key for key in keys if key.name != keep_type]
+        order = sorted(keys, key=lambda key: (key.name == keep_type, forward_order(key)))
+        return order, {key for key in keys if key.name == keep_type}
     if name == "min_rel_error":
         err = _fp4_errors(rel_error, keys)
-        return sorted(keys, key=lambda key: (err[key], forward_order(key)))
+        return sorted(keys, key=lambda key: (err[key], forward_order(key))), set()
     # random
     order = list(keys)
     random.Random(seed).shuffle(order)
-    return order
-
-
-def _relaxed_tail(name: str, keys: list[LayerKey], order: list[LayerKey]) -> list[LayerKey]:
-    """The linears rule `name` keeps high, in the order they get FP4 when the budget needs them."""
-    eligible = set(order)
-    kept = [key for key in keys if key not in eligible]
-    if name == "first_last_k":
-        layers = sorted({key.layer for key in keys})
-        pos = {layer: i for i, layer in enumerate(layers)}
-        centre = (len(layers) - 1) / 2
-        return sorted(kept, key=lambda key: (abs(pos[key.layer] - centre), forward_order(key)))
-    return kept  # forward order: last_fraction's final layers, layer_type's kept linears
+    return order, set()
 
 
 def _fp4_errors(rel_error: Mapping | None, keys: list[LayerKey]) -> dict[LayerKey, float]:
