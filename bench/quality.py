@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 HEURISTICS = ("first_last_k", "last_fraction", "layer_type", "min_rel_error", "random")
 QUICK_HEURISTICS = ("first_last_k", "last_fraction", "min_rel_error")
 SNIP_METHODS = ("snip_once", "snip_periodic")
+FORMAT_FREE = ("bf16", "uniform_fp8")  # never touch the FP4 format: one run per seed serves every format
 
 
 def at_root(path: str) -> Path:
@@ -156,6 +157,11 @@ def _with_eval_batches(config, n):
     return replace(config, eval_batches=n)
 
 
+def budgets_of(args, fmt: str) -> list[float]:
+    """FP4 budgets run for `fmt`: every budget for the main (first) format, fewer for the others."""
+    return args.budgets if fmt == args.formats[0] else args.other_budgets
+
+
 def build_specs(args) -> list[RunSpec]:
     model = dict(name="quality", num_layers=args.layers, hidden_size=args.hidden,
                  ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.groups,
@@ -169,10 +175,9 @@ def build_specs(args) -> list[RunSpec]:
     main = args.formats[0]
     specs = []
     for fmt in args.formats:
-        budgets = args.budgets if fmt == main else args.other_budgets
+        budgets = budgets_of(args, fmt)
         for seed in range(args.seeds):
-            # BF16 and uniform FP8 never touch the FP4 format: once per seed, filed under the main format.
-            shared = ("bf16", "uniform_fp8") if fmt == main else ()
+            shared = FORMAT_FREE if fmt == main else ()  # filed under the main format
             for method in shared + ("uniform_fp4",):
                 specs.append(RunSpec(method=method, budget=None, seed=seed, fp4_recipe=fmt, **common))
             for budget in budgets:
@@ -180,8 +185,6 @@ def build_specs(args) -> list[RunSpec]:
                     specs.append(RunSpec(method=method, budget=budget, seed=seed, fp4_recipe=fmt, **common))
     return specs
 
-
-FORMAT_FREE = ("bf16", "uniform_fp8")
 
 
 # -- aggregation ---------------------------------------------------------------------------------
@@ -315,9 +318,9 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
         "",
         f"Command: `{' '.join(['python bench/quality.py'] + [a for a in args.argv if a not in ('--report-only', '--resume')])}`  ",
         f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; "
-        + (f"the {len(results)} runs took {sum(r['seconds'] for r in results) / 60:.0f} process-minutes, "
+        + (f"the {len(results)} runs took {process_minutes(results):.0f} process-minutes, "
            f"{args.jobs} at a time (this report was made from the results log)." if args.report_only else
-           f"wall time {wall / 60:.1f} min, {sum(r['seconds'] for r in results) / 60:.0f} process-minutes in "
+           f"wall time {wall / 60:.1f} min, {process_minutes(results):.0f} process-minutes in "
            f"{len(results)} runs"
            + (f" ({args.resumed} of them from an interrupted earlier invocation)." if getattr(args, 'resumed', 0) else ".")),
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
@@ -346,6 +349,11 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
     if heat:
         text += [f"![SNIP plan over training]({heat.name})", ""]
     path.write_text("\n".join(text))
+
+
+def process_minutes(results: list[dict]) -> float:
+    """Minutes the runs took, summed over runs (parallel runs overlap in wall time)."""
+    return sum(r["seconds"] for r in results) / 60
 
 
 def _device_name() -> str:
@@ -421,26 +429,25 @@ def main(argv=None) -> None:
     args.missing = [s.name for s in specs if s.name not in done] if args.report_only else []
     print(f"{len(specs)} runs ({len(results)} already done), {args.jobs} at a time", flush=True)
     start = time.perf_counter()
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(args.jobs, maxtasksperchild=1) as pool, log_path.open("a") as log:
-        for r in pool.imap_unordered(run_one, todo):
-            results.append(r)
-            log.write(json.dumps(r) + "\n")
-            log.flush()
-            print(f"[{len(results)}/{len(specs)}] {r['name']}: val(bf16) {r['val_bf16']:.4f} "
-                  f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
+    if todo:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, log_path.open("a") as log:
+            for r in pool.imap_unordered(run_one, todo):
+                results.append(r)
+                log.write(json.dumps(r) + "\n")
+                log.flush()
+                print(f"[{len(results)}/{len(specs)}] {r['name']}: val(bf16) {r['val_bf16']:.4f} "
+                      f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
     wall = time.perf_counter() - start
     args.resumed = len(done)
     summaries, lines = {}, {}
     for fmt in args.formats:
-        budgets = args.budgets if fmt == args.formats[0] else args.other_budgets
-        summaries[fmt] = summarize(results, fmt, budgets, heuristics)
+        summaries[fmt] = summarize(results, fmt, budgets_of(args, fmt), heuristics)
         lines[fmt] = result_line(summaries[fmt], heuristics)
         print(f"\n## {fmt}\n{format_table(summaries[fmt])}\n{lines[fmt]}")
     write_results(Path(args.out), args, results, summaries, lines, wall)
     print(f"wrote {args.out}; wall time {wall / 60:.1f} min, "
-        f"{sum(r['seconds'] for r in results) / 60:.0f} process-minutes in {len(results)} runs")
+        f"{process_minutes(results):.0f} process-minutes in {len(results)} runs")
     print(lines[args.formats[0]])
 
 
