@@ -157,9 +157,29 @@ def predictions(stats, lambdas) -> dict:
         ck = cost_table(stats, EstimateConfig(lam=0.0, curvature=kind))
         for p in (FP8, FP4):
             pred[p.value][f"dL_{kind}"] = list(ck.column(p, "loss_div"))
+    for p in (FP8, FP4):
+        pred[p.value].update(loss_variants(stats, p))
     proxy = proxy_table(stats)
     return {"pred": pred, "proxy": {p.value: [proxy[k][p] for k in stats.keys] for p in (FP8, FP4)},
             "kappa": [c0.kappa[k] for k in stats.keys]}
+
+
+def loss_variants(stats, p) -> dict:
+    """Second-order loss terms built differently (relative to the loss), for comparison:
+    meas_<kappa>: kappa * the measured ||dY||^2 instead of the random-error model;
+    ferr: the empirical Fisher along the measured dY; mix: mean of noise-kappa*||dY||^2 and ferr;
+    fo: the default plus the signed first-order terms."""
+    from snip_megatron.estimate import divergence as dv
+
+    if not (stats.column(f"dy_sq.{p.value}") > 0).any():  # a table from before these fields
+        return {}
+    loss = stats.globals_["loss"]
+    dy = dv.measured_output_error_sq(stats, p)
+    out = {f"dL_meas_{kind}": 0.5 * dv.curvature(stats, 0.0, kind) * dy for kind in ("noise", "fisher", "mean")}
+    out["dL_ferr"] = 0.5 * dv.fisher_along_error(stats, p)
+    out["dL_mix"] = 0.5 * (out["dL_meas_noise"] + out["dL_ferr"])
+    out["dL_fo"] = dv.loss_divergence(stats, p, first_order=True)
+    return {k: list(v / loss) for k, v in out.items()}
 
 
 def load_stats(keys, array, fields=None):
@@ -197,6 +217,14 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     out = {"measure_s": time.perf_counter() - t0, "stats": stats.to_array().tolist(),
            "stats_fields": list(stats.fields)}
     out.update(predictions(stats, args.lambdas))
+    # the same measurement on further batches (same weights): the estimator's own batch noise
+    out["extra_stats"] = []
+    for _ in range(args.pred_batches - 1):
+        tr.current_batch = tr.reader.take(args.num_mb)
+        out["extra_stats"].append(measure(tr, config=mconfig).to_array().tolist())
+        tr.current_batch = None
+    out["extra_pred"] = [predictions(load_stats(h.keys, a, out["stats_fields"]), args.lambdas)["pred"]
+                         for a in out["extra_stats"]]
     snap = h.snapshot()
 
     # truth 1: one-step loss harm on validation batches, each layer alone
@@ -284,11 +312,24 @@ def scores(r: dict, lambdas, default_lam) -> dict:
     dL = {p: np.array(r["pred"][p]["dL"]) for p in ("fp8", "fp4")}
     prox = {p: np.array(r["proxy"][p]) for p in ("fp8", "fp4")}
     s["fp4"] = spearman(dL["fp4"], harm["fp4"])
-    for kind in ("noise", "fisher"):
-        if f"dL_{kind}" in r["pred"]["fp4"]:
-            d4, d8 = np.array(r["pred"]["fp4"][f"dL_{kind}"]), np.array(r["pred"]["fp8"][f"dL_{kind}"])
+    for name in r["pred"]["fp4"]:
+        kind = name[3:]
+        if name.startswith("dL_") and name in r["pred"]["fp8"]:
+            d4, d8 = np.array(r["pred"]["fp4"][name]), np.array(r["pred"]["fp8"][name])
             s[f"fp4_{kind}"] = spearman(d4, harm["fp4"])
             s[f"marginal_{kind}"] = spearman(d4 - d8, harm["fp4"] - harm["fp8"])
+    # the estimator's own batch noise: agreement of measurements on different batches, and the
+    # score of their mean (what measuring on more batches would buy)
+    extra = r.get("extra_pred") or []
+    if extra:
+        for name in r["pred"]["fp4"]:
+            if not name.startswith("dL") or any(name not in e["fp4"] for e in extra):
+                continue
+            runs = [np.array(r["pred"]["fp4"][name])] + [np.array(e["fp4"][name]) for e in extra]
+            runs8 = [np.array(r["pred"]["fp8"][name])] + [np.array(e["fp8"][name]) for e in extra]
+            s[f"batch_split_{name}"] = spearman(runs[0], runs[1])
+            s[f"fp4_avg_{name}"] = spearman(np.mean(runs, 0), harm["fp4"])
+            s[f"marginal_avg_{name}"] = spearman(np.mean(runs, 0) - np.mean(runs8, 0), harm["fp4"] - harm["fp8"])
     s["fp8"] = spearman(dL["fp8"], harm["fp8"])
     s["marginal"] = spearman(dL["fp4"] - dL["fp8"], harm["fp4"] - harm["fp8"])
     s["proxy_fp4"] = spearman(prox["fp4"], harm["fp4"])
@@ -309,6 +350,9 @@ def scores(r: dict, lambdas, default_lam) -> dict:
             truth = rows.mean(1)
             for lam in lambdas:
                 s[f"long_{p}_Q{lam}"] = spearman(r["pred"][p][f"Q{lam}"], truth)
+            for name in r["pred"][p]:
+                if name.startswith("dL_"):
+                    s[f"long_{p}_{name}"] = spearman(r["pred"][p][name], truth)
             s[f"long_{p}_proxy"] = spearman(prox[p], truth)
             s[f"ceiling_long_{p}"] = spearman(rows[:, 0], rows[:, 1])
         s["long"] = s.get(f"long_fp4_Q{default_lam}", math.nan)
@@ -340,6 +384,8 @@ def main(argv=None) -> None:
     ap.add_argument("--num-mb", type=int, default=1, help="micro-batches per step")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--pred-batches", type=int, default=1, help="measurements on this many batches at a "
+                    "point; the first is the prediction, the others show the estimator's batch noise")
     ap.add_argument("--rounding-seeds", type=int, default=2)
     ap.add_argument("--long-steps", type=int, default=60)
     ap.add_argument("--long-precisions", default="fp4,fp8")
@@ -393,6 +439,8 @@ def rescore(args) -> None:
     results = saved["results"]
     for r in results.values():
         r.update(predictions(load_stats(keys, r["stats"], r.get("stats_fields")), args.lambdas))
+        r["extra_pred"] = [predictions(load_stats(keys, a, r.get("stats_fields")), args.lambdas)["pred"]
+                           for a in r.get("extra_stats", [])]
     print(f"rescored {args.rescore} with the current estimator ({EstimateConfig()})")
     report([str(k) for k in keys], results, args)
 

@@ -50,6 +50,17 @@ def output_error_sq(t: StatsTable, p: Precision) -> np.ndarray:
     return _div(_c(t, "ex", p) * _c(t, "w_sq") + _c(t, "x_sq") * _c(t, "ew", p), _c(t, "k"))
 
 
+def measured_output_error_sq(t: StatsTable, p: Precision) -> np.ndarray:
+    """||dY||^2 as measured: dY = Q(X) Q(W)^T - X W^T on the clean pass's token sample."""
+    return _c(t, "dy_sq", p)
+
+
+def fisher_along_error(t: StatsTable, p: Precision) -> np.ndarray:
+    """dY^T F dY = n sum_t <G_Y,t, dY_t>^2: the empirical Fisher's quadratic form along the
+    measured output error itself (n tokens; docs/method.md), not along a random direction."""
+    return _c(t, "n") * _c(t, "gdy_sq", p)
+
+
 def loss_divergence(t: StatsTable, p: Precision, *, first_order: bool = False,
                     kappa_floor: float = 0.0, curvature_kind: str = "mean") -> np.ndarray:
     """dL_l(p) = 1/2 kappa_l ||dY||^2 (+ <G_X, E_X> + <G_W, E_W> when first_order)."""

@@ -3,7 +3,8 @@
 A pass is the forward and backward of every micro-batch of the measured step, in one of three
 modes:
   clean      norms of X, W, Y, G_Y, G_X, G_W, quantization errors per precision and role, the
-             first-order inner products, and <z, G_Y> for the curvature;
+             first-order inner products, the output error dY of the quantized forward GEMM and its
+             per-token projection on G_Y, and <z, G_Y> for the curvature;
   fwd_noise  s_l * z_l added to every layer output at once; <z, G~_Y>;
   bwd_noise  t_l * eta_l added to every layer's input gradient at once, with a zero loss
              gradient, so every G_Y is exactly the propagated noise; ||G_Y^T X||^2 and ||eta||^2.
@@ -60,6 +61,7 @@ class LinearProbe:
         self.m = w.shape[0] * (tp if self.column else 1)
         self.calls = 0
         self.w_errors: dict = {}
+        self.pending_dy: dict = {}  # micro-batch -> {precision: dY on the token sample}, until its backward
         self.handles = [module.register_forward_pre_hook(self._pre),
                         module.register_forward_hook(self._post)]
 
@@ -70,6 +72,7 @@ class LinearProbe:
     def reset(self) -> None:
         self.calls = 0
         self.w_errors = {}
+        self.pending_dy = {}
 
     # -- helpers -------------------------------------------------------------------------------
     def _add(self, name: str, value: float, p: "Precision | None" = None) -> None:
@@ -83,6 +86,16 @@ class LinearProbe:
     def _err(self, t: torch.Tensor, p: Precision, role: str, sharded: bool) -> torch.Tensor:
         group = self.c.tp_group if sharded and self.c.tp_size > 1 else None
         return self.c.error_fn(t, p, role, group=group)
+
+    def _output_error(self, xs: torch.Tensor, ex: torch.Tensor, p: Precision) -> torch.Tensor:
+        """dY = Q(X) Q(W)^T - X W^T on the token sample; a row-parallel layer's partial products
+        are summed over TP, as its output is."""
+        w = self.module.weight.detach().float()
+        ew = self.w_errors[p]
+        dy = ex @ (w + ew).t() + xs @ ew.t()
+        if not self.column and self.c.tp_size > 1:
+            torch.distributed.all_reduce(dy, group=self.c.tp_group)
+        return dy
 
     def _weight_stats(self) -> None:
         w = self.module.weight.detach().float()
@@ -111,13 +124,16 @@ class LinearProbe:
             self._add("n", float(x2.shape[0]))
             stride = self.c.token_stride
             xs, scale = _token_subsample(x2, stride)
-            e_fprop = {}
+            e_fprop, dys = {}, {}
             for p in self.c.precisions:
                 e = self._err(xs, p, "fprop_input", not self.column)
                 self._add("ex", scale * _sq(e), p)
                 self._add("ex_w", scale * _sq(self._err(xs, p, "wgrad_input", not self.column)), p)
                 if self.c.first_order:
                     e_fprop[p] = e
+                dys[p] = self._output_error(xs, e, p)
+                self._add("dy_sq", scale * _sq(dys[p]), p)
+            self.pending_dy[mb] = dys
 
             def on_gx(g):
                 self._add("gx_sq", _sq(g))
@@ -148,6 +164,11 @@ class LinearProbe:
                 x2 = x.detach().reshape(-1, x.shape[-1]).float()
                 self._add("gy_sq", _sq(g2))
                 gs, scale = _token_subsample(g2, self.c.token_stride)
+                for p, dy in self.pending_dy.pop(mb, {}).items():
+                    along = (gs * dy).sum(1)  # <G_Y,t, dY_t> per sampled token
+                    if self.column and self.c.tp_size > 1:  # G_Y and dY are column shards
+                        torch.distributed.all_reduce(along, group=self.c.tp_group)
+                    self._add("gdy_sq", scale * _sq(along), p)
                 for p in self.c.precisions:
                     self._add("egy_d", scale * _sq(self._err(gs, p, "dgrad_grad_output", self.column)), p)
                     self._add("egy_w", scale * _sq(self._err(gs, p, "wgrad_grad_output", self.column)), p)

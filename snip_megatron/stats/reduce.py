@@ -18,10 +18,12 @@ from snip_megatron.stats.table import StatsTable
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # output dim sharded, input replicated
 
 # Fields that are sums over a TP-sharded tensor, per kind of layer (anything else is replicated).
+# dY of a row-parallel layer and the per-token <G_Y, dY> are all-reduced in the hooks (they are
+# partial sums on each rank), so dy_sq of proj/fc2 and gdy_sq everywhere are replicated.
 _SHARDED_ALWAYS = {"w_sq", "gw_sq", "bwd_dgw_sq", "adam_du_sq", "adam_dv_sq", "adam_v_sum",
                    "adam_upd_sq", "adam_numel",
                    "ew", "ew_d", "gw_ew"}
-_SHARDED_COLUMN = {"y_sq", "gy_sq", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq", "egy_d", "egy_w"}
+_SHARDED_COLUMN = {"y_sq", "gy_sq", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq", "egy_d", "egy_w", "dy_sq"}
 _SHARDED_ROW = {"x_sq", "gx_sq", "bwd_eta_sq", "ex", "ex_w", "gx_ex"}
 ADAM_FIELDS = ("adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel")
 

@@ -26,6 +26,9 @@ Per candidate precision p (field name "<field>.<p>"):
   egy_d, ew_d        ||E||^2 of the dgrad grad_output and weight
   egy_w, ex_w        ||E||^2 of the wgrad grad_output and input
   gx_ex, gw_ew       <G_X, E_X>, <G_W, E_W> (the first-order loss terms)
+  dy_sq              ||dY||^2, dY = Q(X) Q(W)^T - X W^T: the output error itself, measured
+  gdy_sq             sum over tokens t of <G_Y,t, dY_t>^2: the error along the loss gradient, per
+                     token (n * gdy_sq is dY's quadratic form in the empirical Fisher)
 Run-level scalars (the extra row): loss (mean training loss of the measured batch),
 num_microbatches, dp_size.
 """
@@ -47,7 +50,7 @@ BASE_FIELDS = (
     "adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel", "present",
 )
 ERROR_ROLES = ("ex", "ew", "egy_d", "ew_d", "egy_w", "ex_w")
-PRECISION_FIELDS = ERROR_ROLES + ("gx_ex", "gw_ew")
+PRECISION_FIELDS = ERROR_ROLES + ("gx_ex", "gw_ew", "dy_sq", "gdy_sq")
 GLOBAL_FIELDS = ("loss", "num_microbatches", "dp_size")
 CANDIDATES = (Precision.FP8, Precision.FP4)
 

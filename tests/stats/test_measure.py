@@ -97,6 +97,11 @@ def test_statistics_equal_direct_computation(megatron_single):
             want[f"gx_ex.{p}"] = sum(dot(c["x"].grad.reshape(x.shape), err(x.detach(), p, "fprop_input"))
                                      for c, x in zip(caps, x2))
             want[f"gw_ew.{p}"] = sum(dot(gw, ew) for gw in gws)
+            # the output error of the quantized forward GEMM, and its per-token projection on G_Y
+            dys = [(x.detach() + err(x.detach(), p, "fprop_input")) @ (w.detach() + ew).t() - x.detach() @ w.detach().t()
+                   for x in x2]
+            want[f"dy_sq.{p}"] = sum(map(sq, dys))
+            want[f"gdy_sq.{p}"] = sum(sq((g.detach() * dy).sum(1)) for g, dy in zip(g2, dys))
         for f, v in want.items():
             assert table.get(key, f) == pytest.approx(v, rel=1e-5, abs=1e-10), (key, f)
         zg = sum(dot(noise.layer_noise(c["y"].shape, seed=CFG.seed, key=key, microbatch=i,
