@@ -93,10 +93,11 @@ class Harness:
                 m.format_spec = dataclasses.replace(m.format_spec, fprop_input=None, fprop_weight=None)
             m.set_sr_seed(sr_seed * 1000 + 17)
 
-    def train_steps(self, batches):
+    def train_steps(self, batches, per_step=None):
         tr = self.tr
-        for i in range(0, len(batches), self.args.num_mb):
-            tr.current_batch = batches[i:i + self.args.num_mb]
+        per_step = per_step or self.args.num_mb
+        for i in range(0, len(batches), per_step):
+            tr.current_batch = batches[i:i + per_step]
             tr.forward_backward()
             tr.optimizer.step()
             tr.scheduler.step(increment=1)
@@ -121,6 +122,87 @@ class Harness:
         tr.optimizer.load_state_dict(copy.deepcopy(opt))
         tr.scheduler.load_state_dict(copy.deepcopy(sched))
 
+    def momentum_dot_weight_error(self) -> dict:
+        """<m_hat, E_W> per precision and planned weight: the first-order loss change of quantizing
+        the weight, with AdamW's bias-corrected first moment standing for the expected gradient
+        (an average over ~1/(1-b1) recent batches instead of one). A diagnostic of the benchmark."""
+        from snip_megatron.stats.adam import _group_of, _pairs
+        from snip_megatron.stats.quant_error import formats_error_fn
+
+        err = formats_error_fn("blockwise", self.args.fp4_recipe)
+        weights = {id(m.weight): k for k, m in self.linears}
+        out = {p.value: {} for p in (FP8, FP4)}
+        for model_param, main_param, inner in _pairs(self.tr.optimizer):
+            k = weights.get(id(model_param))
+            st = inner.state.get(main_param, {})
+            if k is None or "exp_avg" not in st:
+                continue
+            b1, _ = _group_of(inner, main_param)["betas"]
+            m_hat = st["exp_avg"].double() / (1 - b1 ** float(st.get("step", 1)))
+            for p in (FP8, FP4):
+                e = err(model_param.detach(), p, "fprop_weight").double()
+                out[p.value][k] = float((m_hat.reshape(e.shape) * e).sum())
+        return {p: [v.get(k, math.nan) for k in self.keys] for p, v in out.items()}
+
+    def error_direction_probe(self, batch) -> dict:
+        """Diagnostic: the layers' actual forward errors dY (fprop operands quantized, computed on
+        the clean pass) injected into their outputs on the measurement batch. Per precision and
+        layer: "batch", the exact loss change on that batch with that layer's dY alone; "secant",
+        its part beyond first order, 1/2 <dY, G(Y+dY) - G(Y)> (the curvature along the error itself,
+        at full size); "secant_sign", the same with a random sign per token (drops the cross-token
+        terms); "joint_sign", every layer's signed dY at once in one pass (what one measurement
+        pass could read; the other layers' terms are zero-mean noise)."""
+        from snip_megatron.stats.quant_error import formats_error_fn
+
+        err = formats_error_fn("blockwise", self.args.fp4_recipe)
+        state: dict = {"mode": None, "p": None, "eps": {}}
+        caps: dict = {}
+
+        def post(module, args, output, key):
+            y = output[0] if isinstance(output, tuple) else output
+            if state["mode"] == "clean":
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                w = module.weight.detach().float()
+                p = state["p"]
+                dy = (x + err(x, p, "fprop_input")) @ (w + err(w, p, "fprop_weight")).t() - x @ w.t()
+                caps.setdefault(key, {})["dy"] = dy.reshape(y.shape)
+            elif key in state["eps"]:
+                y = y + state["eps"][key].to(y.dtype)
+            y.register_hook(lambda g: caps.setdefault(key, {}).__setitem__("g", g.detach().float()))
+            return (y,) + tuple(output[1:]) if isinstance(output, tuple) else y
+
+        handles = [m.register_forward_hook(lambda mod, a, o, key=k: post(mod, a, o, key)) for k, m in self.linears]
+        gen = torch.Generator().manual_seed(11)
+        out = {}
+        try:
+            for p in (FP8, FP4):
+                state.update(mode="clean", p=p, eps={})
+                caps.clear()
+                base = self.tr.forward_backward(batch)
+                clean = {k: dict(v) for k, v in caps.items()}
+                sign = {k: (torch.randint(0, 2, clean[k]["dy"].shape[:-1] + (1,), generator=gen) * 2 - 1).float()
+                        for k in self.keys}
+                state["mode"] = "inject"
+                rows = {"batch": [], "secant": [], "secant_sign": []}
+                for k in self.keys:
+                    for name, eps in (("secant", clean[k]["dy"]), ("secant_sign", sign[k] * clean[k]["dy"])):
+                        state["eps"] = {k: eps}
+                        caps.clear()
+                        loss = self.tr.forward_backward(batch)
+                        rows[name].append(0.5 * float((eps * (caps[k]["g"] - clean[k]["g"])).sum()))
+                        if name == "secant":
+                            rows["batch"].append(loss - base)
+                state["eps"] = {k: sign[k] * clean[k]["dy"] for k in self.keys}
+                caps.clear()
+                self.tr.forward_backward(batch)
+                rows["joint_sign"] = [0.5 * float((state["eps"][k] * (caps[k]["g"] - clean[k]["g"])).sum())
+                                      for k in self.keys]
+                out[p.value] = rows
+        finally:
+            for h in handles:
+                h.remove()
+        return out
+
     def adam_update(self) -> dict:
         """The AdamW update direction the next optimizer step would take for each planned weight,
         from the gradient in main_grad (no step taken; lr, clipping and weight decay left out)."""
@@ -144,7 +226,7 @@ class Harness:
 
 
 # -- predictions from a statistics table -----------------------------------------------------------
-def predictions(stats, lambdas) -> dict:
+def predictions(stats, lambdas, m_ew=None) -> dict:
     """Everything the estimator predicts (default EstimateConfig, lambda varied) and the proxy."""
     costs = {lam: cost_table(stats, EstimateConfig(lam=lam)) for lam in lambdas}
     c0 = costs[lambdas[0]]
@@ -159,6 +241,12 @@ def predictions(stats, lambdas) -> dict:
             pred[p.value][f"dL_{kind}"] = list(ck.column(p, "loss_div"))
     for p in (FP8, FP4):
         pred[p.value].update(loss_variants(stats, p))
+        if m_ew is not None:  # the first-order weight term from AdamW's first moment
+            first = np.array(m_ew[p.value]) / stats.globals_["loss"]
+            pred[p.value]["dL_mfo"] = list(np.array(pred[p.value]["dL"]) + first)
+            if "dL_ferr" in pred[p.value]:
+                pred[p.value]["dL_ferr_mfo"] = list(np.array(pred[p.value]["dL_ferr"]) + first)
+                pred[p.value]["dL_mix_mfo"] = list(np.array(pred[p.value]["dL_mix"]) + first)
     proxy = proxy_table(stats)
     return {"pred": pred, "proxy": {p.value: [proxy[k][p] for k in stats.keys] for p in (FP8, FP4)},
             "kappa": [c0.kappa[k] for k in stats.keys]}
@@ -216,7 +304,8 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     tr.current_batch = None
     out = {"measure_s": time.perf_counter() - t0, "stats": stats.to_array().tolist(),
            "stats_fields": list(stats.fields)}
-    out.update(predictions(stats, args.lambdas))
+    out["m_ew"] = h.momentum_dot_weight_error()
+    out.update(predictions(stats, args.lambdas, out["m_ew"]))
     # the same measurement on further batches (same weights): the estimator's own batch noise
     out["extra_stats"] = []
     for _ in range(args.pred_batches - 1):
@@ -226,6 +315,9 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     out["extra_pred"] = [predictions(load_stats(h.keys, a, out["stats_fields"]), args.lambdas)["pred"]
                          for a in out["extra_stats"]]
     snap = h.snapshot()
+
+    out["probe"] = h.error_direction_probe(batch) if args.probe else {}
+    log("  error-direction probe done")
 
     # truth 1: one-step loss harm on validation batches, each layer alone
     t0 = time.perf_counter()
@@ -248,7 +340,7 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     tr.forward_backward(batch)
     u0 = h.adam_update()
     norm0 = sum(float((u ** 2).sum()) for u in u0.values())
-    dev = {}
+    dev, dev_seeds = {}, {}
     for p in ((FP8, FP4) if "dev" in args.truths else ()):
         rows = []
         for k in h.keys:
@@ -258,25 +350,28 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
                 tr.forward_backward(batch)
                 u = h.adam_update()
                 vals.append(sum(float(((u[j] - u0[j]) ** 2).sum()) for j in u0) / norm0)
-            rows.append(float(np.mean(vals)))
-        dev[p.value] = rows
+            rows.append(vals)
+        dev[p.value] = [float(np.mean(v)) for v in rows]
+        dev_seeds[p.value] = rows
     h.set_only()
     out["dev"] = dev
+    out["dev_seeds"] = dev_seeds
     log(f"  update deviation: {time.perf_counter() - t0:.0f}s")
 
     # truth 3: long-horizon harm, each layer alone, 2 data orders
     if long_horizon and args.long_precisions and "long" in args.truths:
         t0 = time.perf_counter()
-        orders = [tr.reader.take(args.long_steps * args.num_mb) for _ in range(2)]
+        long_mb = args.long_num_mb or args.num_mb
+        orders = [tr.reader.take(args.long_steps * long_mb) for _ in range(2)]
         long = {}
         bases = []
         for o, data in enumerate(orders):
             h.restore(snap)
             h.set_only(sr_seed=o)
-            h.train_steps(data)
+            h.train_steps(data, long_mb)
             bases.append(float(np.mean(h.val_halves())))
             h.restore(snap)  # determinism check: the BF16 continuation repeats exactly
-            h.train_steps(data)
+            h.train_steps(data, long_mb)
             again = float(np.mean(h.val_halves()))
             if again != bases[-1]:
                 log(f"  WARNING: BF16 continuation not deterministic ({again} vs {bases[-1]})")
@@ -287,7 +382,7 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
                 for o, data in enumerate(orders):
                     h.restore(snap)
                     h.set_only(k, p, sr_seed=o)
-                    h.train_steps(data)
+                    h.train_steps(data, long_mb)
                     h.set_only()
                     vals.append(float(np.mean(h.val_halves())) - bases[o])
                 rows.append(vals)
@@ -330,6 +425,11 @@ def scores(r: dict, lambdas, default_lam) -> dict:
             s[f"batch_split_{name}"] = spearman(runs[0], runs[1])
             s[f"fp4_avg_{name}"] = spearman(np.mean(runs, 0), harm["fp4"])
             s[f"marginal_avg_{name}"] = spearman(np.mean(runs, 0) - np.mean(runs8, 0), harm["fp4"] - harm["fp8"])
+    for name in ("batch", "secant", "secant_sign", "joint_sign"):  # the error-direction probe
+        if name in r.get("probe", {}).get("fp4", {}):
+            a4, a8 = np.array(r["probe"]["fp4"][name]), np.array(r["probe"]["fp8"][name])
+            s[f"probe_fp4_{name}"] = spearman(a4, harm["fp4"])
+            s[f"probe_marginal_{name}"] = spearman(a4 - a8, harm["fp4"] - harm["fp8"])
     s["fp8"] = spearman(dL["fp8"], harm["fp8"])
     s["marginal"] = spearman(dL["fp4"] - dL["fp8"], harm["fp4"] - harm["fp8"])
     s["proxy_fp4"] = spearman(prox["fp4"], harm["fp4"])
@@ -344,6 +444,9 @@ def scores(r: dict, lambdas, default_lam) -> dict:
             s[f"wd_uniform_{p}"] = spearman(r["pred"][p]["WD_uniform"], dev)
         s[f"proxy_wd_{p}"] = spearman(prox[p], dev)
     s["wd"] = s["wd_fp4"]
+    seeds = np.array(r.get("dev_seeds", {}).get("fp4", []))
+    if seeds.ndim == 2 and seeds.shape[1] >= 2:  # agreement of two rounding seeds: the WD ceiling
+        s["ceiling_wd"] = spearman(seeds[:, 0], seeds[:, 1])
     if "long" in r:
         for p, rows in r["long"].items():
             rows = np.array(rows)
@@ -382,8 +485,12 @@ def main(argv=None) -> None:
     ap.add_argument("--early", type=int, default=300, help="step of the early point")
     ap.add_argument("--mbs", type=int, default=8)
     ap.add_argument("--num-mb", type=int, default=1, help="micro-batches per step")
+    ap.add_argument("--long-num-mb", type=int, default=None,
+                    help="micro-batches per step of the long-horizon continuations (default --num-mb)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--probe", action="store_true", help="diagnostic: inject each layer's actual "
+                    "quantization error alone on the measurement batch (exact batch harm, curvature along the error)")
     ap.add_argument("--pred-batches", type=int, default=1, help="measurements on this many batches at a "
                     "point; the first is the prediction, the others show the estimator's batch noise")
     ap.add_argument("--rounding-seeds", type=int, default=2)
@@ -438,7 +545,7 @@ def rescore(args) -> None:
     args.fp4_recipe = saved.get("args", {}).get("fp4_recipe", args.fp4_recipe)
     results = saved["results"]
     for r in results.values():
-        r.update(predictions(load_stats(keys, r["stats"], r.get("stats_fields")), args.lambdas))
+        r.update(predictions(load_stats(keys, r["stats"], r.get("stats_fields")), args.lambdas, r.get("m_ew")))
         r["extra_pred"] = [predictions(load_stats(keys, a, r.get("stats_fields")), args.lambdas)["pred"]
                            for a in r.get("extra_stats", [])]
     print(f"rescored {args.rescore} with the current estimator ({EstimateConfig()})")

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 
 
+CURVATURES = ("noise", "fisher", "mean", "fisher_error", "mean_error")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EstimateConfig:
     """How statistics become per-layer costs Q_l(p) = dL_l(p) / L + lam * WD_l(p)."""
@@ -18,9 +21,15 @@ class EstimateConfig:
     """Add the signed first-order loss term <G_X, E_X> + <G_W, E_W>. Off by default: it was noise
     late in training in our measurements; turn on only when averaged over many batches."""
     curvature: str = "mean"
-    """Curvature kappa_l of the loss along Y_l: "noise" (forward-noise pass, one-sample Hutchinson),
-    "fisher" (empirical Fisher / Gauss-Newton, ||G_Y||^2 / m, from the clean pass) or "mean" of the
-    two: they estimate the same quantity with independent noise (docs/method.md, section 3)."""
+    """Curvature of the loss along the output error of layer l. A scalar kappa_l times ||dY||^2:
+    "noise" (forward-noise pass, one-sample Hutchinson), "fisher" (empirical Fisher / Gauss-Newton
+    along a random direction, ||G_Y||^2 / m, from the clean pass) or the "mean" of the two (they
+    estimate the same quantity with independent noise). Or "fisher_error": the empirical Fisher's
+    quadratic form along the measured dY itself, n sum_t <G_Y,t, dY_t>^2; or "mean_error": the mean
+    of that and the noise curvature times ||dY||^2 (docs/method.md, section 3)."""
+    output_error: str = "model"
+    """||dY||^2 for the scalar curvatures: "model" (random-error model from the operands' norms and
+    errors) or "measured" (Q(X) Q(W)^T - X W^T on the token sample)."""
     adam_error_model: str = "proportional"
     """How a layer's gradient error spreads over its weights, for the AdamW scale: "proportional"
     (like the gradient: E|du|^2 = c^2 |e|^2 sum(v/(sqrt v+eps)^2) / sum(v)) or "uniform"
@@ -31,9 +40,11 @@ class EstimateConfig:
     def __post_init__(self) -> None:
         if not (isinstance(self.lam, (int, float)) and math.isfinite(self.lam) and self.lam >= 0):
             raise ValueError(f"EstimateConfig.lam must be a finite number >= 0, got {self.lam!r}")
-        if self.curvature not in ("noise", "fisher", "mean"):
-            raise ValueError(f"EstimateConfig.curvature must be 'noise', 'fisher' or 'mean', "
+        if self.curvature not in CURVATURES:
+            raise ValueError(f"EstimateConfig.curvature must be one of {', '.join(CURVATURES)}, "
                              f"got {self.curvature!r}")
+        if self.output_error not in ("model", "measured"):
+            raise ValueError(f"EstimateConfig.output_error must be 'model' or 'measured', got {self.output_error!r}")
         if self.adam_error_model not in ("proportional", "uniform"):
             raise ValueError(f"EstimateConfig.adam_error_model must be 'proportional' or 'uniform', "
                              f"got {self.adam_error_model!r}")

@@ -76,7 +76,7 @@ def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> 
     costs, ldiv, wdiv = ({k: {Precision.BF16: 0.0} for k in keys} for _ in range(3))
     for p in stats.precisions:
         dl = dv.loss_divergence(stats, p, first_order=config.first_order, kappa_floor=config.kappa_floor,
-                                curvature_kind=config.curvature) / loss
+                                curvature_kind=config.curvature, output_error=config.output_error) / loss
         wd = dv.weight_divergence(stats, p, config.adam_error_model)
         q = dl + config.lam * wd
         for i, k in enumerate(keys):

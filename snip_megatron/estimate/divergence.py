@@ -35,10 +35,12 @@ def fisher_curvature(t: StatsTable) -> np.ndarray:
 
 
 def curvature(t: StatsTable, floor: float = 0.0, kind: str = "mean") -> np.ndarray:
-    """The curvature the loss divergence uses ("noise", "fisher" or their "mean"), clamped at floor."""
+    """The scalar curvature the loss divergence uses ("noise", "fisher" or their "mean"), clamped
+    at floor. "fisher_error" and "mean_error" have no scalar curvature (they use the Fisher along
+    the measured error); for them the random-direction "fisher" and "mean" are returned."""
     if kind == "noise":
         kappa = noise_curvature(t)
-    elif kind == "fisher":
+    elif kind in ("fisher", "fisher_error"):
         kappa = fisher_curvature(t)
     else:
         kappa = 0.5 * (np.maximum(noise_curvature(t), 0.0) + fisher_curvature(t))
@@ -62,9 +64,17 @@ def fisher_along_error(t: StatsTable, p: Precision) -> np.ndarray:
 
 
 def loss_divergence(t: StatsTable, p: Precision, *, first_order: bool = False,
-                    kappa_floor: float = 0.0, curvature_kind: str = "mean") -> np.ndarray:
-    """dL_l(p) = 1/2 kappa_l ||dY||^2 (+ <G_X, E_X> + <G_W, E_W> when first_order)."""
-    dl = 0.5 * curvature(t, kappa_floor, curvature_kind) * output_error_sq(t, p)
+                    kappa_floor: float = 0.0, curvature_kind: str = "mean",
+                    output_error: str = "model") -> np.ndarray:
+    """dL_l(p) = 1/2 kappa_l ||dY||^2, or 1/2 dY^T F dY with curvature_kind "fisher_error"
+    (+ <G_X, E_X> + <G_W, E_W> when first_order)."""
+    dy = measured_output_error_sq(t, p) if output_error == "measured" else output_error_sq(t, p)
+    if curvature_kind == "fisher_error":
+        dl = 0.5 * fisher_along_error(t, p)
+    elif curvature_kind == "mean_error":  # two estimates of dY^T H dY with independent noise
+        dl = 0.5 * 0.5 * (curvature(t, kappa_floor, "noise") * dy + fisher_along_error(t, p))
+    else:
+        dl = 0.5 * curvature(t, kappa_floor, curvature_kind) * dy
     if first_order:
         dl = dl + _c(t, "gx_ex", p) + _c(t, "gw_ew", p)
     return dl

@@ -27,16 +27,31 @@ def shard_indices(full: int, tp_rank: int, tp_size: int, stride: int = 1) -> tor
                       for s in range(stride)])
 
 
+_BITS = torch.arange(32, dtype=torch.int64)
+_ONE = 0x3F800000  # float32 1.0; setting bit 31 makes it -1.0
+
+
+def rademacher(shape, generator: torch.Generator) -> torch.Tensor:
+    """Independent +-1 entries (float32), 32 from each random word: a few integer ops per entry
+    instead of a Gaussian draw, and the minimum-variance choice for Hutchinson's estimator."""
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    words = torch.randint(0, 2**32, ((numel + 31) // 32,), generator=generator, dtype=torch.int64)
+    bits = ((words.unsqueeze(1) >> _BITS) & 1).reshape(-1)[:numel].to(torch.int32)
+    return ((bits << 31) | _ONE).view(torch.float32).reshape(shape)
+
+
 def layer_noise(local_shape: torch.Size, *, seed: int, key: LayerKey, microbatch: int, stream: int,
                 tp_rank: int = 0, tp_size: int = 1, sharded: bool = False, stride: int = 1,
                 dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """Standard normal noise of `local_shape`; when `sharded`, the last dim is this rank's shard
+    """Rademacher (+-1) noise of `local_shape`; when `sharded`, the last dim is this rank's shard
     of a tensor tp_size times wider, cut as Megatron cuts it (see `shard_indices`)."""
     g = torch.Generator().manual_seed(noise_seed(seed, key, microbatch, stream))
     if not sharded or tp_size == 1:
-        z = torch.randn(local_shape, generator=g)
+        z = rademacher(local_shape, g)
     else:
         full = list(local_shape)
         full[-1] *= tp_size
-        z = torch.randn(full, generator=g).index_select(-1, shard_indices(full[-1], tp_rank, tp_size, stride))
+        z = rademacher(full, g).index_select(-1, shard_indices(full[-1], tp_rank, tp_size, stride))
     return z.to(device=device, dtype=dtype)

@@ -8,7 +8,7 @@ float64 scalar, so the whole table packs into one fixed-size tensor for collecti
 Field meanings (sums run over the micro-batches of the measured step, one data-parallel replica):
   x_sq, w_sq, y_sq, gy_sq, gx_sq, gw_sq  squared Frobenius norms of X, W, Y, G_Y, G_X, G_W
   n, k, m            tokens (summed over micro-batches), in features, out features (unsharded)
-  fwd_zg_clean       <z, G_Y> of the clean pass, z the forward-noise direction (unit normal)
+  fwd_zg_clean       <z, G_Y> of the clean pass, z the forward-noise direction (+-1 entries)
   fwd_zg_noisy       <z, G~_Y> of the forward-noise pass (noise s*z added to every Y at once)
   fwd_z_sq           ||z||^2
   noise_scale        s, the forward-noise standard deviation

@@ -159,3 +159,23 @@ def test_fisher_and_mean_curvature():
     assert c.kappa[t.keys[0]] == pytest.approx(kf)
     with pytest.raises(ValueError, match="curvature"):
         EstimateConfig(curvature="nope")
+
+
+def test_measured_output_error_and_fisher_along_the_error():
+    t = make_table()
+    for p in (FP8, FP4):
+        t.column(precision_field("dy_sq", p))[:] = 3.0 if p is FP8 else 30.0
+        t.column(precision_field("gdy_sq", p))[:] = 1e-5 if p is FP8 else 1e-3
+    t.values[1, t.col("gdy_sq.fp4")] = 2e-3  # the second layer's error lies more along G_Y
+    k = t.keys
+    meas = cost_table(t, EstimateConfig(curvature="noise", output_error="measured"))
+    assert meas.loss_div[k[0]][FP4] == pytest.approx(0.5 * 1.0 * 30.0 / 2.0)  # kappa 1, loss 2
+    model = cost_table(t, EstimateConfig(curvature="noise"))
+    assert model.loss_div[k[0]][FP4] == pytest.approx(0.5 * (1.0 * 10.0 + 100.0 * 0.1) / 16 / 2.0)
+    ferr = cost_table(t, EstimateConfig(curvature="fisher_error"))
+    assert ferr.loss_div[k[0]][FP4] == pytest.approx(0.5 * 64 * 1e-3 / 2.0)  # n = 64 tokens
+    assert ferr.loss_div[k[1]][FP4] == pytest.approx(2 * ferr.loss_div[k[0]][FP4])
+    assert 0 < ferr.loss_div[k[0]][FP8] < ferr.loss_div[k[0]][FP4]
+    assert ferr.kappa[k[0]] == pytest.approx(1e-2 / 16)  # reported: the random-direction Fisher
+    with pytest.raises(ValueError, match="output_error"):
+        EstimateConfig(output_error="exact")
