@@ -10,10 +10,16 @@ a later point measures, for every planned linear alone, by brute force:
     (forward and backward), minus the BF16 continuation on the same data, final weights evaluated
     in BF16, for 2 data orders (their agreement is the ceiling).
 The prediction uses the controller's default measurement (one statistics step + two noise passes
-on one training batch). Scores are Spearman over layers, per precision, never pooled.
+on the step's micro-batches, `--num-mb` of `--mbs` sequences). Scores are Spearman over layers,
+per precision, never pooled. Diagnostics: `--pred-batches N` repeats the measurement on N-1
+further batches (the estimator's own batch noise, and what averaging would buy); `--probe` injects
+each layer's actual quantization error alone on the measured batch (the exact loss change there,
+and the curvature along the error itself); `--rescore FILE` recomputes every prediction from the
+saved statistics with the current estimator.
 
-    python bench/estimator_fidelity.py --fp4-recipe nvfp4 --out runs/fidelity_nvfp4.json
-    python bench/estimator_fidelity.py --fp4-recipe mxfp4 --out runs/fidelity_mxfp4.json
+    python bench/estimator_fidelity.py --fp4-recipe nvfp4 --points later --num-mb 4 --long-num-mb 1 \
+        --val-batches 128 --pred-batches 2 --probe --long-precisions fp4 --out runs/fidelity/nv4.json
+    python bench/estimator_fidelity.py --fp4-recipe mxfp4 ... --out runs/fidelity/mx4.json
 
 Last line: RESULT spearman_fp4=.. spearman_marginal=.. spearman_long=.. spearman_wd=..
 spearman_proxy=.. ceiling_split=.. ceiling_long=..   (later point)

@@ -51,6 +51,10 @@ def synthetic_stats(shape, tokens: int, seed: int = 0):
             for role, base in (("ex", "x_sq"), ("ex_w", "x_sq"), ("ew", "w_sq"), ("ew_d", "w_sq"),
                                ("egy_d", "gy_sq"), ("egy_w", "gy_sq")):
                 t.set(k, precision_field(role, p), rel * row[base] * lognorm(0.3))
+            # the measured output error, near the random-error model, and its Fisher projection
+            dy = (t.get(k, precision_field("ex", p)) * row["w_sq"] + row["x_sq"] * t.get(k, precision_field("ew", p))) / kk
+            t.set(k, precision_field("dy_sq", p), dy * lognorm(0.3))
+            t.set(k, precision_field("gdy_sq", p), dy * row["gy_sq"] / (tokens * m) * lognorm(0.5))
     return t
 
 

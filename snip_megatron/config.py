@@ -63,9 +63,10 @@ class SnipConfig:
     order) instead of refusing the budget (the rule is unchanged wherever it was feasible)."""
     initial_precision: str = "fp8"
     """Precision of every planned linear before the first plan (bf16, fp8 or fp4)."""
-    lambda_wd: float = 0.0
-    """Weight of the weight-divergence term against the loss-divergence term in the cost. 0 by default:
-    it scored best against the long-horizon harm in bench/estimator_fidelity.py (docs/method.md)."""
+    lambda_wd: float = 0.3
+    """Weight of the weight-divergence term against the loss-divergence term in the cost. 0.3: the
+    best mean score against the long-horizon harm over two runs of bench/estimator_fidelity.py
+    (docs/method.md, section 7; that truth is noisy, re-check on real models)."""
     switch_penalty: float = 0.0
     """Cost added for changing a layer's precision against the previous plan (>= 0)."""
     solver_time_limit_s: float = 60.0

@@ -13,21 +13,22 @@ CURVATURES = ("noise", "fisher", "mean", "fisher_error", "mean_error")
 class EstimateConfig:
     """How statistics become per-layer costs Q_l(p) = dL_l(p) / L + lam * WD_l(p)."""
 
-    lam: float = 0.0
-    """Weight of the (normalised) weight divergence against the relative loss divergence.
-    0 is the best long-horizon score of bench/estimator_fidelity.py on llama_tiny (lambda 0 / 0.3 /
-    1 / 3: 0.35 / 0.08 / 0.08 / 0.03, NVFP4, step 1000; docs/method.md). Re-check on real models."""
+    lam: float = 0.3
+    """Weight of the (normalised) weight divergence against the relative loss divergence. 0.3 has
+    the best mean long-horizon score of bench/estimator_fidelity.py over two NVFP4 runs on
+    llama_tiny (lambda 0 / 0.3 / 1 / 3: 0.35 / 0.43 / 0.41 / 0.33; docs/method.md, section 7).
+    That truth is noisy (seed-vs-seed agreement 0.32-0.67): re-check on real models."""
     first_order: bool = False
     """Add the signed first-order loss term <G_X, E_X> + <G_W, E_W>. Off by default: it was noise
     late in training in our measurements; turn on only when averaged over many batches."""
-    curvature: str = "mean"
+    curvature: str = "mean_error"
     """Curvature of the loss along the output error of layer l. A scalar kappa_l times ||dY||^2:
     "noise" (forward-noise pass, one-sample Hutchinson), "fisher" (empirical Fisher / Gauss-Newton
     along a random direction, ||G_Y||^2 / m, from the clean pass) or the "mean" of the two (they
     estimate the same quantity with independent noise). Or "fisher_error": the empirical Fisher's
     quadratic form along the measured dY itself, n sum_t <G_Y,t, dY_t>^2; or "mean_error": the mean
     of that and the noise curvature times ||dY||^2 (docs/method.md, section 3)."""
-    output_error: str = "model"
+    output_error: str = "measured"
     """||dY||^2 for the scalar curvatures: "model" (random-error model from the operands' norms and
     errors) or "measured" (Q(X) Q(W)^T - X W^T on the token sample)."""
     adam_error_model: str = "proportional"

@@ -71,6 +71,7 @@ def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> 
         stats = stats.copy()
         for k in bad:
             stats.values[stats.row_index(k)] = 0.0
+    _check_measured_error(stats, config)
     kappa = dv.curvature(stats, config.kappa_floor, config.curvature)
     gain = dv.propagation_gain(stats)
     costs, ldiv, wdiv = ({k: {Precision.BF16: 0.0} for k in keys} for _ in range(3))
@@ -88,6 +89,23 @@ def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> 
     return CostTable(costs=costs, loss_div=ldiv, weight_div=wdiv,
                      kappa={k: float(v) for k, v in zip(keys, kappa)},
                      gain={k: float(v) for k, v in zip(keys, gain)}, nonfinite=bad)
+
+
+def _check_measured_error(stats: StatsTable, config: EstimateConfig) -> None:
+    """A configuration that reads the measured output error refuses a table without it (one
+    measured before the dy_sq / gdy_sq fields existed), instead of costing every layer zero."""
+    if config.output_error != "measured" and config.curvature not in ("fisher_error", "mean_error"):
+        return
+    for p in stats.precisions:
+        has_error = (stats.column(f"ex.{p.value}") > 0) | (stats.column(f"ew.{p.value}") > 0)
+        missing = has_error & (stats.column(f"dy_sq.{p.value}") == 0)
+        if missing.any():
+            first = stats.keys[int(np.argmax(missing))]
+            raise ValueError(f"statistics have quantization errors but no measured output error "
+                             f"(dy_sq.{p.value} is 0 for {int(missing.sum())} layers, first {first}); "
+                             f"EstimateConfig(curvature={config.curvature!r}, output_error="
+                             f"{config.output_error!r}) needs them: measure again, or use "
+                             f"curvature='mean', output_error='model'")
 
 
 def proxy_table(stats: StatsTable) -> Table:

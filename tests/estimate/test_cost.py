@@ -12,8 +12,9 @@ from snip_megatron.stats.table import StatsTable, precision_field
 FP8, FP4 = Precision.FP8, Precision.FP4
 
 
-def make_table(num_layers=2, err=(1e-4, 1e-2), kappa=1.0, adam=True, **overrides) -> StatsTable:
-    """A hand-built table: every layer alike unless overridden ({field: {layer_index: value}})."""
+def make_table(num_layers=2, err=(1e-4, 1e-2), kappa=1.0, adam=True, measured=True, **overrides) -> StatsTable:
+    """A hand-built table: every layer alike unless overridden ({field: {layer_index: value}}).
+    measured: dy_sq and gdy_sq as the random-error model predicts them (else left 0)."""
     keys = all_keys(num_layers)
     t = StatsTable(keys=keys, globals_={"loss": 2.0, "num_microbatches": 1, "dp_size": 1})
     base = dict(x_sq=100.0, w_sq=10.0, y_sq=50.0, gy_sq=1e-2, gx_sq=1e-2, gw_sq=1e-3, n=64, k=16, m=16,
@@ -30,6 +31,10 @@ def make_table(num_layers=2, err=(1e-4, 1e-2), kappa=1.0, adam=True, **overrides
             t.column(precision_field(role, p))[:] = e * 10.0
         t.column(precision_field("gx_ex", p))[:] = 0.0
         t.column(precision_field("gw_ew", p))[:] = 0.0
+        if measured:  # ||dY||^2 = (||E_X||^2 ||W||^2 + ||X||^2 ||E_W||^2) / k; <G_t, dY_t> of random alignment
+            dy = (e * 100.0 * 10.0 + 100.0 * e * 10.0) / 16
+            t.column(precision_field("dy_sq", p))[:] = dy
+            t.column(precision_field("gdy_sq", p))[:] = dy * 1e-2 / (64 * 16)
     for f, rows in overrides.items():
         for i, v in rows.items():
             t.values[i, t.col(f)] = v
@@ -53,21 +58,21 @@ def test_cost_grows_with_error():
     t = make_table()
     t.values[0, t.col("ex.fp4")] *= 4
     t.values[0, t.col("ew.fp4")] *= 4
-    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise"))
+    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise", output_error="model"))
     k0, k1 = t.keys[0], t.keys[1]
     assert c.loss_div[k0][FP4] == pytest.approx(4 * c.loss_div[k1][FP4])
 
 
 def test_cost_grows_with_curvature():
     t = make_table(fwd_zg_noisy={1: 3 * 0.1 * 1000.0})
-    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise"))
+    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise", output_error="model"))
     assert c.kappa[t.keys[1]] == pytest.approx(3.0)
     assert c.costs[t.keys[1]][FP4] == pytest.approx(3 * c.costs[t.keys[0]][FP4])
 
 
 def test_second_order_formula_by_hand():
     t = make_table()
-    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise"))
+    c = cost_table(t, EstimateConfig(lam=0.0, curvature="noise", output_error="model"))
     dy = (1e-2 * 100 * 10 + 100 * 1e-2 * 10) / 16  # (|E_X|^2 |W|^2 + |X|^2 |E_W|^2) / k
     assert c.loss_div[t.keys[0]][FP4] == pytest.approx(0.5 * 1.0 * dy / 2.0)
 
@@ -75,8 +80,8 @@ def test_second_order_formula_by_hand():
 def test_negative_curvature_clamped_and_first_order_option():
     t = make_table(fwd_zg_noisy={0: -50.0})
     t.values[0, t.col("gx_ex.fp4")] = 1e-3
-    assert cost_table(t, EstimateConfig(lam=0.0, curvature="noise")).costs[t.keys[0]][FP4] == 0.0
-    c = cost_table(t, EstimateConfig(lam=0.0, first_order=True, curvature="noise"))
+    assert cost_table(t, EstimateConfig(lam=0.0, curvature="noise", output_error="model")).costs[t.keys[0]][FP4] == 0.0
+    c = cost_table(t, EstimateConfig(lam=0.0, first_order=True, curvature="noise", output_error="model"))
     assert c.costs[t.keys[0]][FP4] == pytest.approx(1e-3 / 2.0)
 
 
@@ -109,7 +114,7 @@ def test_weight_divergence_scales_with_adam_and_falls_back_without_state():
 
 def test_lambda_adds_weight_divergence():
     t = make_table()
-    c0, c1 = cost_table(t, EstimateConfig(lam=0.0, curvature="noise")), cost_table(t, EstimateConfig(lam=1.0, curvature="noise"))
+    c0, c1 = cost_table(t, EstimateConfig(lam=0.0, curvature="noise", output_error="model")), cost_table(t, EstimateConfig(lam=1.0, curvature="noise", output_error="model"))
     k = t.keys[0]
     assert c1.costs[k][FP4] == pytest.approx(c0.costs[k][FP4] + c1.weight_div[k][FP4])
 
@@ -170,7 +175,7 @@ def test_measured_output_error_and_fisher_along_the_error():
     k = t.keys
     meas = cost_table(t, EstimateConfig(curvature="noise", output_error="measured"))
     assert meas.loss_div[k[0]][FP4] == pytest.approx(0.5 * 1.0 * 30.0 / 2.0)  # kappa 1, loss 2
-    model = cost_table(t, EstimateConfig(curvature="noise"))
+    model = cost_table(t, EstimateConfig(curvature="noise", output_error="model"))
     assert model.loss_div[k[0]][FP4] == pytest.approx(0.5 * (1.0 * 10.0 + 100.0 * 0.1) / 16 / 2.0)
     ferr = cost_table(t, EstimateConfig(curvature="fisher_error"))
     assert ferr.loss_div[k[0]][FP4] == pytest.approx(0.5 * 64 * 1e-3 / 2.0)  # n = 64 tokens
@@ -179,3 +184,28 @@ def test_measured_output_error_and_fisher_along_the_error():
     assert ferr.kappa[k[0]] == pytest.approx(1e-2 / 16)  # reported: the random-direction Fisher
     with pytest.raises(ValueError, match="output_error"):
         EstimateConfig(output_error="exact")
+
+
+def test_a_table_without_measured_output_error_is_refused_where_needed():
+    t = make_table(measured=False)  # quantization errors, but dy_sq / gdy_sq never measured
+    for kind in ("fisher_error", "mean_error"):
+        with pytest.raises(ValueError, match="no measured output error"):
+            cost_table(t, EstimateConfig(curvature=kind, output_error="model"))
+    with pytest.raises(ValueError, match="dy_sq.fp8"):
+        cost_table(t, EstimateConfig(curvature="mean", output_error="measured"))
+    cost_table(t, EstimateConfig(curvature="mean", output_error="model"))  # the model needs no dY
+    zero = make_table(err=(0.0, 0.0))  # no error at all: nothing to miss
+    assert cost_table(zero, EstimateConfig(curvature="mean_error")).costs[zero.keys[0]][FP4] == 0.0
+
+
+def test_default_cost_grows_with_measured_error_and_with_curvature():
+    t = make_table(fwd_zg_noisy={1: 3 * 0.1 * 1000.0})  # layer 1: noise curvature 3 instead of 1
+    for f in ("dy_sq.fp4", "gdy_sq.fp4"):
+        t.values[2, t.col(f)] *= 4  # layer 2: four times the output error
+    c = cost_table(t)  # the default: mean of noise-kappa * ||dY||^2 and the Fisher along dY
+    k = t.keys
+    fisher = 64 * t.get(k[0], "gdy_sq.fp4")
+    assert c.loss_div[k[0]][FP4] == pytest.approx(0.25 * (1.0 * t.get(k[0], "dy_sq.fp4") + fisher) / 2.0)
+    assert c.loss_div[k[2]][FP4] == pytest.approx(4 * c.loss_div[k[0]][FP4])
+    assert c.loss_div[k[1]][FP4] > 2 * c.loss_div[k[0]][FP4]
+    assert 0 < c.costs[k[0]][FP8] < c.costs[k[0]][FP4]
