@@ -1,0 +1,76 @@
+"""bench/estimator_fidelity.py scoring: Spearman with ties, the scores of a result, rescoring a saved run."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def fidelity():
+    spec = importlib.util.spec_from_file_location("bench_fidelity", ROOT / "bench" / "estimator_fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_spearman_ranks_with_ties_and_drops_nan(fidelity):
+    assert fidelity.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert fidelity.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert fidelity.spearman([1, 1, 2, 3], [5, 5, 6, 7]) == pytest.approx(1.0)  # tied ranks shared
+    assert fidelity.spearman([1, 2, math.nan, 3, 4], [1, 2, 99, 3, 4]) == pytest.approx(1.0)
+    assert math.isnan(fidelity.spearman([1, 2], [1, 2]))
+
+
+def _result(n=6, seed=0):
+    """A result dict with a prediction that ranks FP4 harm perfectly and a noisy second batch."""
+    rng = np.random.default_rng(seed)
+    harm4 = np.linspace(1.0, 6.0, n)
+    harm8 = harm4 / 10
+    pred = {p: {"dL": list(h), "WD": list(h), "Q0.0": list(h), "dL_alt": list(-h)}
+            for p, h in (("fp4", harm4), ("fp8", harm8))}
+    noisy = {p: {k: list(np.array(v) + rng.normal(0, 5, n)) for k, v in d.items()} for p, d in pred.items()}
+    return {
+        "harm": {"fp4": [[h, h] for h in harm4], "fp8": [[h, h] for h in harm8]},
+        "dev": {"fp4": list(harm4), "fp8": list(harm8)},
+        "dev_seeds": {"fp4": [[h, h] for h in harm4]},
+        "pred": pred, "extra_pred": [noisy],
+        "proxy": {"fp4": list(-harm4), "fp8": list(-harm8)},
+        "kappa": [1.0] * n,
+        "probe": {p: {"batch": list(h), "secant": list(h), "secant_sign": list(h), "joint_sign": list(-h)}
+                  for p, h in (("fp4", harm4), ("fp8", harm8))},
+    }
+
+
+def test_scores_of_a_result(fidelity):
+    s = fidelity.scores(_result(), [0.0], 0.0)
+    assert s["fp4"] == pytest.approx(1.0) and s["marginal"] == pytest.approx(1.0)
+    assert s["fp4_alt"] == pytest.approx(-1.0)  # every dL_ variant is scored
+    assert s["proxy_fp4"] == pytest.approx(-1.0)
+    assert s["ceiling_split"] == pytest.approx(1.0) and s["ceiling_wd"] == pytest.approx(1.0)
+    assert s["wd"] == pytest.approx(1.0)
+    assert s["probe_fp4_secant"] == pytest.approx(1.0) and s["probe_fp4_joint_sign"] == pytest.approx(-1.0)
+    assert -1.0 <= s["batch_split_dL"] < 1.0  # the second batch is noisy
+    assert "long" not in s  # no long-horizon truth in this result
+
+
+def test_rescore_a_saved_run(fidelity, capsys):
+    fidelity.main(["--rescore", str(ROOT / "docs" / "fidelity" / "nv4.json")])
+    out = capsys.readouterr().out
+    result = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert len(result) == 1
+    values = dict(kv.split("=") for kv in result[0].split()[1:])
+    assert set(values) == {"spearman_fp4", "spearman_marginal", "spearman_long", "spearman_wd",
+                           "spearman_proxy", "ceiling_split", "ceiling_long"}
+    for v in values.values():
+        assert -1.0 <= float(v) <= 1.0
+    # the truth side does not depend on the estimator: the recorded run's ceilings
+    assert float(values["ceiling_split"]) == pytest.approx(0.894, abs=1e-3)
+    assert float(values["ceiling_long"]) == pytest.approx(0.323, abs=1e-3)
