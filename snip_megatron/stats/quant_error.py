@@ -27,9 +27,20 @@ ROLE_FIELDS = {
 }
 
 
+def _layout_free(cast) -> bool:
+    """A cast that quantizes a tensor the same whichever dim is contracted: square (or per-tensor)
+    blocks, round-to-nearest, no Hadamard. A weight cast like this serves fprop and dgrad alike
+    (TE quantizes such a weight once for both GEMMs)."""
+    from snip_megatron.formats.spec import Rounding
+
+    return (cast is not None and cast.rounding is Rounding.NEAREST_EVEN and not cast.hadamard
+            and (cast.block is None or cast.block[0] == cast.block[1]))
+
+
 def formats_error_fn(fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4", seed: int = 0) -> ErrorFn:
     """E = Q(T) - T with the project's fake quantizers; stochastic rounding draws from a dedicated
-    generator (seeded once), never from the global RNG."""
+    generator (seeded once), never from the global RNG. The error of the last tensor under a
+    layout-free cast is kept, so a weight's dgrad error is not recomputed when it equals fprop's."""
     from snip_megatron import formats
     from snip_megatron.formats.spec import FormatSpec, Role
 
@@ -37,13 +48,19 @@ def formats_error_fn(fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4", s
     specs = {p: FormatSpec.for_precision(p, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
              for p in (Precision.FP8, Precision.FP4)}
     generator = torch.Generator().manual_seed(seed)
+    last: list = []  # [tensor, version, cast, group, error]: the tensor is held, so `is` is safe
 
     def error(t: torch.Tensor, precision: Precision, role: str, group=None) -> torch.Tensor:
         # group: the TP group of a sharded operand, so per-tensor scales see the whole tensor
-        t = t.float()
-        q = quantize(t, specs[Precision.parse(precision)], Role(role), out_dtype=torch.float32,
-                     generator=generator, amax_group=group)
-        return q - t
+        cast = specs[Precision.parse(precision)].cast(Role(role))
+        reuse = _layout_free(cast)
+        if reuse and last and last[0] is t and last[1] == t._version and last[2] == cast and last[3] is group:
+            return last[4]
+        tf = t.float()
+        e = quantize(tf, specs[Precision.parse(precision)], Role(role), out_dtype=torch.float32,
+                     generator=generator, amax_group=group) - tf
+        last[:] = [t, t._version, cast, group, e] if reuse else []
+        return e
 
     return error
 
