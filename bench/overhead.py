@@ -78,18 +78,23 @@ def estimate_and_solve_70b(repeats: int = 3) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def measure_cost(pairs: int, mbs: int) -> dict:
+def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None) -> dict:
+    import dataclasses
+
     from snip_megatron.config import SnipConfig
     from snip_megatron.plan import Plan
-    from snip_megatron.stats import measure
+    from snip_megatron.stats import measure, measure_config_from
     from snip_megatron.train.config import TrainConfig
     from snip_megatron.train.loop import Trainer
 
     tr = Trainer(TrainConfig(model="llama_tiny", steps=4 * pairs + 4, micro_batch_size=mbs,
                              global_batch_size=mbs, eval_interval=None, progress=False))
-    config = SnipConfig()
+    snip = SnipConfig()
+    config = measure_config_from(snip)  # the controller's measurement
+    if error_token_stride is not None:
+        config = dataclasses.replace(config, error_token_stride=error_token_stride)
     n = tr.shape.num_layers
-    plans = {"bf16": Plan.uniform(n, "bf16"), "initial": Plan.uniform(n, config.initial_precision)}
+    plans = {"bf16": Plan.uniform(n, "bf16"), "initial": Plan.uniform(n, snip.initial_precision)}
     ratios = {name: [] for name in plans}
     times = {"measure": [], **{name: [] for name in plans}}
 
@@ -122,9 +127,11 @@ def main(argv=None) -> None:
     ap.add_argument("--mbs", type=int, default=8)
     ap.add_argument("--loop-steps", type=int, default=2000, help="steps of each side-by-side loop run")
     ap.add_argument("--no-loop", action="store_true", help="skip the whole-loop overhead runs")
+    ap.add_argument("--error-token-stride", type=int, default=None,
+                    help="measure the errors on every n-th token chunk (default: the controller's)")
     args = ap.parse_args(argv)
 
-    cost = measure_cost(args.pairs, args.mbs)
+    cost = measure_cost(args.pairs, args.mbs, args.error_token_stride)
     print(f"llama_tiny, micro-batch {args.mbs}: median measurement {cost['median_s']['measure']:.3f}s; "
           f"BF16 step {cost['median_s']['bf16']:.3f}s; initial-plan (emulated FP8) step "
           f"{cost['median_s']['initial']:.3f}s")
