@@ -186,7 +186,6 @@ def build_specs(args) -> list[RunSpec]:
     return specs
 
 
-
 # -- aggregation ---------------------------------------------------------------------------------
 
 def summarize(results: list[dict], fmt: str, budgets, heuristics) -> dict:

@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass
 
 
-CURVATURES = ("noise", "fisher", "mean", "fisher_error", "mean_error")
+ERROR_CURVATURES = ("fisher_error", "mean_error")  # read the Fisher along the measured dY
+CURVATURES = ("noise", "fisher", "mean") + ERROR_CURVATURES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,11 @@ class EstimateConfig:
     (E|du|^2 = c^2 |e|^2 mean(1/(sqrt v+eps)^2), dominated by the weights with the smallest v)."""
     kappa_floor: float = 0.0
     """Curvatures below this are clamped to it (a negative one-sample estimate is noise)."""
+
+    @property
+    def reads_measured_error(self) -> bool:
+        """Whether the costs read the measured output error (dy_sq / gdy_sq statistics)."""
+        return self.output_error == "measured" or self.curvature in ERROR_CURVATURES
 
     def __post_init__(self) -> None:
         if not (isinstance(self.lam, (int, float)) and math.isfinite(self.lam) and self.lam >= 0):

@@ -94,7 +94,7 @@ def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> 
 def _check_measured_error(stats: StatsTable, config: EstimateConfig) -> None:
     """A configuration that reads the measured output error refuses a table without it (one
     measured before the dy_sq / gdy_sq fields existed), instead of costing every layer zero."""
-    if config.output_error != "measured" and config.curvature not in ("fisher_error", "mean_error"):
+    if not config.reads_measured_error:
         return
     for p in stats.precisions:
         has_error = (stats.column(f"ex.{p.value}") > 0) | (stats.column(f"ew.{p.value}") > 0)

@@ -61,6 +61,7 @@ class LinearProbe:
         self.m = w.shape[0] * (tp if self.column else 1)
         self.calls = 0
         self.w_errors: dict = {}
+        self.w_quantized: dict = {}  # precision -> Q(W) = W + E_W, for dY of every micro-batch
         self.pending_dy: dict = {}  # micro-batch -> {precision: dY on the token sample}, until its backward
         self.handles = [module.register_forward_pre_hook(self._pre),
                         module.register_forward_hook(self._post)]
@@ -72,6 +73,7 @@ class LinearProbe:
     def reset(self) -> None:
         self.calls = 0
         self.w_errors = {}
+        self.w_quantized = {}
         self.pending_dy = {}
 
     # -- helpers -------------------------------------------------------------------------------
@@ -90,9 +92,7 @@ class LinearProbe:
     def _output_error(self, xs: torch.Tensor, ex: torch.Tensor, p: Precision) -> torch.Tensor:
         """dY = Q(X) Q(W)^T - X W^T on the token sample; a row-parallel layer's partial products
         are summed over TP, as its output is."""
-        w = self.module.weight.detach().float()
-        ew = self.w_errors[p]
-        dy = ex @ (w + ew).t() + xs @ ew.t()
+        dy = ex @ self.w_quantized[p].t() + xs @ self.w_errors[p].t()
         if not self.column and self.c.tp_size > 1:
             torch.distributed.all_reduce(dy, group=self.c.tp_group)
         return dy
@@ -105,6 +105,7 @@ class LinearProbe:
             self._add("ew", _sq(e), p)
             self._add("ew_d", _sq(self._err(w, p, "dgrad_weight", True)), p)
             self.w_errors[p] = e
+            self.w_quantized[p] = w + e
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module, args):

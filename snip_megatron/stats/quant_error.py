@@ -52,13 +52,13 @@ def formats_error_fn(fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4", s
 
     def error(t: torch.Tensor, precision: Precision, role: str, group=None) -> torch.Tensor:
         # group: the TP group of a sharded operand, so per-tensor scales see the whole tensor
-        cast = specs[Precision.parse(precision)].cast(Role(role))
+        spec, role = specs[Precision.parse(precision)], Role(role)
+        cast = spec.cast(role)
         reuse = _layout_free(cast)
         if reuse and last and last[0] is t and last[1] == t._version and last[2] == cast and last[3] is group:
             return last[4]
         tf = t.float()
-        e = quantize(tf, specs[Precision.parse(precision)], Role(role), out_dtype=torch.float32,
-                     generator=generator, amax_group=group) - tf
+        e = quantize(tf, spec, role, out_dtype=torch.float32, generator=generator, amax_group=group) - tf
         last[:] = [t, t._version, cast, group, e] if reuse else []
         return e
 
