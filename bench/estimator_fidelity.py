@@ -232,6 +232,20 @@ class Harness:
 
 
 # -- predictions from a statistics table -----------------------------------------------------------
+# Loss terms built differently from the default, for comparison (EstimateConfig fields).
+LOSS_VARIANTS = {
+    "noise": dict(curvature="noise", output_error="model"),  # kappa times the random-error model
+    "fisher": dict(curvature="fisher", output_error="model"),
+    "mean": dict(curvature="mean", output_error="model"),  # the default before the measured dY
+    "meas_noise": dict(curvature="noise", output_error="measured"),  # kappa times the measured ||dY||^2
+    "meas_fisher": dict(curvature="fisher", output_error="measured"),
+    "meas_mean": dict(curvature="mean", output_error="measured"),
+    "ferr": dict(curvature="fisher_error"),  # the empirical Fisher along the measured dY
+    "mix": dict(curvature="mean_error"),  # mean of meas_noise and ferr
+    "fo": dict(curvature="mean", output_error="model", first_order=True),  # "mean" + signed first order
+}
+
+
 def predictions(stats, lambdas, m_ew=None) -> dict:
     """Everything the estimator predicts (default EstimateConfig, lambda varied) and the proxy."""
     costs = {lam: cost_table(stats, EstimateConfig(lam=lam)) for lam in lambdas}
@@ -241,12 +255,11 @@ def predictions(stats, lambdas, m_ew=None) -> dict:
                       "WD_uniform": list(cu.column(p, "weight_div")),
                       **{f"Q{lam}": list(costs[lam].column(p)) for lam in lambdas}}
             for p in (FP8, FP4)}
-    for kind in ("noise", "fisher"):
-        ck = cost_table(stats, EstimateConfig(lam=0.0, curvature=kind))
+    for name, fields in LOSS_VARIANTS.items():
+        cv = cost_table(stats, EstimateConfig(lam=0.0, **fields))
         for p in (FP8, FP4):
-            pred[p.value][f"dL_{kind}"] = list(ck.column(p, "loss_div"))
+            pred[p.value][f"dL_{name}"] = list(cv.column(p, "loss_div"))
     for p in (FP8, FP4):
-        pred[p.value].update(loss_variants(stats, p))
         if m_ew is not None:  # the first-order weight term from AdamW's first moment
             first = np.array(m_ew[p.value]) / stats.globals_["loss"]
             pred[p.value]["dL_mfo"] = list(np.array(pred[p.value]["dL"]) + first)
@@ -256,24 +269,6 @@ def predictions(stats, lambdas, m_ew=None) -> dict:
     proxy = proxy_table(stats)
     return {"pred": pred, "proxy": {p.value: [proxy[k][p] for k in stats.keys] for p in (FP8, FP4)},
             "kappa": [c0.kappa[k] for k in stats.keys]}
-
-
-def loss_variants(stats, p) -> dict:
-    """Second-order loss terms built differently (relative to the loss), for comparison:
-    meas_<kappa>: kappa * the measured ||dY||^2 instead of the random-error model;
-    ferr: the empirical Fisher along the measured dY; mix: mean of noise-kappa*||dY||^2 and ferr;
-    fo: the default plus the signed first-order terms."""
-    from snip_megatron.estimate import divergence as dv
-
-    if not (stats.column(f"dy_sq.{p.value}") > 0).any():  # a table from before these fields
-        return {}
-    loss = stats.globals_["loss"]
-    dy = dv.measured_output_error_sq(stats, p)
-    out = {f"dL_meas_{kind}": 0.5 * dv.curvature(stats, 0.0, kind) * dy for kind in ("noise", "fisher", "mean")}
-    out["dL_ferr"] = 0.5 * dv.fisher_along_error(stats, p)
-    out["dL_mix"] = 0.5 * (out["dL_meas_noise"] + out["dL_ferr"])
-    out["dL_fo"] = dv.loss_divergence(stats, p, first_order=True)
-    return {k: list(v / loss) for k, v in out.items()}
 
 
 def load_stats(keys, array, fields=None):
