@@ -1,13 +1,16 @@
 """Hooks on the planned linears that collect the statistics of one pass.
 
-A pass is the forward and backward of every micro-batch of the measured step, in one of three
+A pass is the forward and backward of every micro-batch of the measured step, in one of four
 modes:
   clean      norms of X, W, Y, G_Y, G_X, G_W, quantization errors per precision and role, the
              first-order inner products, the output error dY of the quantized forward GEMM and its
-             per-token projection on G_Y, and <z, G_Y> for the curvature;
+             per-token projection on G_Y, and <z, G_Y> for the curvature (on the micro-batches
+             that will get forward noise);
   fwd_noise  s_l * z_l added to every layer output at once; <z, G~_Y>;
   bwd_noise  t_l * eta_l added to every layer's input gradient at once, with a zero loss
-             gradient, so every G_Y is exactly the propagated noise; ||G_Y^T X||^2 and ||eta||^2.
+             gradient, so every G_Y is exactly the propagated noise; ||G_Y^T X||^2 and ||eta||^2;
+  noise      both noise passes in one: fwd_noise on even micro-batches, bwd_noise on odd ones
+             (micro-batches are independent, so one pass does the work of two on half the data).
 Parameters never get gradients here: measure.py freezes them and makes layer inputs leaves.
 """
 
@@ -22,7 +25,7 @@ from snip_megatron.stats.quant_error import ErrorFn
 from snip_megatron.stats.reduce import COLUMN_PARALLEL
 from snip_megatron.stats.table import StatsTable, precision_field
 
-MODES = ("clean", "fwd_noise", "bwd_noise")
+MODES = ("clean", "fwd_noise", "bwd_noise", "noise")
 
 
 TOKEN_CHUNK = 16  # error subsampling keeps whole chunks of consecutive tokens, so NVFP4 blocks and
@@ -109,14 +112,14 @@ class LinearProbe:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module, args):
-        mode = self.c.mode
-        if mode is None:
+        if self.c.mode is None:
             return None
         x = args[0]
         if not x.requires_grad:  # parameters are frozen: make the input a leaf so gradients flow
             x = x.detach().requires_grad_(True)
         mb = self.calls
         self.calls += 1
+        mode = self.c.mode_of(mb)
         if mode == "clean":
             x2 = x.detach().reshape(-1, x.shape[-1]).float()
             if mb == 0:
@@ -151,12 +154,12 @@ class LinearProbe:
         return (x,) + tuple(args[1:])
 
     def _post(self, module, args, output):
-        mode = self.c.mode
-        if mode is None:
+        if self.c.mode is None:
             return None
         y, rest = (output[0], tuple(output[1:])) if isinstance(output, tuple) else (output, None)
         x = args[0]
         mb = self.calls - 1
+        mode = self.c.mode_of(mb)
         if mode == "clean":
             self._add("y_sq", _sq(y.detach()))
 
@@ -177,8 +180,9 @@ class LinearProbe:
                 self._add("gw_sq", _sq(gw))
                 for p, e in self.w_errors.items():
                     self._add("gw_ew", _dot(gw, e), p)
-                z = self._noise(g.shape, mb, noise.FORWARD, self.column, self.stride, g)
-                self._add("fwd_zg_clean", _dot(z, g))
+                if self.c.gets_forward_noise(mb):
+                    z = self._noise(g.shape, mb, noise.FORWARD, self.column, self.stride, g)
+                    self._add("fwd_zg_clean", _dot(z, g))
 
             y.register_hook(on_gy)
             return None
@@ -203,7 +207,7 @@ class Collector:
 
     def __init__(self, linears: list, *, num_layers: int, error_fn: ErrorFn, precisions=None,
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None, token_stride: int = 1):
+                 tp_group=None, token_stride: int = 1, interleave_noise: bool = False):
         from snip_megatron.plan import all_keys
         from snip_megatron.stats.table import CANDIDATES
 
@@ -212,6 +216,7 @@ class Collector:
         self.error_fn, self.seed, self.first_order = error_fn, seed, first_order
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.token_stride = token_stride
+        self.interleaved = interleave_noise  # the noise passes run as one "noise" pass
         self.mode = None
         self.scales: dict = {}
         self.table = StatsTable(keys=self.keys, precisions=self.precisions)
@@ -221,6 +226,10 @@ class Collector:
         """Start a pass; statistics accumulate into `table` (a fresh one by default)."""
         if mode not in MODES:
             raise ValueError(f"unknown collector mode {mode!r}; valid: {', '.join(MODES)}")
+        if mode != "clean" and (mode == "noise") != self.interleaved:
+            raise ValueError(f"noise pass {mode!r} does not match this collector: interleave_noise="
+                             f"{self.interleaved} runs " + ("one 'noise' pass" if self.interleaved
+                                                           else "'fwd_noise' and 'bwd_noise'"))
         missing = [p.key for p in self.probes if mode != "clean" and p.key not in self.scales]
         if missing:
             raise ValueError(f"noise pass {mode} needs noise scales from a clean pass for {missing[:3]}")
@@ -232,6 +241,16 @@ class Collector:
             self.table.set(p.key, "m", float(p.m))
         self.mode = mode
         return self.table
+
+    def mode_of(self, mb: int) -> str:
+        """The mode of micro-batch `mb` in the current pass."""
+        if self.mode == "noise":
+            return "fwd_noise" if mb % 2 == 0 else "bwd_noise"
+        return self.mode
+
+    def gets_forward_noise(self, mb: int) -> bool:
+        """Whether micro-batch `mb` gets forward noise (then the clean pass keeps <z, G_Y> for it)."""
+        return not self.interleaved or mb % 2 == 0
 
     def end(self) -> StatsTable:
         self.mode = None

@@ -29,6 +29,11 @@ class MeasureConfig:
     """Quantization errors of activations and gradients are measured on every `stride`-th chunk
     of 16 consecutive tokens and scaled up (they are sums over tokens); 1 = every token. On CPU
     emulation the errors cost more than the passes themselves; weights use every element."""
+    interleave_noise: bool = True
+    """Run the two noise passes as one: forward noise on the even micro-batches, backward noise on
+    the odd ones (a step of one micro-batch is cut into two halves along the batch dim). Saves a
+    forward and backward of the step at the price of half the data per noise estimate. Falls back
+    to two passes for a step of a single sequence."""
     fp8_recipe: str = "blockwise"
     """FP8 recipe of the quantization errors (formats.FP8_RECIPES)."""
     fp4_recipe: str = "nvfp4"
@@ -39,6 +44,8 @@ class MeasureConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"MeasureConfig.{name} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.interleave_noise, bool):
+            raise ValueError(f"MeasureConfig.interleave_noise must be a bool, got {self.interleave_noise!r}")
         if not isinstance(self.error_token_stride, int) or self.error_token_stride < 1:
             raise ValueError(f"MeasureConfig.error_token_stride must be a positive integer, "
                              f"got {self.error_token_stride!r}")

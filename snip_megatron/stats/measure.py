@@ -1,4 +1,6 @@
-"""One measurement: the statistics pass and the two noise passes through Megatron's schedule.
+"""One measurement: the statistics pass and the two noise passes through Megatron's schedule
+(by default the noise passes share one pass: forward noise on even micro-batches, backward noise
+on odd ones; MeasureConfig.interleave_noise).
 
     table = measure(model_chunks, forward_step_func, batches, optimizer=optimizer,
                     seq_length=S, micro_batch_size=B)       # a reduced StatsTable on global rank 0
@@ -80,21 +82,22 @@ def measurement_mode(model_chunks, linears, config):
             p.requires_grad_(r)
 
 
-def _wrap_forward_step(forward_step_func, losses: list, zero_loss: bool):
-    """Record each micro-batch's loss (before the schedule scales it in place); zero_loss makes
-    the loss gradient zero while keeping the graph."""
+def _wrap_forward_step(forward_step_func, losses: list, zero_loss):
+    """Record each micro-batch's loss (before the schedule scales it in place); zero_loss (a bool,
+    or a predicate on the micro-batch index) makes the loss gradient zero while keeping the graph."""
 
     def forward_step(data_iterator, model):
         output, loss_func = forward_step_func(data_iterator, model)
 
         def wrapped_loss(output_tensor):
+            mb = len(losses)  # the loss is taken once per micro-batch, in order, on the last stage
             result = loss_func(output_tensor)
             loss = result[0]
             per = loss.detach().float().clone()
             if len(result) == 3:  # (loss sum, num tokens, logs): per-token loss mode
                 per = per / result[1].float().clamp(min=1)
             losses.append(float(per))
-            if zero_loss:
+            if zero_loss(mb) if callable(zero_loss) else zero_loss:
                 result = (loss * 0.0,) + tuple(result[1:])
             return result
 
@@ -113,6 +116,21 @@ def _run_pass(chunks, forward_step_func, batches, *, seq_length, micro_batch_siz
         model=list(chunks), num_microbatches=len(batches), seq_length=seq_length,
         micro_batch_size=micro_batch_size, forward_only=False)
     return losses
+
+
+def _halves(batches: list, micro_batch_size: int):
+    """A lone micro-batch cut into two along the batch dim (every tensor whose first dim is the
+    micro-batch size; the rest, e.g. a shared attention mask, is kept whole), or None if it cannot
+    be (an odd size, or not a dict of tensors)."""
+    if len(batches) != 1 or micro_batch_size < 2 or micro_batch_size % 2:
+        return None
+    (b,) = batches
+    if not isinstance(b, dict) or not all(isinstance(v, torch.Tensor) for v in b.values()):
+        return None
+    half = micro_batch_size // 2
+    cut = [{k: (v[i * half:(i + 1) * half] if v.dim() and v.shape[0] == micro_batch_size else v)
+            for k, v in b.items()} for i in range(2)]
+    return cut
 
 
 def _model_config(chunk):
@@ -171,12 +189,17 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
         raise ValueError("measure() needs the micro-batches of the step, got an empty list")
     linears = planned_linears(chunks)
     error_fn = error_fn or formats_error_fn(config.fp8_recipe, config.fp4_recipe, config.seed)
+    interleave = config.interleave_noise and len(batches) >= 2
+    if config.interleave_noise and len(batches) == 1:
+        cut = _halves(batches, micro_batch_size)
+        if cut is not None:  # every pass runs on the halves, so noise and micro-batch match
+            batches, micro_batch_size, interleave = cut, micro_batch_size // 2, True
     collector = Collector(linears, num_layers=mconfig.num_layers, error_fn=error_fn,
                           precisions=config.precisions, seed=config.seed, first_order=config.first_order,
                           tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_size=ps.get_tensor_model_parallel_world_size(),
                           tp_group=ps.get_tensor_model_parallel_group(),
-                          token_stride=config.error_token_stride)
+                          token_stride=config.error_token_stride, interleave_noise=interleave)
     run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size)
     snap = _rng_snapshot()
     try:
@@ -195,12 +218,17 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             dp_sharded = adam.is_dp_sharded(optimizer) if optimizer is not None else False
             reduced = reduce_tp_dp(clean, adam_dp_sharded=dp_sharded) if reduce else clean
             collector.set_scales(reduced, config.noise_frac, config.bwd_noise_frac)
-            # 2. forward noise into every layer output at once; 3. backward noise into every input gradient
-            noisy = collector.begin("fwd_noise")
-            _run_pass(chunks, forward_step_func, batches, **run)
-            _rng_restore(snap)
-            collector.begin("bwd_noise", table=noisy)
-            _run_pass(chunks, forward_step_func, batches, zero_loss=True, **run)
+            # 2. forward noise into every layer output at once; 3. backward noise into every input
+            # gradient (zero loss gradient): one pass on alternate micro-batches, or two passes
+            if interleave:
+                noisy = collector.begin("noise")
+                _run_pass(chunks, forward_step_func, batches, zero_loss=lambda mb: mb % 2 == 1, **run)
+            else:
+                noisy = collector.begin("fwd_noise")
+                _run_pass(chunks, forward_step_func, batches, **run)
+                _rng_restore(snap)
+                collector.begin("bwd_noise", table=noisy)
+                _run_pass(chunks, forward_step_func, batches, zero_loss=True, **run)
             collector.end()
     finally:
         collector.remove()

@@ -1,5 +1,6 @@
 """Each statistic of measure() equals a direct computation on a tiny model (one process)."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -19,8 +20,11 @@ FP8, FP4 = Precision.FP8, Precision.FP4
 CFG = MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3, error_token_stride=1)
 
 
-def _run(model, mbs, *, fwd_noise=None, bwd_noise=None, zero_loss=False):
-    """Plain autograd over the micro-batches (no Megatron schedule); returns per-linear captures."""
+def _run(model, mbs, *, fwd_noise=None, bwd_noise=None, only=None):
+    """Plain autograd over the micro-batches (no Megatron schedule); returns per-linear captures.
+    Noise (and, with bwd_noise, a zero loss gradient) goes into the micro-batches in `only`
+    (default all); the others run clean."""
+    only = set(range(len(mbs))) if only is None else set(only)
     linears = planned_linears([model])
     caps = {k: [] for k, _ in linears}
     handles = []
@@ -28,7 +32,7 @@ def _run(model, mbs, *, fwd_noise=None, bwd_noise=None, zero_loss=False):
         def pre(m, args, key=key):
             x = args[0]
             mb = len(caps[key])
-            if bwd_noise is not None:
+            if bwd_noise is not None and mb in only:
                 eta = noise.layer_noise(x.shape, seed=CFG.seed, key=key, microbatch=mb,
                                         stream=noise.BACKWARD) * bwd_noise[key]
                 x.register_hook(lambda g, eta=eta: g + eta)
@@ -39,7 +43,7 @@ def _run(model, mbs, *, fwd_noise=None, bwd_noise=None, zero_loss=False):
         def post(m, args, out, key=key):
             y = out[0]
             cap = caps[key][-1]
-            if fwd_noise is not None:
+            if fwd_noise is not None and len(caps[key]) - 1 in only:
                 cap["z"] = noise.layer_noise(y.shape, seed=CFG.seed, key=key, microbatch=len(caps[key]) - 1,
                                              stream=noise.FORWARD)
                 y = y + fwd_noise[key] * cap["z"]
@@ -49,11 +53,11 @@ def _run(model, mbs, *, fwd_noise=None, bwd_noise=None, zero_loss=False):
 
         handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
     loss_sum = 0.0
-    for b in mbs:
+    for i, b in enumerate(mbs):
         out = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])
         loss = masked_mean_loss(out, b["loss_mask"]) / len(mbs)  # the schedule's 1/num_microbatches
         loss_sum += float(loss) * len(mbs)
-        (loss * 0.0 if zero_loss else loss).backward()
+        (loss * 0.0 if bwd_noise is not None and i in only else loss).backward()
     for h in handles:
         h.remove()
     model.zero_grad(set_to_none=True)
@@ -68,12 +72,24 @@ def dot(a, b):
     return float((a.detach().double() * b.detach().double()).sum())
 
 
-def test_statistics_equal_direct_computation(megatron_single):
+@pytest.mark.parametrize("layout", ["two_passes", "interleaved", "halved"])
+def test_statistics_equal_direct_computation(megatron_single, layout):
+    """two_passes: forward noise on every micro-batch, then backward noise on every one;
+    interleaved: one noise pass, forward noise on micro-batch 0, backward on 1; halved: a lone
+    micro-batch of 4 sequences cut into two of 2, then as interleaved."""
     model = build()[0]
-    mbs = batches()
     err = blockwise_error_fn()
-    table = measure([model], make_forward_step(), mbs, seq_length=SHAPE.seq_length, micro_batch_size=2,
-                    config=CFG, error_fn=err)
+    mbs = batches()
+    config = dataclasses.replace(CFG, interleave_noise=layout != "two_passes")
+    if layout == "halved":
+        whole = batches(num=1, mbs=4)
+        table = measure([model], make_forward_step(), whole, seq_length=SHAPE.seq_length,
+                        micro_batch_size=4, config=config, error_fn=err)
+        mbs = [{k: (v[:2], v[2:])[i] if v.shape[0] == 4 else v for k, v in whole[0].items()} for i in range(2)]
+    else:
+        table = measure([model], make_forward_step(), mbs, seq_length=SHAPE.seq_length, micro_batch_size=2,
+                        config=config, error_fn=err)
+    fwd_mbs, bwd_mbs = ([0, 1], [0, 1]) if layout == "two_passes" else ([0], [1])
     mods, clean, loss = _run(model, mbs)
     assert table.globals_["loss"] == pytest.approx(loss, rel=1e-6)
     scales = {}
@@ -105,7 +121,8 @@ def test_statistics_equal_direct_computation(megatron_single):
         for f, v in want.items():
             assert table.get(key, f) == pytest.approx(v, rel=1e-5, abs=1e-10), (key, f)
         zg = sum(dot(noise.layer_noise(c["y"].shape, seed=CFG.seed, key=key, microbatch=i,
-                                       stream=noise.FORWARD), c["y"].grad) for i, c in enumerate(caps))
+                                       stream=noise.FORWARD), c["y"].grad) for i, c in enumerate(caps)
+                 if i in fwd_mbs)
         assert table.get(key, "fwd_zg_clean") == pytest.approx(zg, rel=1e-4, abs=1e-9)
         s = CFG.noise_frac * math.sqrt(want["y_sq"] / (want["n"] * want["m"]))
         t = CFG.bwd_noise_frac * math.sqrt(want["gx_sq"] / (want["n"] * want["k"]))
@@ -113,8 +130,9 @@ def test_statistics_equal_direct_computation(megatron_single):
         scales[key] = (s, t)
 
     # forward-noise pass: s*z into every output at once
-    _, noisy, _ = _run(model, mbs, fwd_noise={k: v[0] for k, v in scales.items()})
+    _, noisy, _ = _run(model, mbs, fwd_noise={k: v[0] for k, v in scales.items()}, only=fwd_mbs)
     for key, caps in noisy.items():
+        caps = [c for i, c in enumerate(caps) if i in fwd_mbs]
         assert table.get(key, "fwd_z_sq") == pytest.approx(sum(sq(c["z"]) for c in caps), rel=1e-6)
         zg = sum(dot(c["z"], c["y"].grad) for c in caps)
         # a signed sum: float32 summation order differs from the schedule's, so the tolerance is
@@ -122,13 +140,14 @@ def test_statistics_equal_direct_computation(megatron_single):
         bound = math.sqrt(sum(sq(c["z"]) for c in caps) * sum(sq(c["y"].grad) for c in caps))
         assert table.get(key, "fwd_zg_noisy") == pytest.approx(zg, rel=1e-4, abs=1e-5 * bound)
     # backward-noise pass: t*eta into every input gradient, zero loss gradient
-    _, bwd, _ = _run(model, mbs, bwd_noise={k: v[1] for k, v in scales.items()}, zero_loss=True)
+    _, bwd, _ = _run(model, mbs, bwd_noise={k: v[1] for k, v in scales.items()}, only=bwd_mbs)
     for key, caps in bwd.items():
+        caps = {i: c for i, c in enumerate(caps) if i in bwd_mbs}
         d = sum(sq(c["y"].grad.reshape(-1, c["y"].shape[-1]).t() @ c["x"].detach().reshape(-1, c["x"].shape[-1]))
-                for c in caps)
+                for c in caps.values())
         assert table.get(key, "bwd_dgw_sq") == pytest.approx(d, rel=1e-4, abs=1e-12)
         eta = sum(sq(noise.layer_noise(c["x"].shape, seed=CFG.seed, key=key, microbatch=i,
-                                       stream=noise.BACKWARD) * scales[key][1]) for i, c in enumerate(caps))
+                                       stream=noise.BACKWARD) * scales[key][1]) for i, c in caps.items())
         assert table.get(key, "bwd_eta_sq") == pytest.approx(eta, rel=1e-6)
     assert table.nonfinite() == {}
 
