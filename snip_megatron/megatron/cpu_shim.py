@@ -89,6 +89,13 @@ def is_installed() -> bool:
     return bool(_SAVED)
 
 
+def suspended():
+    """A context in which torch calls bypass the shim's mode: for hook code that creates no CUDA
+    tensors (per-operand statistics), where the mode's Python dispatch costs more than the small
+    ops themselves. A no-op context when the shim is not installed."""
+    return torch._C.DisableTorchFunction() if _MODE is not None else contextlib.nullcontext()
+
+
 def install() -> bool:
     """Install the shim; returns True if it did something (False on a CUDA machine or if already in)."""
     global _MODE

@@ -16,6 +16,8 @@ Parameters never get gradients here: measure.py freezes them and makes layer inp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from snip_megatron.formats.precision import Precision
@@ -43,6 +45,19 @@ def _token_subsample(t2: torch.Tensor, stride: int) -> tuple[torch.Tensor, float
     return t2.index_select(0, keep), n / keep.numel()
 
 
+def _plain(fn):
+    """Run a hook without the CPU shim's TorchFunctionMode (megatron/cpu_shim.py): the statistics
+    create no CUDA tensors, and the mode's per-op Python dispatch is a large part of their cost."""
+    from snip_megatron.megatron import cpu_shim
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with cpu_shim.suspended():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _sq(t: torch.Tensor) -> float:
     return float(t.float().pow(2).sum())
 
@@ -66,8 +81,8 @@ class LinearProbe:
         self.w_errors: dict = {}
         self.w_quantized: dict = {}  # precision -> Q(W) = W + E_W, for dY of every micro-batch
         self.pending_dy: dict = {}  # micro-batch -> {precision: dY on the token sample}, until its backward
-        self.handles = [module.register_forward_pre_hook(self._pre),
-                        module.register_forward_hook(self._post)]
+        self.handles = [module.register_forward_pre_hook(_plain(self._pre)),
+                        module.register_forward_hook(_plain(self._post))]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -145,7 +160,7 @@ class LinearProbe:
                 for p, e in e_fprop.items():
                     self._add("gx_ex", scale * _dot(gs, e), p)
 
-            x.register_hook(on_gx)
+            x.register_hook(_plain(on_gx))
         elif mode == "bwd_noise":
             t = self.c.scales[self.key][1]
             eta = self._noise(x.shape, mb, noise.BACKWARD, not self.column, 1, x) * t
@@ -181,16 +196,17 @@ class LinearProbe:
                 for p, e in self.w_errors.items():
                     self._add("gw_ew", _dot(gw, e), p)
                 if self.c.gets_forward_noise(mb):
-                    z = self._noise(g.shape, mb, noise.FORWARD, self.column, self.stride, g)
-                    self._add("fwd_zg_clean", _dot(z, g))
+                    gz, zmb = self.c.forward_noise_part(g, mb)
+                    z = self._noise(gz.shape, zmb, noise.FORWARD, self.column, self.stride, g)
+                    self._add("fwd_zg_clean", _dot(z, gz))
 
-            y.register_hook(on_gy)
+            y.register_hook(_plain(on_gy))
             return None
         if mode == "fwd_noise":
             z = self._noise(y.shape, mb, noise.FORWARD, self.column, self.stride, y)
             self._add("fwd_z_sq", _sq(z))
             y = y + (self.c.scales[self.key][0] * z).to(y.dtype)
-            y.register_hook(lambda g: self._add("fwd_zg_noisy", _dot(z, g)))
+            y.register_hook(_plain(lambda g: self._add("fwd_zg_noisy", _dot(z, g))))
             return (y,) + rest if rest is not None else y
         # bwd_noise: G_Y is the propagated noise only (zero loss gradient)
 
@@ -198,7 +214,7 @@ class LinearProbe:
             g2 = g.reshape(-1, g.shape[-1]).float()
             self._add("bwd_dgw_sq", _sq(g2.t() @ x.detach().reshape(-1, x.shape[-1]).float()))
 
-        y.register_hook(on_dgy)
+        y.register_hook(_plain(on_dgy))
         return None
 
 
@@ -207,7 +223,8 @@ class Collector:
 
     def __init__(self, linears: list, *, num_layers: int, error_fn: ErrorFn, precisions=None,
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None, token_stride: int = 1, interleave_noise: bool = False):
+                 tp_group=None, token_stride: int = 1, interleave_noise: bool = False,
+                 noise_on_halves: bool = False):
         from snip_megatron.plan import all_keys
         from snip_megatron.stats.table import CANDIDATES
 
@@ -217,6 +234,10 @@ class Collector:
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.token_stride = token_stride
         self.interleaved = interleave_noise  # the noise passes run as one "noise" pass
+        # ... on micro-batches cut in two along the batch dim (the clean pass keeps them whole)
+        self.halves = noise_on_halves
+        if noise_on_halves and not interleave_noise:
+            raise ValueError("noise_on_halves needs interleave_noise")
         self.mode = None
         self.scales: dict = {}
         self.table = StatsTable(keys=self.keys, precisions=self.precisions)
@@ -249,8 +270,20 @@ class Collector:
         return self.mode
 
     def gets_forward_noise(self, mb: int) -> bool:
-        """Whether micro-batch `mb` gets forward noise (then the clean pass keeps <z, G_Y> for it)."""
-        return not self.interleaved or mb % 2 == 0
+        """Whether (part of) clean micro-batch `mb` gets forward noise (then the clean pass keeps
+        <z, G_Y> for it): all of them, every other one, or with halves the first half of each."""
+        return not self.interleaved or self.halves or mb % 2 == 0
+
+    def forward_noise_part(self, g: torch.Tensor, mb: int) -> tuple[torch.Tensor, int]:
+        """The rows of clean micro-batch `mb`'s G_Y that get forward noise, and their micro-batch
+        index in the noise pass. With halves, noise micro-batch 2 mb is the first half of clean
+        micro-batch mb along the batch dim (Megatron's [s, b, h] activations)."""
+        if not self.halves:
+            return g, mb
+        if g.dim() != 3 or g.shape[1] < 2:
+            raise ValueError(f"noise on micro-batch halves needs [seq, batch, hidden] activations with "
+                             f"batch >= 2, got shape {tuple(g.shape)}; set MeasureConfig(interleave_noise=False)")
+        return g[:, : g.shape[1] // 2], 2 * mb
 
     def end(self) -> StatsTable:
         self.mode = None

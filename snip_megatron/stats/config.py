@@ -31,7 +31,8 @@ class MeasureConfig:
     emulation the errors cost more than the passes themselves; weights use every element."""
     interleave_noise: bool = True
     """Run the two noise passes as one: forward noise on the even micro-batches, backward noise on
-    the odd ones (a step of one micro-batch is cut into two halves along the batch dim). Saves a
+    the odd ones (for a step of one micro-batch, the noise pass runs its two halves along the batch
+    dim; the clean pass keeps it whole). Saves a
     forward and backward of the step at the price of half the data per noise estimate. Falls back
     to two passes for a step of a single sequence."""
     fp8_recipe: str = "blockwise"

@@ -189,17 +189,20 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
         raise ValueError("measure() needs the micro-batches of the step, got an empty list")
     linears = planned_linears(chunks)
     error_fn = error_fn or formats_error_fn(config.fp8_recipe, config.fp4_recipe, config.seed)
-    interleave = config.interleave_noise and len(batches) >= 2
+    # the noise pass: alternate micro-batches, or the two halves of a lone one
+    noise_batches, noise_mbs = batches, micro_batch_size
+    interleave, halves = config.interleave_noise and len(batches) >= 2, False
     if config.interleave_noise and len(batches) == 1:
         cut = _halves(batches, micro_batch_size)
-        if cut is not None:  # every pass runs on the halves, so noise and micro-batch match
-            batches, micro_batch_size, interleave = cut, micro_batch_size // 2, True
+        if cut is not None:
+            noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
     collector = Collector(linears, num_layers=mconfig.num_layers, error_fn=error_fn,
                           precisions=config.precisions, seed=config.seed, first_order=config.first_order,
                           tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_size=ps.get_tensor_model_parallel_world_size(),
                           tp_group=ps.get_tensor_model_parallel_group(),
-                          token_stride=config.error_token_stride, interleave_noise=interleave)
+                          token_stride=config.error_token_stride, interleave_noise=interleave,
+                          noise_on_halves=halves)
     run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size)
     snap = _rng_snapshot()
     try:
@@ -222,7 +225,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # gradient (zero loss gradient): one pass on alternate micro-batches, or two passes
             if interleave:
                 noisy = collector.begin("noise")
-                _run_pass(chunks, forward_step_func, batches, zero_loss=lambda mb: mb % 2 == 1, **run)
+                _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
+                          micro_batch_size=noise_mbs, zero_loss=lambda mb: mb % 2 == 1)
             else:
                 noisy = collector.begin("fwd_noise")
                 _run_pass(chunks, forward_step_func, batches, **run)

@@ -24,6 +24,10 @@ CHECK = textwrap.dedent("""
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert not torch.cuda.is_available()
     state = torch.cuda.get_rng_state(); torch.cuda.set_rng_state(state)
+    with cpu_shim.suspended():  # torch calls bypass the mode: no rewriting, plain type names
+        assert torch.ones(1).type() == "torch.FloatTensor"
+        assert (torch.ones(3) * 2).sum().item() == 6.0
+    assert torch.ones(1).type() == "torch.cuda.FloatTensor"  # and the mode is back after it
     assert cpu_shim.install() is False  # idempotent
     changed = [n for n in names if getattr(torch.cuda, n) is before[n]]
     assert not changed, changed
@@ -33,6 +37,8 @@ CHECK = textwrap.dedent("""
     assert after == before, [n for n in names if after[n] is not before[n]]
     assert (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, torch.cuda.random.get_rng_state) == before_m
     assert torch.ones(1).type() == "torch.FloatTensor"
+    with cpu_shim.suspended():  # a plain no-op context without the shim
+        assert torch.ones(1).type() == "torch.FloatTensor"
     try:
         torch.zeros(1, device="cuda")
     except (RuntimeError, AssertionError) as e:
