@@ -78,7 +78,8 @@ def estimate_and_solve_70b(repeats: int = 3) -> tuple[float, object]:
     return statistics.median(times), result
 
 
-def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None) -> dict:
+def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None,
+                 grad_error_token_stride: int | None = None) -> dict:
     import dataclasses
 
     from snip_megatron.config import SnipConfig
@@ -93,6 +94,8 @@ def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None) ->
     config = measure_config_from(snip)  # the controller's measurement
     if error_token_stride is not None:
         config = dataclasses.replace(config, error_token_stride=error_token_stride)
+    if grad_error_token_stride is not None:
+        config = dataclasses.replace(config, grad_error_token_stride=grad_error_token_stride)
     n = tr.shape.num_layers
     plans = {"bf16": Plan.uniform(n, "bf16"), "initial": Plan.uniform(n, snip.initial_precision)}
     ratios = {name: [] for name in plans}
@@ -129,9 +132,11 @@ def main(argv=None) -> None:
     ap.add_argument("--no-loop", action="store_true", help="skip the whole-loop overhead runs")
     ap.add_argument("--error-token-stride", type=int, default=None,
                     help="measure the errors on every n-th token chunk (default: the controller's)")
+    ap.add_argument("--grad-error-token-stride", type=int, default=None,
+                    help="the same for the backward-GEMM roles (default: the controller's)")
     args = ap.parse_args(argv)
 
-    cost = measure_cost(args.pairs, args.mbs, args.error_token_stride)
+    cost = measure_cost(args.pairs, args.mbs, args.error_token_stride, args.grad_error_token_stride)
     print(f"llama_tiny, micro-batch {args.mbs}: median measurement {cost['median_s']['measure']:.3f}s; "
           f"BF16 step {cost['median_s']['bf16']:.3f}s; initial-plan (emulated FP8) step "
           f"{cost['median_s']['initial']:.3f}s")

@@ -143,11 +143,12 @@ class LinearProbe:
             self._add("n", float(x2.shape[0]))
             stride = self.c.token_stride
             xs, scale = _token_subsample(x2, stride)
+            xb, scale_b = _token_subsample(x2, self.c.grad_token_stride)
             e_fprop, dys = {}, {}
             for p in self.c.precisions:
                 e = self._err(xs, p, "fprop_input", not self.column)
                 self._add("ex", scale * _sq(e), p)
-                self._add("ex_w", scale * _sq(self._err(xs, p, "wgrad_input", not self.column)), p)
+                self._add("ex_w", scale_b * _sq(self._err(xb, p, "wgrad_input", not self.column)), p)
                 if self.c.first_order:
                     e_fprop[p] = e
                 dys[p] = self._output_error(xs, e, p)
@@ -188,9 +189,10 @@ class LinearProbe:
                     if self.column and self.c.tp_size > 1:  # G_Y and dY are column shards
                         torch.distributed.all_reduce(along, group=self.c.tp_group)
                     self._add("gdy_sq", scale * _sq(along), p)
+                gb, scale_b = _token_subsample(g2, self.c.grad_token_stride)
                 for p in self.c.precisions:
-                    self._add("egy_d", scale * _sq(self._err(gs, p, "dgrad_grad_output", self.column)), p)
-                    self._add("egy_w", scale * _sq(self._err(gs, p, "wgrad_grad_output", self.column)), p)
+                    self._add("egy_d", scale_b * _sq(self._err(gb, p, "dgrad_grad_output", self.column)), p)
+                    self._add("egy_w", scale_b * _sq(self._err(gb, p, "wgrad_grad_output", self.column)), p)
                 gw = g2.t() @ x2  # wgrad: G_W = G_Y^T X
                 self._add("gw_sq", _sq(gw))
                 for p, e in self.w_errors.items():
@@ -223,7 +225,8 @@ class Collector:
 
     def __init__(self, linears: list, *, num_layers: int, error_fn: ErrorFn, precisions=None,
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None, token_stride: int = 1, interleave_noise: bool = False,
+                 tp_group=None, token_stride: int = 1, grad_token_stride: int = 1,
+                 interleave_noise: bool = False,
                  noise_on_halves: bool = False):
         from snip_megatron.plan import all_keys
         from snip_megatron.stats.table import CANDIDATES
@@ -232,7 +235,7 @@ class Collector:
         self.keys = all_keys(num_layers)
         self.error_fn, self.seed, self.first_order = error_fn, seed, first_order
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
-        self.token_stride = token_stride
+        self.token_stride, self.grad_token_stride = token_stride, grad_token_stride
         self.interleaved = interleave_noise  # the noise passes run as one "noise" pass
         # ... on micro-batches cut in two along the batch dim (the clean pass keeps them whole)
         self.halves = noise_on_halves

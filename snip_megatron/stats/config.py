@@ -35,6 +35,10 @@ class MeasureConfig:
     dim; the clean pass keeps it whole). Saves a
     forward and backward of the step at the price of half the data per noise estimate. Falls back
     to two passes for a step of a single sequence."""
+    grad_error_token_stride: int = 8
+    """The same for the backward-GEMM roles (X for wgrad, G_Y for dgrad and wgrad), which only
+    feed the weight divergence: sums of squared errors, spread evenly over tokens, so a sparser
+    sample serves them (the forward roles also feed dY and its per-token projections)."""
     fp8_recipe: str = "blockwise"
     """FP8 recipe of the quantization errors (formats.FP8_RECIPES)."""
     fp4_recipe: str = "nvfp4"
@@ -47,9 +51,10 @@ class MeasureConfig:
                 raise ValueError(f"MeasureConfig.{name} must be a finite number > 0, got {v!r}")
         if not isinstance(self.interleave_noise, bool):
             raise ValueError(f"MeasureConfig.interleave_noise must be a bool, got {self.interleave_noise!r}")
-        if not isinstance(self.error_token_stride, int) or self.error_token_stride < 1:
-            raise ValueError(f"MeasureConfig.error_token_stride must be a positive integer, "
-                             f"got {self.error_token_stride!r}")
+        for name in ("error_token_stride", "grad_error_token_stride"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"MeasureConfig.{name} must be a positive integer, got {v!r}")
         ps = tuple(Precision.parse(p) for p in self.precisions)
         if not ps or Precision.BF16 in ps:
             raise ValueError(f"MeasureConfig.precisions must list fp8 and/or fp4, got {self.precisions!r}")

@@ -201,7 +201,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                           tp_rank=ps.get_tensor_model_parallel_rank(),
                           tp_size=ps.get_tensor_model_parallel_world_size(),
                           tp_group=ps.get_tensor_model_parallel_group(),
-                          token_stride=config.error_token_stride, interleave_noise=interleave,
+                          token_stride=config.error_token_stride,
+                          grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
                           noise_on_halves=halves)
     run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size)
     snap = _rng_snapshot()

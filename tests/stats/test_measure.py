@@ -17,7 +17,7 @@ from snip_megatron.stats.quant_error import blockwise_error_fn
 from tests.stats.measure_worker import SHAPE, batches, build
 
 FP8, FP4 = Precision.FP8, Precision.FP4
-CFG = MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3, error_token_stride=1)
+CFG = MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3, error_token_stride=1, grad_error_token_stride=1)
 
 
 def _run(model, mbs, *, fwd_noise=None, bwd_noise=None, only=None):
@@ -186,7 +186,8 @@ def test_token_subsampled_errors_close_to_full(megatron_single):
     mbs = batches(mbs=8)
     full = measure([model], make_forward_step(), mbs, config=CFG, **run)
     sub = measure([model], make_forward_step(), mbs,
-                  config=MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3, error_token_stride=2), **run)
+                  config=MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3, error_token_stride=2,
+                                       grad_error_token_stride=2), **run)
     for f in ("ex", "ex_w", "egy_d", "egy_w"):
         for p in (FP8, FP4):
             a, b = full.column(f"{f}.{p}"), sub.column(f"{f}.{p}")
@@ -196,3 +197,20 @@ def test_token_subsampled_errors_close_to_full(megatron_single):
             assert not np.array_equal(a, b)  # it did subsample
     for f in ("x_sq", "gy_sq", "gw_sq", "ew.fp4", "fwd_zg_noisy", "bwd_dgw_sq"):  # untouched by the stride
         np.testing.assert_allclose(sub.column(f), full.column(f), rtol=1e-6, err_msg=f)
+
+
+def test_grad_error_stride_samples_only_the_backward_roles(megatron_single):
+    model = build()[0]
+    run = dict(seq_length=SHAPE.seq_length, micro_batch_size=8, error_fn=blockwise_error_fn())
+    mbs = batches(mbs=8)
+    full = measure([model], make_forward_step(), mbs, config=CFG, **run)
+    sub = measure([model], make_forward_step(), mbs, config=dataclasses.replace(CFG, grad_error_token_stride=2), **run)
+    for p in (FP8, FP4):
+        for f in ("ex", "dy_sq", "gdy_sq", "gx_ex", "ew_d"):  # forward roles and weights: every token
+            np.testing.assert_allclose(sub.column(f"{f}.{p}"), full.column(f"{f}.{p}"), rtol=1e-6, err_msg=f)
+        for f in ("ex_w", "egy_d", "egy_w"):  # the backward roles: a scaled-up half
+            a, b = full.column(f"{f}.{p}"), sub.column(f"{f}.{p}")
+            assert not np.array_equal(a, b)
+            assert b.sum() == pytest.approx(a.sum(), rel=0.2), (f, p)
+    with pytest.raises(ValueError, match="grad_error_token_stride"):
+        MeasureConfig(grad_error_token_stride=0)
