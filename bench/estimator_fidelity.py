@@ -2,24 +2,29 @@
 
 Trains llama_tiny (6 layers, 24 planned linears) on the default corpus in BF16, and at an early and
 a later point measures, for every planned linear alone, by brute force:
-  - one-step loss harm: validation loss with only that layer quantized minus the BF16 loss, over
-    `--val-batches` batches (two halves give the split-half ceiling);
+  - one-step loss harm: held-out loss with only that layer quantized minus the BF16 loss, over
+    `--val-batches` batches of each evaluation set (`--eval-sets`; two halves give the split-half
+    ceiling), and its first-order part <G, dY> on the same batches (the rest is the second-order
+    part, all a curvature estimate can see). Sets: "iid", sequences of the training distribution
+    the run never reads (scored in RESULT), and "docs", Megatron's validation split of held-out
+    documents, whose first-order part carries the train/validation shift of this corpus;
   - update deviation: ||AdamW update with only that layer's backward quantized - BF16 update||^2 /
     ||BF16 update||^2 on the measured batch, mean over `--rounding-seeds` (what WD predicts);
   - long-horizon harm (later point): `--long-steps` training steps with only that layer quantized
     (forward and backward), minus the BF16 continuation on the same data, final weights evaluated
-    in BF16, for 2 data orders (their agreement is the ceiling).
+    in BF16 on each evaluation set, for 2 data orders (their agreement is the ceiling).
 The prediction uses the controller's default measurement (one statistics step + two noise passes
 on the step's micro-batches, `--num-mb` of `--mbs` sequences). Scores are Spearman over layers,
 per precision, never pooled. Diagnostics: `--pred-batches N` repeats the measurement on N-1
 further batches (the estimator's own batch noise, and what averaging would buy); `--probe` injects
 each layer's actual quantization error alone on the measured batch (the exact loss change there,
 and the curvature along the error itself); `--rescore FILE` recomputes every prediction from the
-saved statistics with the current estimator.
+saved statistics with the current estimator; `--cache-dir DIR` keeps the trained model at each
+point for later runs with the same training arguments (e.g. the other FP4 recipe).
 
     python bench/estimator_fidelity.py --fp4-recipe nvfp4 --points later --num-mb 4 --long-num-mb 1 \
-        --val-batches 128 --pred-batches 2 --probe --long-precisions fp4 --out runs/fidelity/nv4.json
-    python bench/estimator_fidelity.py --fp4-recipe mxfp4 ... --out runs/fidelity/mx4.json
+        --pred-batches 2 --long-precisions fp4 --cache-dir runs/cache --out runs/fidelity/nv5.json
+    python bench/estimator_fidelity.py --fp4-recipe mxfp4 ... --out runs/fidelity/mx5.json
 
 Last line: RESULT spearman_fp4=.. spearman_marginal=.. spearman_long=.. spearman_wd=..
 spearman_proxy=.. ceiling_split=.. ceiling_long=..   (later point)
@@ -85,10 +90,26 @@ class Harness:
         self.tr.scheduler.lr_decay_steps = args.steps
         self.linears = planned_linears(self.tr.modules)
         self.keys = [k for k, _ in self.linears]
+        self.evals = {name: self.eval_batches(name) for name in args.eval_sets}
+
+    def eval_batches(self, name: str) -> list:
+        """`--val-batches` micro-batches of an evaluation set: "iid", sequences of the training
+        split's shuffled epoch that the run never reads (its tail), i.e. held-out data from the
+        training distribution; "docs", Megatron's validation split (held-out documents)."""
         from snip_megatron.data.gpt import BatchReader
 
-        val = BatchReader(self.tr.splits.valid, micro_batch_size=args.mbs, dp_rank=0, dp_size=1)
-        self.val = val.take(args.val_batches)
+        args, tr = self.args, self.tr
+        n = args.val_batches * args.mbs
+        if name == "docs":
+            return BatchReader(tr.splits.valid, micro_batch_size=args.mbs).take(args.val_batches)
+        if name != "iid":
+            raise ValueError(f"unknown evaluation set {name!r}; valid: iid, docs")
+        train = tr.splits.train
+        start = len(train) - n
+        if start < tr.config.steps * tr.config.global_batch_size:
+            raise ValueError(f"the iid evaluation set ({n} sequences) would overlap the {tr.config.steps} "
+                             f"steps the run may read of a {len(train)}-sequence training split")
+        return BatchReader(train, micro_batch_size=args.mbs, consumed=start, wrap=False).take(args.val_batches)
 
     # precision of one layer; everything else BF16
     def set_only(self, key=None, precision=BF16, *, backward_only=False, sr_seed=0):
@@ -109,10 +130,56 @@ class Harness:
             tr.scheduler.step(increment=1)
         tr.current_batch = None
 
-    def val_halves(self) -> tuple[float, float]:
-        h = len(self.val) // 2
-        return (self.tr.forward_backward(self.val[:h], forward_only=True),
-                self.tr.forward_backward(self.val[h:], forward_only=True))
+    def val_halves(self, name: "str | None" = None) -> tuple[float, float]:
+        """Loss on the two halves of an evaluation set (default: the first of --eval-sets)."""
+        val = self.evals[name or self.args.eval_sets[0]]
+        h = len(val) // 2
+        return (self.tr.forward_backward(val[:h], forward_only=True),
+                self.tr.forward_backward(val[h:], forward_only=True))
+
+    def output_errors(self, x: torch.Tensor, w: torch.Tensor, p) -> torch.Tensor:
+        """dY = Q(X) Q(W)^T - X W^T, the error of the layer's forward GEMM (fprop operands)."""
+        from snip_megatron.stats.quant_error import formats_error_fn
+
+        if not hasattr(self, "_err"):
+            self._err = formats_error_fn("blockwise", self.args.fp4_recipe)
+        err = self._err
+        return (x + err(x, p, "fprop_input")) @ (w + err(w, p, "fprop_weight")).t() - x @ w.t()
+
+    def first_order_terms(self, name: str) -> dict:
+        """The first-order part of the one-step harm on an evaluation set: per precision and layer,
+        <G_Y, dY> summed over the set's tokens with G_Y the gradient of the mean loss, for each
+        half. What is left of the harm (harm - this) is its second-order part, which is all an
+        estimator of curvature can see; the first-order part follows the set's mean gradient."""
+        val = self.evals[name]
+        out = {p.value: {k: [0.0, 0.0] for k in self.keys} for p in (FP8, FP4)}
+        state = {"half": 0, "scale": 1.0}
+
+        def post(module, args, output, key):
+            y = output[0] if isinstance(output, tuple) else output
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            w = module.weight.detach().float()
+            dys = {p: self.output_errors(x, w, p) for p in (FP8, FP4)}
+            half, scale = state["half"], state["scale"]
+
+            def hook(g):
+                g2 = g.reshape(-1, g.shape[-1]).float()
+                for p, dy in dys.items():
+                    out[p.value][key][half] += scale * float((g2 * dy).sum())
+
+            y.register_hook(hook)
+
+        handles = [m.register_forward_hook(lambda mod, a, o, key=k: post(mod, a, o, key)) for k, m in self.linears]
+        try:
+            h, per = len(val) // 2, self.args.num_mb
+            for half, part in enumerate((val[:h], val[h:])):
+                state.update(half=half, scale=per / len(part))  # each call averages over `per` batches
+                for i in range(0, len(part), per):
+                    self.tr.forward_backward(part[i:i + per])
+        finally:
+            for hd in handles:
+                hd.remove()
+        return {p: [v[k] for k in self.keys] for p, v in out.items()}
 
     def snapshot(self):
         tr = self.tr
@@ -127,6 +194,15 @@ class Harness:
                 p.copy_(s)
         tr.optimizer.load_state_dict(copy.deepcopy(opt))
         tr.scheduler.load_state_dict(copy.deepcopy(sched))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"snap": self.snapshot(), "step": self.tr.step, "consumed": self.tr.reader.consumed}, path)
+
+    def load(self, path: Path) -> None:
+        saved = torch.load(path, weights_only=False)
+        self.restore(saved["snap"])
+        self.tr.step, self.tr.reader.consumed = saved["step"], saved["consumed"]
 
     def momentum_dot_weight_error(self) -> dict:
         """<m_hat, E_W> per precision and planned weight: the first-order loss change of quantizing
@@ -158,24 +234,25 @@ class Harness:
         at full size); "secant_sign", the same with a random sign per token (drops the cross-token
         terms); "joint_sign", every layer's signed dY at once in one pass (what one measurement
         pass could read; the other layers' terms are zero-mean noise)."""
-        from snip_megatron.stats.quant_error import formats_error_fn
-
-        err = formats_error_fn("blockwise", self.args.fp4_recipe)
         state: dict = {"mode": None, "p": None, "eps": {}}
-        caps: dict = {}
+        caps: dict = {}  # key -> one {"dy", "g"} per micro-batch of the step, in order
 
         def post(module, args, output, key):
             y = output[0] if isinstance(output, tuple) else output
+            mine = caps.setdefault(key, [])
+            mb = len(mine)
+            mine.append({})
             if state["mode"] == "clean":
                 x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
                 w = module.weight.detach().float()
-                p = state["p"]
-                dy = (x + err(x, p, "fprop_input")) @ (w + err(w, p, "fprop_weight")).t() - x @ w.t()
-                caps.setdefault(key, {})["dy"] = dy.reshape(y.shape)
+                mine[mb]["dy"] = self.output_errors(x, w, state["p"]).reshape(y.shape)
             elif key in state["eps"]:
-                y = y + state["eps"][key].to(y.dtype)
-            y.register_hook(lambda g: caps.setdefault(key, {}).__setitem__("g", g.detach().float()))
+                y = y + state["eps"][key][mb].to(y.dtype)
+            y.register_hook(lambda g: mine[mb].__setitem__("g", g.detach().float()))
             return (y,) + tuple(output[1:]) if isinstance(output, tuple) else y
+
+        def half_secant(eps, key, clean):  # 1/2 <eps, G(Y + eps) - G(Y)> over the step's micro-batches
+            return 0.5 * sum(float((e * (c["g"] - c0["g"])).sum()) for e, c, c0 in zip(eps, caps[key], clean[key]))
 
         handles = [m.register_forward_hook(lambda mod, a, o, key=k: post(mod, a, o, key)) for k, m in self.linears]
         gen = torch.Generator().manual_seed(11)
@@ -185,24 +262,24 @@ class Harness:
                 state.update(mode="clean", p=p, eps={})
                 caps.clear()
                 base = self.tr.forward_backward(batch)
-                clean = {k: dict(v) for k, v in caps.items()}
-                sign = {k: (torch.randint(0, 2, clean[k]["dy"].shape[:-1] + (1,), generator=gen) * 2 - 1).float()
-                        for k in self.keys}
+                clean = {k: list(v) for k, v in caps.items()}
+                dys = {k: [c["dy"] for c in clean[k]] for k in self.keys}
+                signed = {k: [(torch.randint(0, 2, d.shape[:-1] + (1,), generator=gen) * 2 - 1).float() * d
+                              for d in dys[k]] for k in self.keys}
                 state["mode"] = "inject"
                 rows = {"batch": [], "secant": [], "secant_sign": []}
                 for k in self.keys:
-                    for name, eps in (("secant", clean[k]["dy"]), ("secant_sign", sign[k] * clean[k]["dy"])):
+                    for name, eps in (("secant", dys[k]), ("secant_sign", signed[k])):
                         state["eps"] = {k: eps}
                         caps.clear()
                         loss = self.tr.forward_backward(batch)
-                        rows[name].append(0.5 * float((eps * (caps[k]["g"] - clean[k]["g"])).sum()))
+                        rows[name].append(half_secant(eps, k, clean))
                         if name == "secant":
                             rows["batch"].append(loss - base)
-                state["eps"] = {k: sign[k] * clean[k]["dy"] for k in self.keys}
+                state["eps"] = signed
                 caps.clear()
                 self.tr.forward_backward(batch)
-                rows["joint_sign"] = [0.5 * float((state["eps"][k] * (caps[k]["g"] - clean[k]["g"])).sum())
-                                      for k in self.keys]
+                rows["joint_sign"] = [half_secant(signed[k], k, clean) for k in self.keys]
                 out[p.value] = rows
         finally:
             for h in handles:
@@ -320,21 +397,27 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     out["probe"] = h.error_direction_probe(batch) if args.probe else {}
     log("  error-direction probe done")
 
-    # truth 1: one-step loss harm on validation batches, each layer alone
+    # truth 1: one-step loss harm on each evaluation set, each layer alone, and its first-order part
     t0 = time.perf_counter()
-    base = h.val_halves()
-    harm = {}
-    for p in ((FP8, FP4) if "harm" in args.truths else ()):
-        rows = []
-        for k in h.keys:
-            h.set_only(k, p)
-            a, b = h.val_halves()
-            rows.append((a - base[0], b - base[1]))
-        harm[p.value] = rows
-    h.set_only()
-    out["harm"] = harm
-    out["base_val"] = base
-    log(f"  one-step harm: {time.perf_counter() - t0:.0f}s")
+    sets = {}
+    for name in args.eval_sets:
+        base = h.val_halves(name)
+        harm = {}
+        for p in ((FP8, FP4) if "harm" in args.truths else ()):
+            rows = []
+            for k in h.keys:
+                h.set_only(k, p)
+                a, b = h.val_halves(name)
+                rows.append((a - base[0], b - base[1]))
+            harm[p.value] = rows
+        h.set_only()
+        sets[name] = {"harm": harm, "base_val": base,
+                      "first_order": h.first_order_terms(name) if "harm" in args.truths else {}}
+    primary = args.eval_sets[0]
+    out.update(eval_set=primary, harm=sets[primary]["harm"], base_val=sets[primary]["base_val"],
+               first_order=sets[primary]["first_order"])
+    out["other_sets"] = {n: v for n, v in sets.items() if n != primary}
+    log(f"  one-step harm ({', '.join(args.eval_sets)}): {time.perf_counter() - t0:.0f}s")
 
     # truth 2: one-step update deviation, only that layer's backward quantized
     t0 = time.perf_counter()
@@ -364,16 +447,20 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
         t0 = time.perf_counter()
         long_mb = args.long_num_mb or args.num_mb
         orders = [tr.reader.take(args.long_steps * long_mb) for _ in range(2)]
-        long = {}
+
+        def evaluate():  # final weights in BF16 on every evaluation set
+            return {name: float(np.mean(h.val_halves(name))) for name in args.eval_sets}
+
+        long = {name: {} for name in args.eval_sets}
         bases = []
         for o, data in enumerate(orders):
             h.restore(snap)
             h.set_only(sr_seed=o)
             h.train_steps(data, long_mb)
-            bases.append(float(np.mean(h.val_halves())))
+            bases.append(evaluate())
             h.restore(snap)  # determinism check: the BF16 continuation repeats exactly
             h.train_steps(data, long_mb)
-            again = float(np.mean(h.val_halves()))
+            again = evaluate()
             if again != bases[-1]:
                 log(f"  WARNING: BF16 continuation not deterministic ({again} vs {bases[-1]})")
         for p in args.long_precisions:
@@ -385,12 +472,15 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
                     h.set_only(k, p, sr_seed=o)
                     h.train_steps(data, long_mb)
                     h.set_only()
-                    vals.append(float(np.mean(h.val_halves())) - bases[o])
+                    vals.append(evaluate())
                 rows.append(vals)
-            long[p.value] = rows
+            for name in args.eval_sets:
+                long[name][p.value] = [[v[name] - bases[o][name] for o, v in enumerate(r)] for r in rows]
             log(f"  long-horizon {p.value}: {time.perf_counter() - t0:.0f}s")
-        out["long"] = long
-        out["long_base"] = bases
+        out["long"] = long[primary]
+        out["long_base"] = [b[primary] for b in bases]
+        for name, v in out["other_sets"].items():
+            v["long"] = long[name]
     h.restore(snap)
     h.set_only()
     return out
@@ -431,6 +521,17 @@ def scores(r: dict, lambdas, default_lam) -> dict:
             a4, a8 = np.array(r["probe"]["fp4"][name]), np.array(r["probe"]["fp8"][name])
             s[f"probe_fp4_{name}"] = spearman(a4, harm["fp4"])
             s[f"probe_marginal_{name}"] = spearman(a4 - a8, harm["fp4"] - harm["fp8"])
+    fo = r.get("first_order") or {}
+    if "fp4" in fo and "fp8" in fo:  # the truth without its first-order part (see first_order_terms)
+        so = {p: halves[p] - np.array(fo[p]) for p in ("fp8", "fp4")}
+        so_mean = {p: so[p].mean(1) for p in so}
+        s["fp4_second_order"] = spearman(dL["fp4"], so_mean["fp4"])
+        s["marginal_second_order"] = spearman(dL["fp4"] - dL["fp8"], so_mean["fp4"] - so_mean["fp8"])
+        s["ceiling_second_order"] = spearman(so_mean["fp4"], harm["fp4"])  # a perfect curvature estimate
+        s["ceiling_second_order_marginal"] = spearman(so_mean["fp4"] - so_mean["fp8"], harm["fp4"] - harm["fp8"])
+        s["split_first_order"] = spearman(np.array(fo["fp4"])[:, 0], np.array(fo["fp4"])[:, 1])
+        s["split_second_order"] = spearman(so["fp4"][:, 0], so["fp4"][:, 1])
+        s["first_order_share"] = float(np.abs(np.array(fo["fp4"]).mean(1)).sum() / np.abs(harm["fp4"]).sum())
     s["fp8"] = spearman(dL["fp8"], harm["fp8"])
     s["marginal"] = spearman(dL["fp4"] - dL["fp8"], harm["fp4"] - harm["fp8"])
     s["proxy_fp4"] = spearman(prox["fp4"], harm["fp4"])
@@ -479,6 +580,19 @@ def print_table(keys, r: dict, name: str) -> None:
         print(line)
 
 
+# arguments that change the trained model or the data position at a point (not what is measured there)
+TRAINING_ARGS = ("steps", "early", "mbs", "num_mb", "lr", "seed", "long_steps", "pred_batches", "points")
+
+
+def cache_path(args, point: str) -> "Path | None":
+    if not args.cache_dir:
+        return None
+    import hashlib
+
+    key = json.dumps({a: getattr(args, a) for a in TRAINING_ARGS}, sort_keys=True)
+    return Path(args.cache_dir) / f"{point}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.pt"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fp4-recipe", default="nvfp4", choices=["nvfp4", "mxfp4"])
@@ -489,7 +603,12 @@ def main(argv=None) -> None:
     ap.add_argument("--long-num-mb", type=int, default=None,
                     help="micro-batches per step of the long-horizon continuations (default --num-mb)")
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--val-batches", type=int, default=128, help="micro-batches of each evaluation set")
+    ap.add_argument("--eval-sets", default="iid,docs", help="evaluation sets of the truths, the first is "
+                    "scored in RESULT: iid (held-out sequences of the training distribution), docs "
+                    "(Megatron's validation split: held-out documents)")
+    ap.add_argument("--cache-dir", default=None, help="keep the trained model at each point here and "
+                    "reuse it in later runs with the same training arguments")
     ap.add_argument("--probe", action="store_true", help="diagnostic: inject each layer's actual "
                     "quantization error alone on the measurement batch (exact batch harm, curvature along the error)")
     ap.add_argument("--pred-batches", type=int, default=1, help="measurements on this many batches at a "
@@ -503,12 +622,18 @@ def main(argv=None) -> None:
     ap.add_argument("--points", default="early,later", help="which points to measure")
     ap.add_argument("--rescore", default=None, help="recompute predictions and scores from a saved "
                     "--out JSON with the current estimator (the measurement and truths are reused)")
+    ap.add_argument("--remeasure", default=None, help="redo the measurement (the prediction) of a saved "
+                    "--out JSON with the current default on the model kept in --cache-dir, keep its truths, "
+                    "and score it (a change to the measurement without recomputing the truths)")
     ap.add_argument("--out", default=None, help="write all raw numbers as JSON")
     args = ap.parse_args(argv)
     args.lambdas = [float(x) for x in args.lambdas.split(",")]
     args.long_precisions = [Precision.parse(p) for p in args.long_precisions.split(",") if p]
+    args.eval_sets = [n for n in args.eval_sets.split(",") if n]
     if args.rescore:
         return rescore(args)
+    if args.remeasure:
+        return remeasure(args)
     start = time.perf_counter()
 
     def log(msg):
@@ -520,10 +645,17 @@ def main(argv=None) -> None:
     for name, step, long_horizon in (("early", args.early, False), ("later", args.steps, True)):
         if name not in args.points:
             continue
-        data = h.tr.reader.take((step - h.tr.step) * args.num_mb)
-        h.train_steps(data)
-        h.tr.step = step
-        log(f"trained to step {step}; measuring '{name}'")
+        cached = cache_path(args, name)
+        if cached is not None and cached.exists():
+            h.load(cached)
+            log(f"loaded the step-{step} model from {cached}; measuring '{name}'")
+        else:
+            data = h.tr.reader.take((step - h.tr.step) * args.num_mb)
+            h.train_steps(data)
+            h.tr.step = step
+            if cached is not None:
+                h.save(cached)
+            log(f"trained to step {step}; measuring '{name}'")
         results[name] = measure_point(h, long_horizon, log)
         if args.out:  # keep what is done if a later phase is interrupted
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -536,6 +668,39 @@ def main(argv=None) -> None:
                                               "keys": [str(k) for k in h.keys], "results": results}))
     log("done")
     report([str(k) for k in h.keys], results, args)
+
+
+def remeasure(args) -> None:
+    from snip_megatron.config import SnipConfig
+    from snip_megatron.stats import measure, measure_config_from
+
+    saved = json.loads(Path(args.remeasure).read_text())
+    for a in TRAINING_ARGS + ("fp4_recipe",):
+        setattr(args, a, saved["args"][a])
+    cached = cache_path(args, "later")
+    if cached is None or not cached.exists():
+        raise SystemExit(f"--remeasure needs the run's model in --cache-dir (no {cached}); "
+                         f"rerun the benchmark with --cache-dir")
+    args.eval_sets = []
+    h = Harness(args)
+    h.load(cached)
+    h.set_only()
+    r = saved["results"]["later"]
+    config = measure_config_from(SnipConfig(fp4_recipe=args.fp4_recipe))
+    tables = []
+    for _ in range(max(args.pred_batches, 1)):  # the measured step, then the extra batches, as measure_point
+        h.tr.current_batch = h.tr.reader.take(args.num_mb)
+        tables.append(measure(h.tr, config=config))
+        h.tr.current_batch = None
+    r.update(stats=tables[0].to_array().tolist(), stats_fields=list(tables[0].fields),
+             extra_stats=[t.to_array().tolist() for t in tables[1:]], m_ew=h.momentum_dot_weight_error(),
+             measure_config=repr(config))
+    r.update(predictions(tables[0], args.lambdas, r["m_ew"]))
+    r["extra_pred"] = [predictions(t, args.lambdas)["pred"] for t in tables[1:]]
+    if args.out:
+        Path(args.out).write_text(json.dumps(saved))
+    print(f"remeasured {args.remeasure} with {config}")
+    report(saved["keys"], saved["results"], args)
 
 
 def rescore(args) -> None:
@@ -556,18 +721,35 @@ def rescore(args) -> None:
 def report(keys, results: dict, args) -> None:
     default_lam = EstimateConfig().lam
     all_scores = {n: scores(r, args.lambdas, default_lam) for n, r in results.items()}
+    other = {}  # the same predictions scored against the other evaluation sets' truths
+    for n, r in results.items():
+        for name, v in (r.get("other_sets") or {}).items():
+            swapped = dict(r, harm=v["harm"], first_order=v.get("first_order"), base_val=v["base_val"])
+            if "long" in v:
+                swapped["long"] = v["long"]
+            else:
+                swapped.pop("long", None)
+            other[f"{n}/{name}"] = scores(swapped, args.lambdas, default_lam)
     for n, r in results.items():
         if r["harm"] and r["dev"]:
             print_table(keys, r, f"{n} point ({args.fp4_recipe})")
     print(f"\n== Spearman over {len(keys)} layers ({args.fp4_recipe}); predicted dL vs one-step harm, "
           f"WD vs update deviation, Q(lambda) vs long-horizon harm")
     for n, s in all_scores.items():
+        print(f"{n} ({results[n].get('eval_set', 'docs')}): " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
+    for n, s in other.items():
         print(f"{n}: " + " ".join(f"{k}={v:.3f}" for k, v in s.items()))
     later = all_scores.get("later", next(iter(all_scores.values())))
     best = max(args.lambdas, key=lambda lam: later.get(f"long_fp4_Q{lam}", -1))
     print(f"lambda by long-horizon FP4 score: " + " ".join(
         f"{lam}:{later.get(f'long_fp4_Q{lam}', math.nan):.3f}" for lam in args.lambdas)
           + f"  -> best {best} (EstimateConfig default {default_lam})")
+    for n, s in other.items():
+        if n.startswith("later/"):
+            print(f"against the {n[6:]} truth: spearman_fp4={s['fp4']:.3f} spearman_marginal={s['marginal']:.3f} "
+                  f"spearman_long={s.get('long', math.nan):.3f} spearman_proxy={s['proxy_fp4']:.3f} "
+                  f"ceiling_split={s['ceiling_split']:.3f} ceiling_second_order={s.get('ceiling_second_order', math.nan):.3f} "
+                  f"fp4_second_order={s.get('fp4_second_order', math.nan):.3f}")
     print(f"RESULT spearman_fp4={later['fp4']:.3f} spearman_marginal={later['marginal']:.3f} "
           f"spearman_long={later.get('long', math.nan):.3f} spearman_wd={later['wd']:.3f} "
           f"spearman_proxy={later['proxy_fp4']:.3f} ceiling_split={later['ceiling_split']:.3f} "

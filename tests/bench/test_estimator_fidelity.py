@@ -74,3 +74,48 @@ def test_rescore_a_saved_run(fidelity, capsys):
     # the truth side does not depend on the estimator: the recorded run's ceilings
     assert float(values["ceiling_split"]) == pytest.approx(0.894, abs=1e-3)
     assert float(values["ceiling_long"]) == pytest.approx(0.323, abs=1e-3)
+
+
+def test_second_order_part_of_the_truth(fidelity):
+    """harm = first order + second order: an estimate that ranks the second-order part perfectly
+    scores 1 against it even where the first-order part scrambles the harm's ranking."""
+    r = _result(n=8)
+    so4 = np.linspace(1.0, 8.0, 8)
+    fo4 = np.array([6.0, -3.0, 4.0, -5.0, 2.0, -6.0, 1.0, -2.0])  # as large as the signal, either sign
+    r["harm"] = {"fp4": [[h, h] for h in so4 + fo4], "fp8": [[h, h] for h in (so4 + fo4) / 10]}
+    r["first_order"] = {"fp4": [[f, f] for f in fo4], "fp8": [[f, f] for f in fo4 / 10]}
+    r["pred"] = {p: dict(r["pred"][p], dL=list(so4 / d)) for p, d in (("fp4", 1), ("fp8", 10))}
+    s = fidelity.scores(r, [0.0], 0.0)
+    assert s["fp4_second_order"] == pytest.approx(1.0) and s["marginal_second_order"] == pytest.approx(1.0)
+    assert s["fp4"] < 0.8  # scored against the whole harm
+    assert s["ceiling_second_order"] == pytest.approx(s["fp4"])  # the estimate is the second-order part
+    assert s["first_order_share"] == pytest.approx(np.abs(fo4).sum() / np.abs(so4 + fo4).sum())
+
+
+def test_other_evaluation_sets_are_reported(fidelity, capsys):
+    r = _result()
+    r["eval_set"] = "iid"
+    r["other_sets"] = {"docs": {"harm": {p: [[-a, -b] for a, b in v] for p, v in r["harm"].items()},
+                                "base_val": [3.0, 3.0]}}
+    fidelity.report([str(i) for i in range(6)], {"later": r},
+                    fidelity.argparse.Namespace(lambdas=[0.0], fp4_recipe="nvfp4"))
+    out = capsys.readouterr().out
+    docs = [line for line in out.splitlines() if line.startswith("against the docs truth")]
+    assert len(docs) == 1 and "spearman_fp4=-1.000" in docs[0]  # the docs truth is the reverse
+    assert out.splitlines()[-1].startswith("RESULT spearman_fp4=1.000")  # RESULT: the primary set
+
+
+def test_cache_path_depends_on_training_arguments_only(fidelity):
+    ap = fidelity.argparse.Namespace
+    base = dict(steps=1000, early=300, mbs=8, num_mb=4, lr=3e-3, seed=1, long_steps=60, pred_batches=2,
+                points="later", cache_dir="c", fp4_recipe="nvfp4")
+    a = fidelity.cache_path(ap(**base), "later")
+    assert fidelity.cache_path(ap(**dict(base, fp4_recipe="mxfp4")), "later") == a
+    assert fidelity.cache_path(ap(**dict(base, steps=900)), "later") != a
+    assert fidelity.cache_path(ap(**base), "early") != a
+    assert fidelity.cache_path(ap(**dict(base, cache_dir=None)), "later") is None
+
+
+def test_remeasure_needs_the_cached_model(fidelity, tmp_path):
+    with pytest.raises(SystemExit, match="--cache-dir"):
+        fidelity.main(["--remeasure", str(ROOT / "docs" / "fidelity" / "nv4.json"), "--cache-dir", str(tmp_path)])
