@@ -119,3 +119,15 @@ def test_cache_path_depends_on_training_arguments_only(fidelity):
 def test_remeasure_needs_the_cached_model(fidelity, tmp_path):
     with pytest.raises(SystemExit, match="--cache-dir"):
         fidelity.main(["--remeasure", str(ROOT / "docs" / "fidelity" / "nv4.json"), "--cache-dir", str(tmp_path)])
+
+
+def test_long_horizon_ceiling_from_halves_of_the_data_orders(fidelity):
+    r = _result()
+    base = np.linspace(1.0, 6.0, 6)
+    rows = np.stack([base, 2 * base, base ** 2, base + 1], axis=1)  # four orders, the same ranking
+    r["long"] = {"fp4": rows.tolist()}
+    s = fidelity.scores(r, [0.0], 0.0)
+    assert s["ceiling_long"] == pytest.approx(1.0)  # mean of orders 0,1 vs mean of orders 2,3
+    rows[:, 2:] = np.stack([base[::-1], base[::-1]], axis=1)
+    r["long"] = {"fp4": rows.tolist()}
+    assert fidelity.scores(r, [0.0], 0.0)["ceiling_long"] == pytest.approx(-1.0)
