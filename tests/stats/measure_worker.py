@@ -75,11 +75,14 @@ def measure_layout(name: str):
     from snip_megatron.stats.measure import measure
     from snip_megatron.stats.quant_error import blockwise_error_fn
 
-    tp, pp, megatron_init = LAYOUTS[name]
+    # "<layout>_lone": a step of one micro-batch of 4, whose noise pass runs its two halves
+    base, lone = (name[:-5], True) if name.endswith("_lone") else (name, False)
+    tp, pp, megatron_init = LAYOUTS[base]
     chunks = build(tp, pp, reinit=not megatron_init)
+    data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
     try:
-        return measure(chunks, make_forward_step(), batches(), seq_length=SHAPE.seq_length,
-                       micro_batch_size=2, config=MeasureConfig(noise_frac=0.05),
+        return measure(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
+                       micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05),
                        error_fn=blockwise_error_fn())
     finally:
         runtime.destroy()

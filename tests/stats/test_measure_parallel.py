@@ -39,17 +39,19 @@ def tables(tmp_path_factory):
     from tests.stats.measure_worker import measure_layout
 
     d = tmp_path_factory.mktemp("stats")
-    run_distributed([WORKER, "--layouts", "tp2,pp2,dp2", "--out", str(d)], nproc=2, timeout=600)
+    run_distributed([WORKER, "--layouts", "tp2,pp2,dp2,tp2_lone,pp2_lone", "--out", str(d)], nproc=2, timeout=900)
     out = {p.stem: _table(p) for p in d.glob("*.npy")}
     runtime.init_process_group()  # the single-process references run here
-    for name in ("single", "single_megatron"):
+    for name in ("single", "single_megatron", "single_lone", "single_megatron_lone"):
         out[name] = measure_layout(name)
     return out
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2_lone", "pp2_lone"])
 def test_parallel_statistics_equal_single_process(tables, layout):
-    reference = tables["single_megatron" if layout == "tp2" else "single"]
+    """_lone: a step of one micro-batch, whose noise pass runs its two halves."""
+    lone = "_lone" if layout.endswith("_lone") else ""
+    reference = tables[("single_megatron" if layout.startswith("tp2") else "single") + lone]
     table = tables[layout]
     assert_same(reference, table)
     assert table.globals_["dp_size"] == (2 if layout == "dp2" else 1)
