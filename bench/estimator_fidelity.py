@@ -92,6 +92,9 @@ class Harness:
         self.linears = planned_linears(self.tr.modules)
         self.keys = [k for k, _ in self.linears]
         self.evals = {name: self.eval_batches(name) for name in args.eval_sets}
+        from snip_megatron.stats.quant_error import formats_error_fn
+
+        self.err = formats_error_fn("blockwise", args.fp4_recipe)  # E = Q(T) - T per precision and role
 
     def eval_batches(self, name: str) -> list:
         """`--val-batches` micro-batches of an evaluation set: "iid", sequences of the training
@@ -138,13 +141,35 @@ class Harness:
         return (self.tr.forward_backward(val[:h], forward_only=True),
                 self.tr.forward_backward(val[h:], forward_only=True))
 
+    def predict(self) -> tuple[dict, list]:
+        """The prediction: the controller's default measurement on the next step's micro-batches
+        (the measured step), then on `--pred-batches` - 1 further steps (the estimator's own batch
+        noise), with the predictions from each. Returns the result fields and the measured step."""
+        from snip_megatron.config import SnipConfig
+        from snip_megatron.stats import measure, measure_config_from
+
+        args, tr = self.args, self.tr
+        self.set_only()
+        config = measure_config_from(SnipConfig(fp4_recipe=args.fp4_recipe))
+        batches, tables, t0 = [], [], time.perf_counter()
+        for i in range(max(args.pred_batches, 1)):
+            tr.current_batch = tr.reader.take(args.num_mb)
+            batches.append(tr.current_batch)
+            tables.append(measure(tr, config=config))
+            tr.current_batch = None
+            if i == 0:
+                measure_s = time.perf_counter() - t0
+        m_ew = self.momentum_dot_weight_error()
+        out = {"measure_s": measure_s, "measure_config": repr(config),
+               "stats": tables[0].to_array().tolist(), "stats_fields": list(tables[0].fields), "m_ew": m_ew,
+               **predictions(tables[0], args.lambdas, m_ew),
+               "extra_stats": [t.to_array().tolist() for t in tables[1:]],
+               "extra_pred": [predictions(t, args.lambdas)["pred"] for t in tables[1:]]}
+        return out, batches[0]
+
     def output_errors(self, x: torch.Tensor, w: torch.Tensor, p) -> torch.Tensor:
         """dY = Q(X) Q(W)^T - X W^T, the error of the layer's forward GEMM (fprop operands)."""
-        from snip_megatron.stats.quant_error import formats_error_fn
-
-        if not hasattr(self, "_err"):
-            self._err = formats_error_fn("blockwise", self.args.fp4_recipe)
-        err = self._err
+        err = self.err
         return (x + err(x, p, "fprop_input")) @ (w + err(w, p, "fprop_weight")).t() - x @ w.t()
 
     def first_order_terms(self, name: str) -> dict:
@@ -210,9 +235,7 @@ class Harness:
         the weight, with AdamW's bias-corrected first moment standing for the expected gradient
         (an average over ~1/(1-b1) recent batches instead of one). A diagnostic of the benchmark."""
         from snip_megatron.stats.adam import _group_of, _pairs
-        from snip_megatron.stats.quant_error import formats_error_fn
-
-        err = formats_error_fn("blockwise", self.args.fp4_recipe)
+        err = self.err
         weights = {id(m.weight): k for k, m in self.linears}
         out = {p.value: {} for p in (FP8, FP4)}
         for model_param, main_param, inner in _pairs(self.tr.optimizer):
@@ -370,29 +393,7 @@ def load_stats(keys, array, fields=None):
 # -- one evaluation point ------------------------------------------------------------------------
 def measure_point(h: Harness, long_horizon: bool, log) -> dict:
     args, tr = h.args, h.tr
-    from snip_megatron.config import SnipConfig
-    from snip_megatron.stats import measure, measure_config_from
-
-    h.set_only()
-    batch = tr.reader.take(args.num_mb)
-    # the prediction: the controller's default measurement on this step's batch
-    mconfig = measure_config_from(SnipConfig(fp4_recipe=args.fp4_recipe))
-    t0 = time.perf_counter()
-    tr.current_batch = batch
-    stats = measure(tr, config=mconfig)
-    tr.current_batch = None
-    out = {"measure_s": time.perf_counter() - t0, "stats": stats.to_array().tolist(),
-           "stats_fields": list(stats.fields)}
-    out["m_ew"] = h.momentum_dot_weight_error()
-    out.update(predictions(stats, args.lambdas, out["m_ew"]))
-    # the same measurement on further batches (same weights): the estimator's own batch noise
-    out["extra_stats"] = []
-    for _ in range(args.pred_batches - 1):
-        tr.current_batch = tr.reader.take(args.num_mb)
-        out["extra_stats"].append(measure(tr, config=mconfig).to_array().tolist())
-        tr.current_batch = None
-    out["extra_pred"] = [predictions(load_stats(h.keys, a, out["stats_fields"]), args.lambdas)["pred"]
-                         for a in out["extra_stats"]]
+    out, batch = h.predict()
     snap = h.snapshot()
 
     out["probe"] = h.error_direction_probe(batch) if args.probe else {}
@@ -676,9 +677,6 @@ def main(argv=None) -> None:
 
 
 def remeasure(args) -> None:
-    from snip_megatron.config import SnipConfig
-    from snip_megatron.stats import measure, measure_config_from
-
     saved = json.loads(Path(args.remeasure).read_text())
     for a in TRAINING_ARGS + ("fp4_recipe",):
         setattr(args, a, saved["args"][a])
@@ -689,22 +687,11 @@ def remeasure(args) -> None:
     args.eval_sets = []
     h = Harness(args)
     h.load(cached)
-    h.set_only()
     r = saved["results"]["later"]
-    config = measure_config_from(SnipConfig(fp4_recipe=args.fp4_recipe))
-    tables = []
-    for _ in range(max(args.pred_batches, 1)):  # the measured step, then the extra batches, as measure_point
-        h.tr.current_batch = h.tr.reader.take(args.num_mb)
-        tables.append(measure(h.tr, config=config))
-        h.tr.current_batch = None
-    r.update(stats=tables[0].to_array().tolist(), stats_fields=list(tables[0].fields),
-             extra_stats=[t.to_array().tolist() for t in tables[1:]], m_ew=h.momentum_dot_weight_error(),
-             measure_config=repr(config))
-    r.update(predictions(tables[0], args.lambdas, r["m_ew"]))
-    r["extra_pred"] = [predictions(t, args.lambdas)["pred"] for t in tables[1:]]
+    r.update(h.predict()[0])
     if args.out:
         Path(args.out).write_text(json.dumps(saved))
-    print(f"remeasured {args.remeasure} with {config}")
+    print(f"remeasured {args.remeasure} with {r['measure_config']}")
     report(saved["keys"], saved["results"], args)
 
 

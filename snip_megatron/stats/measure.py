@@ -128,9 +128,8 @@ def _halves(batches: list, micro_batch_size: int):
     if not isinstance(b, dict) or not all(isinstance(v, torch.Tensor) for v in b.values()):
         return None
     half = micro_batch_size // 2
-    cut = [{k: (v[i * half:(i + 1) * half] if v.dim() and v.shape[0] == micro_batch_size else v)
-            for k, v in b.items()} for i in range(2)]
-    return cut
+    return [{k: (v[i * half:(i + 1) * half] if v.dim() and v.shape[0] == micro_batch_size else v)
+             for k, v in b.items()} for i in range(2)]
 
 
 def _model_config(chunk):
@@ -227,7 +226,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             if interleave:
                 noisy = collector.begin("noise")
                 _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
-                          micro_batch_size=noise_mbs, zero_loss=lambda mb: mb % 2 == 1)
+                          micro_batch_size=noise_mbs,
+                          zero_loss=lambda mb: collector.mode_of(mb) == "bwd_noise")
             else:
                 noisy = collector.begin("fwd_noise")
                 _run_pass(chunks, forward_step_func, batches, **run)
