@@ -21,7 +21,10 @@ further batches (the estimator's own batch noise, and what averaging would buy);
 each layer's actual quantization error alone on the measured batch (the exact loss change there,
 and the curvature along the error itself); `--rescore FILE` recomputes every prediction from the
 saved statistics with the current estimator; `--cache-dir DIR` keeps the trained model at each
-point for later runs with the same training arguments (e.g. the other FP4 recipe).
+point for later runs with the same training arguments (e.g. the other FP4 recipe). More data orders
+for the long-horizon truth come from a second run: `--long-orders 8 --long-skip 2 --truths long`
+draws the same first two orders (their BF16 continuations identify them) and runs orders 2-7;
+`--rescore FIRST --long-from SECOND` joins them.
 
     python bench/estimator_fidelity.py --fp4-recipe nvfp4 --points later --num-mb 4 --long-num-mb 1 \
         --pred-batches 2 --long-precisions fp4 --cache-dir runs/cache --out runs/fidelity/nv5.json
@@ -449,6 +452,7 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
         t0 = time.perf_counter()
         long_mb = args.long_num_mb or args.num_mb
         orders = [tr.reader.take(args.long_steps * long_mb) for _ in range(args.long_orders)]
+        own = range(args.long_skip, args.long_orders)  # the orders whose quantized runs this run does
 
         def evaluate():  # final weights in BF16 on every evaluation set
             return {name: float(np.mean(h.val_halves(name))) for name in args.eval_sets}
@@ -460,6 +464,8 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
             h.set_only(sr_seed=o)
             h.train_steps(data, long_mb)
             bases.append(evaluate())
+            if o not in own:  # a skipped order's base only identifies its data (see merge_long)
+                continue
             h.restore(snap)  # determinism check: the BF16 continuation repeats exactly
             h.train_steps(data, long_mb)
             again = evaluate()
@@ -469,7 +475,8 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
             rows = []
             for k in h.keys:
                 vals = []
-                for o, data in enumerate(orders):
+                for o in own:
+                    data = orders[o]
                     h.restore(snap)
                     h.set_only(k, p, sr_seed=o)
                     h.train_steps(data, long_mb)
@@ -477,10 +484,11 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
                     vals.append(evaluate())
                 rows.append(vals)
             for name in args.eval_sets:
-                long[name][p.value] = [[v[name] - bases[o][name] for o, v in enumerate(r)] for r in rows]
+                long[name][p.value] = [[v[name] - bases[o][name] for o, v in zip(own, r)] for r in rows]
             log(f"  long-horizon {p.value}: {time.perf_counter() - t0:.0f}s")
         out["long"] = long[primary]
         out["long_base"] = [b[primary] for b in bases]
+        out["long_orders"] = list(own)
         for name, v in out["other_sets"].items():
             v["long"] = long[name]
     h.restore(snap)
@@ -621,6 +629,12 @@ def main(argv=None) -> None:
     ap.add_argument("--long-steps", type=int, default=60)
     ap.add_argument("--long-orders", type=int, default=2, help="data orders of the long-horizon truth "
                     "(its ceiling: the agreement of the mean over each half of them)")
+    ap.add_argument("--long-skip", type=int, default=0, help="run the quantized continuations of the "
+                    "data orders from this one on (the earlier orders' data is still drawn, and their BF16 "
+                    "continuations identify it); join the runs with --rescore FILE --long-from FILE2")
+    ap.add_argument("--long-from", default="", help="with --rescore: comma-separated runs of the same model "
+                    "whose long-horizon orders are appended to FILE's (checked to be different orders of "
+                    "the same data stream)")
     ap.add_argument("--long-precisions", default="fp4,fp8")
     ap.add_argument("--lambdas", default="0,0.3,1,3")
     ap.add_argument("--seed", type=int, default=1234)
@@ -702,12 +716,35 @@ def rescore(args) -> None:
     keys = [parse_key(k) for k in saved["keys"]]
     args.fp4_recipe = saved.get("args", {}).get("fp4_recipe", args.fp4_recipe)
     results = saved["results"]
+    for extra in filter(None, args.long_from.split(",")):
+        merge_long(results["later"], json.loads(Path(extra).read_text())["results"]["later"], extra)
     for r in results.values():
         r.update(predictions(load_stats(keys, r["stats"], r.get("stats_fields")), args.lambdas, r.get("m_ew")))
         r["extra_pred"] = [predictions(load_stats(keys, a, r.get("stats_fields")), args.lambdas)["pred"]
                            for a in r.get("extra_stats", [])]
     print(f"rescored {args.rescore} with the current estimator ({EstimateConfig()})")
     report([str(k) for k in keys], results, args)
+
+
+def merge_long(r: dict, extra: dict, name: str) -> None:
+    """Append the long-horizon orders of `extra` (a --long-skip run of the same model) to those of
+    `r`. The two runs drew their orders from the same data stream: each order both ran must have
+    the same BF16 continuation loss, bit for bit, and no order may be counted twice."""
+    have = r.get("long_orders", list(range(len(r["long_base"]))))
+    new = extra["long_orders"]
+    if set(have) & set(new):
+        raise SystemExit(f"--long-from {name}: orders {sorted(set(have) & set(new))} are in both runs")
+    for o in have:
+        if o >= len(extra["long_base"]) or extra["long_base"][o] != r["long_base"][o]:
+            raise SystemExit(f"--long-from {name}: order {o}'s BF16 continuation differs from the "
+                             f"first run's, so its data orders are not the same stream")
+    for p, rows in extra["long"].items():
+        r["long"][p] = [a + b for a, b in zip(r["long"][p], rows)]
+    for set_name, v in (r.get("other_sets") or {}).items():
+        for p, rows in extra["other_sets"][set_name]["long"].items():
+            v["long"][p] = [a + b for a, b in zip(v["long"][p], rows)]
+    r["long_orders"] = have + new
+    r["long_base"] = extra["long_base"]
 
 
 def report(keys, results: dict, args) -> None:

@@ -131,3 +131,29 @@ def test_long_horizon_ceiling_from_halves_of_the_data_orders(fidelity):
     rows[:, 2:] = np.stack([base[::-1], base[::-1]], axis=1)
     r["long"] = {"fp4": rows.tolist()}
     assert fidelity.scores(r, [0.0], 0.0)["ceiling_long"] == pytest.approx(-1.0)
+
+
+def _long_run(orders, bases, value):
+    """The long-horizon part of a saved run: 3 layers, the listed orders, every harm = value(order)."""
+    rows = [[value(o) * (i + 1) for o in orders] for i in range(3)]
+    return {"long": {"fp4": rows}, "long_base": bases, "long_orders": list(orders),
+            "other_sets": {"docs": {"long": {"fp4": [[-x for x in r] for r in rows]}}}}
+
+
+def test_merge_long_appends_the_orders_of_a_skipping_run(fidelity):
+    bases = [3.1, 3.2, 3.3, 3.4]
+    first = _long_run([0, 1], bases[:2], float)
+    first.pop("long_orders")  # runs saved before --long-skip: every order they drew
+    fidelity.merge_long(first, _long_run([2, 3], bases, float), "extra.json")
+    assert first["long_orders"] == [0, 1, 2, 3] and first["long_base"] == bases
+    assert first["long"]["fp4"][1] == [0.0, 2.0, 4.0, 6.0]
+    assert first["other_sets"]["docs"]["long"]["fp4"][2] == [-0.0, -3.0, -6.0, -9.0]
+
+
+def test_merge_long_refuses_other_data_or_the_same_order_twice(fidelity):
+    with pytest.raises(SystemExit, match="order 1's BF16 continuation differs"):
+        fidelity.merge_long(_long_run([0, 1], [3.1, 3.2], float),
+                            _long_run([2, 3], [3.1, 3.25, 3.3, 3.4], float), "extra.json")
+    with pytest.raises(SystemExit, match=r"orders \[1\] are in both runs"):
+        fidelity.merge_long(_long_run([0, 1], [3.1, 3.2], float),
+                            _long_run([1, 2], [3.1, 3.2, 3.3], float), "extra.json")
