@@ -62,17 +62,31 @@ class RunSpec:
     max_bytes: int
     micro_batch_size: int
     run_dir: str
+    prefix_steps: int = 0
+    """Steps of a shared BF16 prefix: every method of a seed continues from its checkpoint (0: none)."""
 
     @property
     def name(self) -> str:
         b = "" if self.budget is None else f"_{round(self.budget * 100)}"
-        return f"{self.fp4_recipe}_{self.method}{b}_s{self.seed}"
+        p = f"_from{self.prefix_steps}" if self.prefix_steps else ""
+        return f"{self.fp4_recipe}_{self.method}{b}{p}_s{self.seed}"
+
+    @property
+    def prefix_dir(self) -> Path:
+        """The checkpoint folder of this seed's shared prefix, named by every setting it depends on."""
+        import hashlib
+
+        settings = json.dumps([self.model, self.steps, self.micro_batch_size, self.max_bytes], sort_keys=True)
+        tag = hashlib.sha1(settings.encode()).hexdigest()[:10]
+        return at_root(self.run_dir) / f"prefix{self.prefix_steps}_{tag}_s{self.seed}"
 
 
 def snip_config(spec: RunSpec):
     from snip_megatron.config import SnipConfig
 
-    common = dict(enabled=True, warmup=spec.warmup, lag=1, initial_precision="fp8",
+    # After a shared BF16 prefix, the initial plan is the prefix's: BF16 until the warm-up measurement.
+    initial = "bf16" if spec.prefix_steps else "fp8"
+    common = dict(enabled=True, warmup=spec.warmup, lag=1, initial_precision=initial,
                   fp4_recipe=spec.fp4_recipe, seed=spec.seed, solver_time_limit_s=60, baseline_relax=True)
     budget = spec.budget if spec.budget is not None else 1.0
     if spec.method == "bf16":
@@ -88,6 +102,56 @@ def snip_config(spec: RunSpec):
     raise ValueError(f"unknown method {spec.method!r}")
 
 
+def train_config(spec: RunSpec, **overrides):
+    """The TrainConfig of a run (and of its seed's prefix: the same schedule over the whole run)."""
+    from snip_megatron.data.prepare import DataConfig
+    from snip_megatron.shapes import ModelShape
+    from snip_megatron.train.config import TrainConfig
+
+    shape = ModelShape(**spec.model)
+    branch = spec.steps - spec.prefix_steps
+    settings = dict(model=shape, steps=spec.steps, micro_batch_size=spec.micro_batch_size,
+                    lr=3e-3, min_lr=3e-4, seed=spec.seed, eval_interval=max(1, branch // 4),
+                    eval_batches=4, progress=False,
+                    precision="bf16" if spec.method == "bf16" or spec.prefix_steps else "fp8",
+                    fp4_recipe=spec.fp4_recipe,
+                    data=DataConfig(corpus="stdlib", vocab_size=shape.vocab_size,
+                                    max_bytes=spec.max_bytes, cache_dir=str(at_root(spec.data_cache))))
+    if spec.prefix_steps:
+        settings.update(load_dir=str(spec.prefix_dir), load_step=spec.prefix_steps)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def train_prefix(spec: RunSpec) -> dict:
+    """Train this seed's shared prefix in BF16 (in this fresh process) and checkpoint it; a prefix
+    already checkpointed is kept. Every method of the seed then continues from it, as every run
+    would have trained these steps alike (the same initial plan, data and seed)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+
+    torch.set_num_threads(1)
+    from snip_megatron.train import checkpoint
+    from snip_megatron.train.loop import Trainer
+
+    start = time.perf_counter()
+    try:
+        checkpoint.verify(spec.prefix_dir, spec.prefix_steps)
+        return {"prefix": str(spec.prefix_dir), "seconds": 0.0, "reused": True}
+    except checkpoint.CheckpointError:
+        pass  # none yet, or an unfinished one: train it
+    trainer = Trainer(train_config(spec, load_dir=None, load_step=None, eval_interval=None, precision="bf16"))
+    while trainer.step < spec.prefix_steps:
+        trainer.train_step()
+    trainer.save(spec.prefix_dir)
+    loss = trainer.evaluate()
+    trainer.close()
+    return {"prefix": str(spec.prefix_dir), "seconds": time.perf_counter() - start, "reused": False,
+            "val_loss": loss}
+
+
 def run_one(spec: RunSpec) -> dict:
     """One training run in this (fresh) process; returns its figures."""
     import warnings
@@ -97,11 +161,9 @@ def run_one(spec: RunSpec) -> dict:
 
     torch.set_num_threads(1)
     from snip_megatron.controller import SnipController
-    from snip_megatron.data.prepare import DataConfig
     from snip_megatron.formats.precision import Precision
     from snip_megatron.plan import Plan
     from snip_megatron.shapes import ModelShape
-    from snip_megatron.train.config import TrainConfig
     from snip_megatron.train.loop import Trainer
 
     shape = ModelShape(**spec.model)
@@ -109,12 +171,7 @@ def run_one(spec: RunSpec) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("*.jsonl"):
         stale.unlink()
-    train = TrainConfig(model=shape, steps=spec.steps, micro_batch_size=spec.micro_batch_size,
-                        lr=3e-3, min_lr=3e-4, seed=spec.seed, eval_interval=max(1, spec.steps // 4),
-                        eval_batches=4, progress=False, metrics_path=str(run_dir / "metrics.jsonl"),
-                        precision="bf16" if spec.method == "bf16" else "fp8", fp4_recipe=spec.fp4_recipe,
-                        data=DataConfig(corpus="stdlib", vocab_size=shape.vocab_size,
-                                        max_bytes=spec.max_bytes, cache_dir=str(at_root(spec.data_cache))))
+    train = train_config(spec, metrics_path=str(run_dir / "metrics.jsonl"))
     ctrl = SnipController(snip_config(spec), shape, total_steps=spec.steps, run_dir=run_dir,
                           tokens_per_step=spec.micro_batch_size * shape.seq_length, log=lambda m: None)
     start = time.perf_counter()
@@ -146,6 +203,8 @@ def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
             r = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut off by an interrupted write
+        if isinstance(r.get("spec"), dict):
+            r["spec"].setdefault("prefix_steps", 0)  # logs written before the shared prefix existed
         if wanted.get(r.get("name")) == r.get("spec"):
             finished[r["name"]] = r
     return list(finished.values())
@@ -162,14 +221,18 @@ def budgets_of(args, fmt: str) -> list[float]:
     return args.budgets if fmt == args.formats[0] else args.other_budgets
 
 
+def warmup_of(args) -> int:
+    """The warm-up measurement step: 20% into the run, or the first step after the shared prefix."""
+    return args.prefix_steps + 1 if args.prefix_steps else max(1, round(0.2 * args.steps))
+
+
 def build_specs(args) -> list[RunSpec]:
     model = dict(name="quality", num_layers=args.layers, hidden_size=args.hidden,
                  ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.groups,
                  vocab_size=args.vocab, seq_length=args.seq)
-    warmup = max(1, round(0.2 * args.steps))
-    common = dict(steps=args.steps, warmup=warmup, model=model, data_cache=args.data_cache,
+    common = dict(steps=args.steps, warmup=warmup_of(args), model=model, data_cache=args.data_cache,
                   max_bytes=args.max_bytes, micro_batch_size=args.micro_batch_size,
-                  run_dir=args.run_dir)
+                  run_dir=args.run_dir, prefix_steps=args.prefix_steps)
     heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
     methods = heuristics + (("snip_periodic",) if args.quick else SNIP_METHODS)
     main = args.formats[0]
@@ -324,8 +387,11 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
            + (f" ({args.resumed} of them from an interrupted earlier invocation)." if getattr(args, 'resumed', 0) else ".")),
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
         f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; "
-        f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; warm-up (all FP8) "
-        f"{max(1, round(0.2 * args.steps))} steps. Gaps: final validation loss (32 held-out batches) of the "
+        f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; "
+        + (f"a shared BF16 prefix of {args.prefix_steps} steps per seed (checkpointed once; every method "
+           f"continues from it, SNIP measures at step {warmup_of(args)}). " if args.prefix_steps else
+           f"warm-up (all FP8) {warmup_of(args)} steps. ")
+        + "Gaps: final validation loss (32 held-out batches) of the "
         "final weights evaluated in BF16, relative to the BF16 run of the same seed. \"BF16\" is the "
         "unquantized model: FP32 parameters, every planned linear unquantized. Heuristics whose kept "
         "linears leave less than the budget are relaxed (the kept linears get FP4 last).",
@@ -384,7 +450,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run nothing: report the runs in the results log (an unfinished benchmark says so)")
     p.add_argument("--log", default=None, help="results log (JSONL; default <run-dir>/results.jsonl)")
     p.add_argument("--seeds", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="steps of every run, the prefix included")
+    p.add_argument("--prefix-steps", type=int, default=0,
+                   help="train the first N steps once per seed in BF16 and continue every method from that "
+                        "checkpoint (the paper's setting: SNIP applied to a pretrained checkpoint); 0: none")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=352)
@@ -406,6 +475,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.other_budgets = [float(b) for b in args.other_budgets.split(",")]
     args.seeds = args.seeds or (2 if args.quick else 3)
     args.steps = args.steps or (120 if args.quick else 260)
+    if not 0 <= args.prefix_steps < args.steps - 1:
+        p.error(f"--prefix-steps {args.prefix_steps} must leave at least 2 of the {args.steps} steps")
     return args
 
 
@@ -428,6 +499,13 @@ def main(argv=None) -> None:
     args.missing = [s.name for s in specs if s.name not in done] if args.report_only else []
     print(f"{len(specs)} runs ({len(results)} already done), {args.jobs} at a time", flush=True)
     start = time.perf_counter()
+    if todo and args.prefix_steps:
+        prefixes = list({s.seed: s for s in todo}.values())  # one per seed that still has runs
+        with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
+            for r in pool.imap_unordered(train_prefix, prefixes):
+                print(f"prefix {r['prefix']}: " + ("reused" if r["reused"] else
+                      f"val {r['val_loss']:.4f}, {r['seconds']:.0f} s"), flush=True)
+                args.prefix_seconds = getattr(args, "prefix_seconds", 0.0) + r["seconds"]
     if todo:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, log_path.open("a") as log:

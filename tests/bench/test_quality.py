@@ -89,3 +89,52 @@ def test_summary_gaps_are_paired_by_seed_and_shared_runs_serve_every_format(qual
     assert "snip_gap_75=0.0200" in line and "best_baseline_gap_75=0.0350" in line
     assert "uniform_fp4_gap=0.0400" in line and "snip_gap_80=nan" in line
     assert not math.isnan(summary["noise"])
+
+
+def test_shared_prefix_runs_continue_from_one_checkpoint_per_seed(quality):
+    args = quality.parse_args(["--quick", "--steps", "160", "--prefix-steps", "100"])
+    specs = quality.build_specs(args)
+    assert {s.prefix_steps for s in specs} == {100} and {s.warmup for s in specs} == {101}
+    assert all(s.name.endswith(f"_from100_s{s.seed}") for s in specs)
+    by_seed = {}
+    for s in specs:  # one prefix per seed, whatever the method, budget or format
+        by_seed.setdefault(s.seed, set()).add(s.prefix_dir)
+    assert all(len(d) == 1 for d in by_seed.values()) and len({*by_seed[0], *by_seed[1]}) == 2
+    snip = next(s for s in specs if s.method == "snip_periodic")
+    assert quality.snip_config(snip).initial_precision == "bf16"  # the prefix's plan until the warm-up
+    assert quality.snip_config(snip).warmup_steps(160) == 101
+    other = quality.RunSpec(**{**asdict(snip), "micro_batch_size": 8})
+    assert other.prefix_dir != snip.prefix_dir  # another prefix for other training settings
+    plain = quality.build_specs(quality.parse_args(["--quick"]))
+    assert {s.prefix_steps for s in plain} == {0} and "_from" not in plain[0].name
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--steps", "100", "--prefix-steps", "99"])
+
+
+def test_a_run_from_the_shared_prefix_equals_the_uninterrupted_run(quality, tmp_path):
+    """The prefix is an optimisation only: BF16 continued from its checkpoint ends bit for bit where
+    one BF16 run over all the steps does, and a quantized method continues from the same weights."""
+    import torch
+
+    threads = torch.get_num_threads()
+    model = dict(name="quality_test", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                 num_query_groups=2, vocab_size=512, seq_length=32)
+    base = dict(seed=0, fp4_recipe="nvfp4", steps=6, model=model, data_cache=str(tmp_path / "data"),
+                max_bytes=300_000, micro_batch_size=2, run_dir=str(tmp_path / "runs"))
+    from snip_megatron.data.prepare import DataConfig, prepare
+
+    prepare(DataConfig(corpus="stdlib", vocab_size=512, max_bytes=300_000, cache_dir=base["data_cache"]))
+    try:
+        whole = quality.run_one(quality.RunSpec(method="bf16", budget=None, warmup=1, **base))
+        branch = quality.RunSpec(method="bf16", budget=None, warmup=4, prefix_steps=3, **base)
+        first = quality.train_prefix(branch)
+        assert not first["reused"] and quality.train_prefix(branch)["reused"]
+        cont = quality.run_one(branch)
+        assert cont["val_bf16"] == whole["val_bf16"]
+        fp4 = quality.run_one(quality.RunSpec(**{**asdict(branch), "method": "uniform_fp4"}))
+        assert fp4["fp4_fraction"] == 1.0 and fp4["val_bf16"] != whole["val_bf16"]
+        steps = [json.loads(line)["step"] for line in
+                 (tmp_path / "runs" / fp4["name"] / "metrics.jsonl").read_text().splitlines()]
+        assert min(s for s in steps if s) == 4  # it trained only the steps after the prefix
+    finally:
+        torch.set_num_threads(threads)
