@@ -650,6 +650,10 @@ def main(argv=None) -> None:
     args.lambdas = [float(x) for x in args.lambdas.split(",")]
     args.long_precisions = [Precision.parse(p) for p in args.long_precisions.split(",") if p]
     args.eval_sets = [n for n in args.eval_sets.split(",") if n]
+    if args.long_from and not args.rescore:
+        ap.error("--long-from joins long-horizon orders into a saved run: it needs --rescore FILE")
+    if not 0 <= args.long_skip < args.long_orders:
+        ap.error(f"--long-skip {args.long_skip} must leave at least one of the {args.long_orders} orders")
     if args.rescore:
         return rescore(args)
     if args.remeasure:
@@ -722,6 +726,8 @@ def rescore(args) -> None:
         r.update(predictions(load_stats(keys, r["stats"], r.get("stats_fields")), args.lambdas, r.get("m_ew")))
         r["extra_pred"] = [predictions(load_stats(keys, a, r.get("stats_fields")), args.lambdas)["pred"]
                            for a in r.get("extra_stats", [])]
+    if args.out:  # e.g. the run with the long-horizon orders of --long-from joined in
+        Path(args.out).write_text(json.dumps(saved))
     print(f"rescored {args.rescore} with the current estimator ({EstimateConfig()})")
     report([str(k) for k in keys], results, args)
 

@@ -157,3 +157,10 @@ def test_merge_long_refuses_other_data_or_the_same_order_twice(fidelity):
     with pytest.raises(SystemExit, match=r"orders \[1\] are in both runs"):
         fidelity.merge_long(_long_run([0, 1], [3.1, 3.2], float),
                             _long_run([1, 2], [3.1, 3.2, 3.3], float), "extra.json")
+
+
+def test_long_from_and_long_skip_are_checked(fidelity):
+    with pytest.raises(SystemExit):
+        fidelity.main(["--long-from", "other.json"])  # without --rescore it would be ignored
+    with pytest.raises(SystemExit):
+        fidelity.main(["--long-orders", "2", "--long-skip", "2"])
