@@ -12,6 +12,11 @@ and run once per seed.
     python bench/quality.py           # main format (NVFP4): budgets 50/75/80/90, every method, 3 seeds;
                                       # the other format (MXFP4): budget 75, every method
 
+`--prefix-steps N` trains the first N steps of each seed once, in BF16, checkpoints them, and
+continues every method from that checkpoint (SNIP applied to a pretrained checkpoint, the paper's
+setting): the methods then differ only in the steps after N, at a lower loss where FP4 matters
+more, and BF16 shares the prefix too, so each gap is the cost of the quantized steps alone.
+
 Each finished run is appended to <run-dir>/results.jsonl; `--resume` skips the runs found there
 (same settings), so an interrupted benchmark continues where it stopped.
 
