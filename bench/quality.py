@@ -37,6 +37,7 @@ import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -506,8 +507,9 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     if todo and args.prefix_steps:
         prefixes = list({s.seed: s for s in todo}.values())  # one per seed that still has runs
-        with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
-            for r in pool.imap_unordered(train_prefix, prefixes):
+        # Not a Pool: its workers are daemonic, and Megatron's checkpoint save starts a process.
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            for r in pool.map(train_prefix, prefixes):
                 print(f"prefix {r['prefix']}: " + ("reused" if r["reused"] else
                       f"val {r['val_loss']:.4f}, {r['seconds']:.0f} s"), flush=True)
                 args.prefix_seconds = getattr(args, "prefix_seconds", 0.0) + r["seconds"]
