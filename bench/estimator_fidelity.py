@@ -744,11 +744,13 @@ def merge_long(r: dict, extra: dict, name: str) -> None:
         if o >= len(extra["long_base"]) or extra["long_base"][o] != r["long_base"][o]:
             raise SystemExit(f"--long-from {name}: order {o}'s BF16 continuation differs from the "
                              f"first run's, so its data orders are not the same stream")
-    for p, rows in extra["long"].items():
-        r["long"][p] = [a + b for a, b in zip(r["long"][p], rows)]
-    for set_name, v in (r.get("other_sets") or {}).items():
-        for p, rows in extra["other_sets"][set_name]["long"].items():
-            v["long"][p] = [a + b for a, b in zip(v["long"][p], rows)]
+    pairs = [(r, extra)] + [(v, extra["other_sets"][n]) for n, v in (r.get("other_sets") or {}).items()]
+    for into, add in pairs:  # the primary evaluation set, then every other one
+        if set(into["long"]) != set(add["long"]) or any(
+                len(into["long"][p]) != len(add["long"][p]) for p in into["long"]):
+            raise SystemExit(f"--long-from {name}: other precisions or layers than the first run's")
+        for p, rows in add["long"].items():
+            into["long"][p] = [a + b for a, b in zip(into["long"][p], rows)]
     r["long_orders"] = have + new
     r["long_base"] = extra["long_base"]
 

@@ -129,16 +129,21 @@ def train_config(spec: RunSpec, **overrides):
     return TrainConfig(**settings)
 
 
-def train_prefix(spec: RunSpec) -> dict:
-    """Train this seed's shared prefix in BF16 (in this fresh process) and checkpoint it; a prefix
-    already checkpointed is kept. Every method of the seed then continues from it, as every run
-    would have trained these steps alike (the same initial plan, data and seed)."""
+def _worker_process() -> None:
+    """Set up a fresh benchmark process: quiet, one thread (runs go in parallel processes)."""
     import warnings
 
     warnings.filterwarnings("ignore")
     import torch
 
     torch.set_num_threads(1)
+
+
+def train_prefix(spec: RunSpec) -> dict:
+    """Train this seed's shared prefix in BF16 (in this fresh process) and checkpoint it; a prefix
+    already checkpointed is kept. Every method of the seed then continues from it, as every run
+    would have trained these steps alike (the same initial plan, data and seed)."""
+    _worker_process()
     from snip_megatron.train import checkpoint
     from snip_megatron.train.loop import Trainer
 
@@ -148,7 +153,7 @@ def train_prefix(spec: RunSpec) -> dict:
         return {"prefix": str(spec.prefix_dir), "seconds": 0.0, "reused": True}
     except checkpoint.CheckpointError:
         pass  # none yet, or an unfinished one: train it
-    trainer = Trainer(train_config(spec, load_dir=None, load_step=None, eval_interval=None, precision="bf16"))
+    trainer = Trainer(train_config(spec, load_dir=None, load_step=None, eval_interval=None))  # BF16
     while trainer.step < spec.prefix_steps:
         trainer.train_step()
     trainer.save(spec.prefix_dir)
@@ -160,12 +165,7 @@ def train_prefix(spec: RunSpec) -> dict:
 
 def run_one(spec: RunSpec) -> dict:
     """One training run in this (fresh) process; returns its figures."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import torch
-
-    torch.set_num_threads(1)
+    _worker_process()
     from snip_megatron.controller import SnipController
     from snip_megatron.formats.precision import Precision
     from snip_megatron.plan import Plan
@@ -512,7 +512,6 @@ def main(argv=None) -> None:
             for r in pool.map(train_prefix, prefixes):
                 print(f"prefix {r['prefix']}: " + ("reused" if r["reused"] else
                       f"val {r['val_loss']:.4f}, {r['seconds']:.0f} s"), flush=True)
-                args.prefix_seconds = getattr(args, "prefix_seconds", 0.0) + r["seconds"]
     if todo:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, log_path.open("a") as log:

@@ -164,3 +164,14 @@ def test_long_from_and_long_skip_are_checked(fidelity):
         fidelity.main(["--long-from", "other.json"])  # without --rescore it would be ignored
     with pytest.raises(SystemExit):
         fidelity.main(["--long-orders", "2", "--long-skip", "2"])
+
+
+def test_merge_long_refuses_other_layers_or_precisions(fidelity):
+    extra = _long_run([2, 3], [3.1, 3.2, 3.3, 3.4], float)
+    extra["long"]["fp4"] = extra["long"]["fp4"][:2]  # a model with fewer layers
+    with pytest.raises(SystemExit, match="other precisions or layers"):
+        fidelity.merge_long(_long_run([0, 1], [3.1, 3.2], float), extra, "extra.json")
+    extra = _long_run([2, 3], [3.1, 3.2, 3.3, 3.4], float)
+    extra["long"]["fp8"] = extra["long"]["fp4"]
+    with pytest.raises(SystemExit, match="other precisions or layers"):
+        fidelity.merge_long(_long_run([0, 1], [3.1, 3.2], float), extra, "extra.json")
