@@ -8,14 +8,16 @@ leave less than the budget are relaxed (SnipConfig.baseline_relax: the kept line
 so every method runs at the same FP4 budget. BF16 and uniform FP8 do not depend on the FP4 format
 and run once per seed.
 
-    python bench/quality.py --quick   # main format, budgets 75/80, 3 heuristics, 2 seeds (~15 min)
+    python bench/quality.py --quick   # main format, budgets 75/80, 3 heuristics, 2 seeds (~10 min)
     python bench/quality.py           # main format (NVFP4): budgets 50/75/80/90, every method, 3 seeds;
-                                      # the other format (MXFP4): budget 75, every method
+                                      # the other format (MXFP4): budget 75, every method (~2 h)
 
-`--prefix-steps N` trains the first N steps of each seed once, in BF16, checkpoints them, and
-continues every method from that checkpoint (SNIP applied to a pretrained checkpoint, the paper's
-setting): the methods then differ only in the steps after N, at a lower loss where FP4 matters
-more, and BF16 shares the prefix too, so each gap is the cost of the quantized steps alone.
+Every seed trains its first `--prefix-steps` (default 400 of 700) once, in BF16, checkpoints them,
+and every method continues from that checkpoint (SNIP applied to a pretrained checkpoint, the
+paper's setting): the methods then differ only in the steps after it, and BF16 shares the prefix
+too, so each gap is the cost of the quantized steps alone, not the trajectory noise of runs that
+differ from step 0. `--prefix-steps 0` trains every method from step 0 (all FP8 until the
+warm-up measurement at 20% of the run).
 
 Each finished run is appended to <run-dir>/results.jsonl; `--resume` skips the runs found there
 (same settings), so an interrupted benchmark continues where it stopped.
@@ -48,6 +50,9 @@ HEURISTICS = ("first_last_k", "last_fraction", "layer_type", "min_rel_error", "r
 QUICK_HEURISTICS = ("first_last_k", "last_fraction", "min_rel_error")
 SNIP_METHODS = ("snip_once", "snip_periodic")
 FORMAT_FREE = ("bf16", "uniform_fp8")  # never touch the FP4 format: one run per seed serves every format
+# Defaults sized to about 2 hours on 2 CPU cores (quick: about 10 minutes): every method continues a
+# 400-step BF16 prefix for 300 quantized steps (quick: 120), mid-way down the cosine schedule.
+STEPS, QUICK_STEPS, PREFIX_STEPS = 700, 520, 400
 
 
 def at_root(path: str) -> Path:
@@ -390,7 +395,10 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
            f"{args.jobs} at a time (this report was made from the results log)." if args.report_only else
            f"wall time {wall / 60:.1f} min, {process_minutes(results):.0f} process-minutes in "
            f"{len(results)} runs"
-           + (f" ({args.resumed} of them from an interrupted earlier invocation)." if getattr(args, 'resumed', 0) else ".")),
+           + (f" and {args.prefix_seconds / 60:.0f} training the shared prefixes"
+              if getattr(args, "prefix_seconds", 0) else "")
+           + (f" ({args.resumed} of the runs from an interrupted earlier invocation)."
+              if getattr(args, "resumed", 0) else ".")),
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
         f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; "
         f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; "
@@ -456,10 +464,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run nothing: report the runs in the results log (an unfinished benchmark says so)")
     p.add_argument("--log", default=None, help="results log (JSONL; default <run-dir>/results.jsonl)")
     p.add_argument("--seeds", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="steps of every run, the prefix included")
-    p.add_argument("--prefix-steps", type=int, default=0,
+    p.add_argument("--steps", type=int, default=None, help="steps of every run, the prefix included (default 700; quick: 520)")
+    p.add_argument("--prefix-steps", type=int, default=None,
                    help="train the first N steps once per seed in BF16 and continue every method from that "
-                        "checkpoint (the paper's setting: SNIP applied to a pretrained checkpoint); 0: none")
+                        "checkpoint (the paper's setting: SNIP applied to a pretrained checkpoint; default 400); "
+                        "0: none, every method trains from step 0")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--ffn", type=int, default=352)
@@ -480,9 +489,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.budgets = [float(b) for b in (args.budgets or ("0.75,0.8" if args.quick else "0.5,0.75,0.8,0.9")).split(",")]
     args.other_budgets = [float(b) for b in args.other_budgets.split(",")]
     args.seeds = args.seeds or (2 if args.quick else 3)
-    args.steps = args.steps or (120 if args.quick else 260)
+    args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    args.prefix_steps = PREFIX_STEPS if args.prefix_steps is None else args.prefix_steps
     if not 0 <= args.prefix_steps < args.steps - 1:
-        p.error(f"--prefix-steps {args.prefix_steps} must leave at least 2 of the {args.steps} steps")
+        p.error(f"--prefix-steps {args.prefix_steps} must leave at least 2 of the {args.steps} steps "
+                f"(pass a smaller --prefix-steps, or 0 for none)")
     return args
 
 
@@ -505,11 +516,13 @@ def main(argv=None) -> None:
     args.missing = [s.name for s in specs if s.name not in done] if args.report_only else []
     print(f"{len(specs)} runs ({len(results)} already done), {args.jobs} at a time", flush=True)
     start = time.perf_counter()
+    args.prefix_seconds = 0.0
     if todo and args.prefix_steps:
         prefixes = list({s.seed: s for s in todo}.values())  # one per seed that still has runs
         # Not a Pool: its workers are daemonic, and Megatron's checkpoint save starts a process.
         with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
             for r in pool.map(train_prefix, prefixes):
+                args.prefix_seconds += r["seconds"]
                 print(f"prefix {r['prefix']}: " + ("reused" if r["reused"] else
                       f"val {r['val_loss']:.4f}, {r['seconds']:.0f} s"), flush=True)
     if todo:

@@ -1,6 +1,6 @@
 """bench/quality.py on a GPU: the same methods, budgets, seeds and report, on a larger model.
 
-    python bench/gpu/quality_gpu.py            # 12 layers, hidden 512, 1000 steps, 8 runs at a time
+    python bench/gpu/quality_gpu.py            # 12 layers, hidden 512, 1000 steps (500 shared), 8 runs at a time
     python bench/gpu/quality_gpu.py --quick    # budgets 75/80, the best heuristics, 2 seeds
     python bench/gpu/quality_gpu.py --steps 3000 --jobs 12   # any bench/quality.py flag overrides
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 # Multiples of 128 everywhere: FP8 blocks and FP4 blocks never straddle a tensor-parallel shard.
 GPU_DEFAULTS = [
     "--layers", "12", "--hidden", "512", "--ffn", "1408", "--heads", "8", "--groups", "4",
-    "--seq", "256", "--vocab", "8192", "--micro-batch-size", "16", "--steps", "1000",
+    "--seq", "256", "--vocab", "8192", "--micro-batch-size", "16", "--steps", "1000", "--prefix-steps", "500",
     "--max-bytes", "30000000", "--jobs", "8",
     "--run-dir", "runs/quality_gpu", "--out", str(ROOT / "docs" / "results_gpu.md"),
 ]
@@ -33,7 +33,7 @@ GPU_DEFAULTS = [
 def gpu_argv(argv: list[str]) -> list[str]:
     """The GPU defaults, then the user's flags (argparse keeps the last value of a repeated flag)."""
     if "--quick" in argv and "--steps" not in argv:
-        return GPU_DEFAULTS[:] + ["--steps", "400"] + argv
+        return GPU_DEFAULTS[:] + ["--steps", "400", "--prefix-steps", "200"] + argv
     return GPU_DEFAULTS[:] + argv
 
 

@@ -28,15 +28,16 @@ def test_full_run_shares_format_free_runs_and_gives_every_method_each_budget(qua
     names = [s.name for s in specs]
     assert len(names) == len(set(names))
     main, other = args.formats
-    assert (main, other) == ("nvfp4", "mxfp4") and args.steps == 260
+    assert (main, other) == ("nvfp4", "mxfp4") and (args.steps, args.prefix_steps) == (700, 400)
     for seed in range(3):
+        p = f"_from400_s{seed}"
         # BF16 and uniform FP8 once per seed (filed under the main format), uniform FP4 per format.
-        assert f"{main}_bf16_s{seed}" in names and f"{other}_bf16_s{seed}" not in names
-        assert f"{main}_uniform_fp8_s{seed}" in names and f"{other}_uniform_fp8_s{seed}" not in names
-        assert f"{main}_uniform_fp4_s{seed}" in names and f"{other}_uniform_fp4_s{seed}" in names
+        assert f"{main}_bf16{p}" in names and f"{other}_bf16{p}" not in names
+        assert f"{main}_uniform_fp8{p}" in names and f"{other}_uniform_fp8{p}" not in names
+        assert f"{main}_uniform_fp4{p}" in names and f"{other}_uniform_fp4{p}" in names
         for method in quality.HEURISTICS + quality.SNIP_METHODS:
-            assert all(f"{main}_{method}_{b}_s{seed}" in names for b in (50, 75, 80, 90))
-            assert f"{other}_{method}_75_s{seed}" in names and f"{other}_{method}_80_s{seed}" not in names
+            assert all(f"{main}_{method}_{b}{p}" in names for b in (50, 75, 80, 90))
+            assert f"{other}_{method}_75{p}" in names and f"{other}_{method}_80{p}" not in names
     assert len(specs) == 3 * (3 + 4 * 7) + 3 * (1 + 7)
 
 
@@ -105,10 +106,15 @@ def test_shared_prefix_runs_continue_from_one_checkpoint_per_seed(quality):
     assert quality.snip_config(snip).warmup_steps(160) == 101
     other = quality.RunSpec(**{**asdict(snip), "micro_batch_size": 8})
     assert other.prefix_dir != snip.prefix_dir  # another prefix for other training settings
-    plain = quality.build_specs(quality.parse_args(["--quick"]))
+    plain = quality.build_specs(quality.parse_args(["--quick", "--steps", "120", "--prefix-steps", "0"]))
     assert {s.prefix_steps for s in plain} == {0} and "_from" not in plain[0].name
+    assert {s.warmup for s in plain} == {24}  # without a prefix: all FP8 until 20% of the run
+    quick = quality.parse_args(["--quick"])
+    assert (quick.steps, quick.prefix_steps) == (520, 400)  # the quick default shares a prefix too
     with pytest.raises(SystemExit):
         quality.parse_args(["--steps", "100", "--prefix-steps", "99"])
+    with pytest.raises(SystemExit):  # the default prefix does not fit in 300 steps: said, not shrunk
+        quality.parse_args(["--steps", "300"])
 
 
 def test_a_run_from_the_shared_prefix_equals_the_uninterrupted_run(quality, tmp_path):

@@ -33,7 +33,8 @@ def test_gpu_defaults_and_overrides(modules):
     assert (args.layers, args.hidden, args.heads, args.groups, args.steps, args.jobs) == (12, 512, 8, 4, 1000, 8)
     assert args.out.endswith("results_gpu.md") and args.argv[:2] == ["--layers", "12"]
     assert quality.parse_args(gpu.gpu_argv(["--steps", "3000", "--jobs", "2"])).steps == 3000
-    assert quality.parse_args(gpu.gpu_argv(["--quick"])).steps == 400
+    quick = quality.parse_args(gpu.gpu_argv(["--quick"]))
+    assert (quick.steps, quick.prefix_steps) == (400, 200) and args.prefix_steps == 500
 
 
 def test_gpu_model_is_a_valid_layout_with_whole_quantization_blocks(modules):
