@@ -396,9 +396,9 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
            f"wall time {wall / 60:.1f} min, {process_minutes(results):.0f} process-minutes in "
            f"{len(results)} runs"
            + (f" and {args.prefix_seconds / 60:.0f} training the shared prefixes"
-              if getattr(args, "prefix_seconds", 0) else "")
+              if args.prefix_seconds else "")
            + (f" ({args.resumed} of the runs from an interrupted earlier invocation)."
-              if getattr(args, "resumed", 0) else ".")),
+              if args.resumed else ".")),
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
         f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; "
         f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; "
