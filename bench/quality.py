@@ -19,8 +19,11 @@ too, so each gap is the cost of the quantized steps alone, not the trajectory no
 differ from step 0. `--prefix-steps 0` trains every method from step 0 (all FP8 until the
 warm-up measurement at 20% of the run).
 
-Each finished run is appended to <run-dir>/results.jsonl; `--resume` skips the runs found there
-(same settings), so an interrupted benchmark continues where it stopped.
+Each finished run is appended to <run-dir>/results.jsonl, and each invocation that ran something
+adds a record of its wall time; `--resume` skips the runs found there (same settings), so an
+interrupted benchmark continues where it stopped, and `--report-only` rewrites the report from the
+log. `--methods` runs a subset (e.g. `--methods snip_once,snip_periodic --seeds 8` for more seeds of
+one comparison; BF16 always runs, every gap is taken to it).
 
 Writes docs/results.md (tables, loss curves, the SNIP plan heat map, the command, machine, wall
 time) and ends with
@@ -53,6 +56,7 @@ FORMAT_FREE = ("bf16", "uniform_fp8")  # never touch the FP4 format: one run per
 # Defaults sized to about 2 hours on 2 CPU cores (quick: about 10 minutes): every method continues a
 # 400-step BF16 prefix for 300 quantized steps (quick: 120), mid-way down the cosine schedule.
 STEPS, QUICK_STEPS, PREFIX_STEPS = 700, 520, 400
+METHODS = FORMAT_FREE + ("uniform_fp4",) + HEURISTICS + SNIP_METHODS
 
 
 def at_root(path: str) -> Path:
@@ -214,11 +218,28 @@ def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
             r = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut off by an interrupted write
-        if isinstance(r.get("spec"), dict):
-            r["spec"].setdefault("prefix_steps", 0)  # logs written before the shared prefix existed
-        if wanted.get(r.get("name")) == r.get("spec"):
+        if not isinstance(r.get("spec"), dict):
+            continue  # an invocation record (load_invocations)
+        r["spec"].setdefault("prefix_steps", 0)  # logs written before the shared prefix existed
+        if wanted.get(r.get("name")) == r["spec"]:
             finished[r["name"]] = r
     return list(finished.values())
+
+
+def load_invocations(path: Path) -> list[dict]:
+    """The invocation records of a results log: one per invocation that ran something, with its
+    arguments, wall time and prefix time (runs overlap in wall time, so it is not their sum)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(r, dict) and isinstance(r.get("invocation"), dict):
+            out.append(r["invocation"])
+    return out
 
 
 def _with_eval_batches(config, n):
@@ -237,6 +258,20 @@ def warmup_of(args) -> int:
     return args.prefix_steps + 1 if args.prefix_steps else max(1, round(0.2 * args.steps))
 
 
+def heuristics_of(args) -> tuple[str, ...]:
+    """The fixed rules this invocation runs (--quick: the best three; --methods: those named)."""
+    rules = QUICK_HEURISTICS if args.quick else HEURISTICS
+    return rules if args.methods is None else tuple(m for m in HEURISTICS if m in args.methods)
+
+
+def budget_methods(args) -> tuple[str, ...]:
+    """The methods run at each FP4 budget: the rules, then SNIP (--quick: periodic only)."""
+    snip = ("snip_periodic",) if args.quick else SNIP_METHODS
+    if args.methods is not None:
+        snip = tuple(m for m in SNIP_METHODS if m in args.methods)
+    return heuristics_of(args) + snip
+
+
 def build_specs(args) -> list[RunSpec]:
     model = dict(name="quality", num_layers=args.layers, hidden_size=args.hidden,
                  ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.groups,
@@ -244,8 +279,7 @@ def build_specs(args) -> list[RunSpec]:
     common = dict(steps=args.steps, warmup=warmup_of(args), model=model, data_cache=args.data_cache,
                   max_bytes=args.max_bytes, micro_batch_size=args.micro_batch_size,
                   run_dir=args.run_dir, prefix_steps=args.prefix_steps)
-    heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
-    methods = heuristics + (("snip_periodic",) if args.quick else SNIP_METHODS)
+    methods = budget_methods(args)
     main = args.formats[0]
     specs = []
     for fmt in args.formats:
@@ -253,7 +287,8 @@ def build_specs(args) -> list[RunSpec]:
         for seed in range(args.seeds):
             shared = FORMAT_FREE if fmt == main else ()  # filed under the main format
             for method in shared + ("uniform_fp4",):
-                specs.append(RunSpec(method=method, budget=None, seed=seed, fp4_recipe=fmt, **common))
+                if method == "bf16" or args.methods is None or method in args.methods:
+                    specs.append(RunSpec(method=method, budget=None, seed=seed, fp4_recipe=fmt, **common))
             for budget in budgets:
                 for method in methods:
                     specs.append(RunSpec(method=method, budget=budget, seed=seed, fp4_recipe=fmt, **common))
@@ -318,21 +353,21 @@ def result_line(summary: dict, heuristics) -> str:
         best = min((gap(h, b) for h in heuristics if (h, b) in rows), default=math.nan)
         recipe = min((gap(h, b) for h in ("last_fraction", "min_rel_error") if (h, b) in rows),
                      default=math.nan)
-        parts += [f"snip_gap_{tag}={gap('snip_periodic', b):.4f}", f"best_baseline_gap_{tag}={best:.4f}",
-                  f"recipe_gap_{tag}={recipe:.4f}"]
-    parts += [f"uniform_fp4_gap={gap('uniform_fp4', None):.4f}", f"noise={summary['noise']:.4f}"]
+        parts += [f"snip_gap_{tag}={gap('snip_periodic', b):.5f}", f"best_baseline_gap_{tag}={best:.5f}",
+                  f"recipe_gap_{tag}={recipe:.5f}"]
+    parts += [f"uniform_fp4_gap={gap('uniform_fp4', None):.5f}", f"noise={summary['noise']:.5f}"]
     return "RESULT " + " ".join(parts)
 
 
 def format_table(summary: dict) -> str:
-    lines = ["| method | FP4 budget | achieved FP4 | rel. gap to BF16 (mean ± spread) | abs. gap | "
-             "gap, final plan applied | paired diff to SNIP (mean ± spread) | diverged |",
+    lines = ["| method | FP4 budget | achieved FP4 | rel. gap to BF16 (mean ± spread) | abs. gap (nats) | "
+             "rel. gap, final plan applied | rel. gap minus SNIP periodic's, same seed (mean ± spread) | diverged |",
              "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         b = "-" if r["budget"] is None else f"{r['budget']:.0%}"
-        vs = "-" if math.isnan(r["vs_snip_mean"]) else f"{r['vs_snip_mean']:+.4f} ± {r['vs_snip_spread']:.4f}"
-        lines.append(f"| {r['method']} | {b} | {r['fp4']:.1%} | {r['gap_mean']:+.2%} ± {r['gap_spread']:.2%} | "
-                     f"{r['gap_abs_mean']:+.4f} | {r['gap_plan_mean']:+.2%} | {vs} | {r['diverged']}/{r['seeds']} |")
+        vs = "-" if math.isnan(r["vs_snip_mean"]) else f"{r['vs_snip_mean']:+.3%} ± {r['vs_snip_spread']:.3%}"
+        lines.append(f"| {r['method']} | {b} | {r['fp4']:.1%} | {r['gap_mean']:+.3%} ± {r['gap_spread']:.3%} | "
+                     f"{r['gap_abs_mean']:+.5f} | {r['gap_plan_mean']:+.3%} | {vs} | {r['diverged']}/{r['seeds']} |")
     return "\n".join(lines)
 
 
@@ -372,7 +407,23 @@ def draw_curves(results: list[dict], fmt: str, budget: float, out: Path) -> Path
     return out
 
 
-def write_results(path: Path, args, results, summaries, lines, wall: float) -> None:
+def timing_text(args, results: list[dict]) -> str:
+    """Wall time from the log's invocation records (summed when the benchmark was resumed)."""
+    invocations = args.invocations
+    process = f"{process_minutes(results):.0f} process-minutes in {len(results)} runs"
+    if not invocations:
+        return f"{process}, {args.jobs} at a time (no wall time is recorded in the results log)."
+    wall = sum(i["wall_s"] for i in invocations) / 60
+    prefix = sum(i.get("prefix_s", 0.0) for i in invocations) / 60
+    unrecorded = len(results) - sum(i["runs"] for i in invocations)
+    return (f"wall time {wall:.1f} min" + (f" over {len(invocations)} invocations" if len(invocations) > 1 else "")
+            + f", {process}" + (f" and {prefix:.0f} training the shared prefixes" if prefix else "")
+            + (f" ({unrecorded} of the runs from an earlier invocation that recorded no wall time)"
+               if unrecorded > 0 else "")
+            + (". This report was made from the results log." if args.report_only else "."))
+
+
+def write_results(path: Path, args, results, summaries, lines) -> None:
     from snip_megatron.report import draw_heatmap, load_plan_history
 
     docs = path.parent
@@ -391,14 +442,7 @@ def write_results(path: Path, args, results, summaries, lines, wall: float) -> N
         "",
         f"Command: `{' '.join(['python bench/quality.py'] + [a for a in args.argv if a not in ('--report-only', '--resume')])}`  ",
         f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; "
-        + (f"the {len(results)} runs took {process_minutes(results):.0f} process-minutes, "
-           f"{args.jobs} at a time (this report was made from the results log)." if args.report_only else
-           f"wall time {wall / 60:.1f} min, {process_minutes(results):.0f} process-minutes in "
-           f"{len(results)} runs"
-           + (f" and {args.prefix_seconds / 60:.0f} training the shared prefixes"
-              if args.prefix_seconds else "")
-           + (f" ({args.resumed} of the runs from an interrupted earlier invocation)."
-              if args.resumed else ".")),
+        + timing_text(args, results),
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
         f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; "
         f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; "
@@ -459,6 +503,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list, main format first (default nvfp4,mxfp4; quick: nvfp4)")
     p.add_argument("--budgets", default=None, help="FP4 fractions for the main format (default 0.5,0.75,0.8,0.9)")
     p.add_argument("--other-budgets", default="0.75", help="FP4 fractions for the other formats")
+    p.add_argument("--methods", default=None,
+                   help="comma list: run only these methods (BF16 always runs: every gap is taken to it); "
+                        f"any of {', '.join(METHODS)}")
     p.add_argument("--resume", action="store_true", help="skip runs already in the results log")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report the runs in the results log (an unfinished benchmark says so)")
@@ -491,6 +538,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seeds = args.seeds or (2 if args.quick else 3)
     args.steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     args.prefix_steps = PREFIX_STEPS if args.prefix_steps is None else args.prefix_steps
+    if args.methods is not None:
+        args.methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+        unknown = [m for m in args.methods if m not in METHODS]
+        if unknown or not args.methods:
+            p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
     if not 0 <= args.prefix_steps < args.steps - 1:
         p.error(f"--prefix-steps {args.prefix_steps} must leave at least 2 of the {args.steps} steps "
                 f"(pass a smaller --prefix-steps, or 0 for none)")
@@ -499,7 +551,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    heuristics = QUICK_HEURISTICS if args.quick else HEURISTICS
+    heuristics = heuristics_of(args)
 
     # Tokenize once, before the workers start (they would race on the cache otherwise).
     from snip_megatron.data.prepare import DataConfig, prepare
@@ -536,12 +588,17 @@ def main(argv=None) -> None:
                       f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
     wall = time.perf_counter() - start
     args.resumed = len(done)
+    if todo:
+        with log_path.open("a") as log:
+            log.write(json.dumps({"invocation": {"argv": args.argv, "wall_s": wall, "prefix_s": args.prefix_seconds,
+                                                 "runs": len(todo)}}) + "\n")
+    args.invocations = load_invocations(log_path)
     summaries, lines = {}, {}
     for fmt in args.formats:
         summaries[fmt] = summarize(results, fmt, budgets_of(args, fmt), heuristics)
         lines[fmt] = result_line(summaries[fmt], heuristics)
         print(f"\n## {fmt}\n{format_table(summaries[fmt])}\n{lines[fmt]}")
-    write_results(Path(args.out), args, results, summaries, lines, wall)
+    write_results(Path(args.out), args, results, summaries, lines)
     print(f"wrote {args.out}; wall time {wall / 60:.1f} min, "
         f"{process_minutes(results):.0f} process-minutes in {len(results)} runs")
     print(lines[args.formats[0]])

@@ -87,9 +87,51 @@ def test_summary_gaps_are_paired_by_seed_and_shared_runs_serve_every_format(qual
     assert lf["vs_snip_mean"] == pytest.approx(0.015) and lf["vs_snip_spread"] == pytest.approx(0.005)
     assert summary["noise"] == pytest.approx(0.5 / 4.5)
     line = quality.result_line(summary, ("last_fraction",))
-    assert "snip_gap_75=0.0200" in line and "best_baseline_gap_75=0.0350" in line
-    assert "uniform_fp4_gap=0.0400" in line and "snip_gap_80=nan" in line
+    assert "snip_gap_75=0.02000" in line and "best_baseline_gap_75=0.03500" in line
+    assert "uniform_fp4_gap=0.04000" in line and "snip_gap_80=nan" in line
     assert not math.isnan(summary["noise"])
+    row = next(r for r in quality.format_table(summary).splitlines() if r.startswith("| last_fraction |"))
+    # every relative figure in percent, the paired difference included (not a bare fraction)
+    assert "| +3.500% ± 0.500% | +0.16000 | +3.500% | +1.500% ± 0.500% | 0/2 |" in row
+
+
+def test_methods_selects_a_subset_and_bf16_always_runs(quality):
+    args = quality.parse_args(["--methods", "snip_once,snip_periodic", "--seeds", "5", "--budgets", "0.8",
+                               "--formats", "nvfp4"])
+    specs = quality.build_specs(args)
+    assert {(s.method, s.budget) for s in specs} == {("bf16", None), ("snip_once", 0.8), ("snip_periodic", 0.8)}
+    assert sorted({s.seed for s in specs}) == list(range(5)) and len(specs) == 15
+    assert quality.heuristics_of(args) == ()
+    rules = quality.parse_args(["--quick", "--methods", "random,uniform_fp4"])
+    assert quality.budget_methods(rules) == ("random",)
+    assert {s.method for s in quality.build_specs(rules)} == {"bf16", "uniform_fp4", "random"}
+    for bad in ("snip_twice", ",", "bf16,fp3"):
+        with pytest.raises(SystemExit):
+            quality.parse_args(["--methods", bad])
+
+
+def test_the_log_records_each_invocations_wall_time_and_the_report_sums_them(quality, tmp_path):
+    a = quality.RunSpec(method="bf16", budget=None, seed=0, fp4_recipe="nvfp4", steps=10, warmup=2, model={},
+                        data_cache="", max_bytes=1, micro_batch_size=1, run_dir="")
+    log = tmp_path / "results.jsonl"
+    run = {"name": a.name, "spec": asdict(a), "val_bf16": 1.0, "seconds": 120.0}
+    log.write_text("\n".join(json.dumps(x) for x in [
+        run, {"invocation": {"argv": [], "wall_s": 600.0, "prefix_s": 60.0, "runs": 1}},
+        {"invocation": {"argv": ["--resume"], "wall_s": 300.0, "prefix_s": 0.0, "runs": 0}}]) + "\n")
+    assert [r["name"] for r in quality.load_finished(log, [a])] == [a.name]  # records are not runs
+    invocations = quality.load_invocations(log)
+    assert [i["wall_s"] for i in invocations] == [600.0, 300.0]
+    args = quality.parse_args(["--report-only"])
+    args.invocations = invocations
+    text = quality.timing_text(args, [run])
+    assert text.startswith("wall time 15.0 min over 2 invocations, 2 process-minutes in 1 runs and 1 training")
+    assert "from the results log" in text
+    args.invocations = invocations[:1] + [{"wall_s": 60.0, "runs": 0}]
+    assert "earlier invocation" not in quality.timing_text(args, [run])
+    args.invocations = []
+    assert "no wall time" in quality.timing_text(args, [run])
+    args.invocations = [{"wall_s": 60.0, "runs": 0}]
+    assert "1 of the runs from an earlier invocation that recorded no wall time" in quality.timing_text(args, [run])
 
 
 def test_shared_prefix_runs_continue_from_one_checkpoint_per_seed(quality):
