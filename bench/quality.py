@@ -599,8 +599,7 @@ def main(argv=None) -> None:
         lines[fmt] = result_line(summaries[fmt], heuristics)
         print(f"\n## {fmt}\n{format_table(summaries[fmt])}\n{lines[fmt]}")
     write_results(Path(args.out), args, results, summaries, lines)
-    print(f"wrote {args.out}; wall time {wall / 60:.1f} min, "
-        f"{process_minutes(results):.0f} process-minutes in {len(results)} runs")
+    print(f"wrote {args.out}; {timing_text(args, results)}")
     print(lines[args.formats[0]])
 
 
