@@ -205,19 +205,27 @@ def run_one(spec: RunSpec) -> dict:
             "seconds": time.perf_counter() - start, "run_dir": str(Path(spec.run_dir) / spec.name)}
 
 
-def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
-    """The runs of `specs` already in the results log (a run counts only with identical settings)."""
+def read_log(path: Path) -> list[dict]:
+    """The records of a results log (runs and invocation records), skipping a line cut off by an
+    interrupted write; an absent log has none."""
     if not path.exists():
         return []
-    wanted = {s.name: asdict(s) for s in specs}
-    finished = {}
+    records = []
     for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
         try:
             r = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut off by an interrupted write
+            continue
+        if isinstance(r, dict):
+            records.append(r)
+    return records
+
+
+def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
+    """The runs of `specs` already in the results log (a run counts only with identical settings)."""
+    wanted = {s.name: asdict(s) for s in specs}
+    finished = {}
+    for r in read_log(path):
         if not isinstance(r.get("spec"), dict):
             continue  # an invocation record (load_invocations)
         r["spec"].setdefault("prefix_steps", 0)  # logs written before the shared prefix existed
@@ -229,17 +237,7 @@ def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
 def load_invocations(path: Path) -> list[dict]:
     """The invocation records of a results log: one per invocation that ran something, with its
     arguments, wall time and prefix time (runs overlap in wall time, so it is not their sum)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(r, dict) and isinstance(r.get("invocation"), dict):
-            out.append(r["invocation"])
-    return out
+    return [r["invocation"] for r in read_log(path) if isinstance(r.get("invocation"), dict)]
 
 
 def _with_eval_batches(config, n):
@@ -587,7 +585,6 @@ def main(argv=None) -> None:
                 print(f"[{len(results)}/{len(specs)}] {r['name']}: val(bf16) {r['val_bf16']:.4f} "
                       f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
     wall = time.perf_counter() - start
-    args.resumed = len(done)
     if todo:
         with log_path.open("a") as log:
             log.write(json.dumps({"invocation": {"argv": args.argv, "wall_s": wall, "prefix_s": args.prefix_seconds,
