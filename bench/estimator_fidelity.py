@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from snip_megatron.estimate import EstimateConfig, cost_table, proxy_table
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.plan import LayerKey
 
 FP8, FP4, BF16 = Precision.FP8, Precision.FP4, Precision.BF16
@@ -97,7 +97,7 @@ class Harness:
         self.evals = {name: self.eval_batches(name) for name in args.eval_sets}
         from snip_megatron.stats.quant_error import formats_error_fn
 
-        self.err = formats_error_fn("blockwise", args.fp4_recipe)  # E = Q(T) - T per precision and role
+        self.err = formats_error_fn(Formats(fp4_recipe=args.fp4_recipe))  # E = Q(T) - T per precision and role
 
     def eval_batches(self, name: str) -> list:
         """`--val-batches` micro-batches of an evaluation set: "iid", sequences of the training
@@ -122,7 +122,7 @@ class Harness:
     def set_only(self, key=None, precision=BF16, *, backward_only=False, sr_seed=0):
         for k, m in self.linears:
             p = precision if k == key else BF16
-            m.set_precision(p, fp8_recipe="blockwise", fp4_recipe=self.args.fp4_recipe)
+            m.set_precision(p, Formats(fp4_recipe=self.args.fp4_recipe))
             if k == key and backward_only:
                 m.format_spec = dataclasses.replace(m.format_spec, fprop_input=None, fprop_weight=None)
             m.set_sr_seed(sr_seed * 1000 + 17)
@@ -149,16 +149,16 @@ class Harness:
         (the measured step), then on `--pred-batches` - 1 further steps (the estimator's own batch
         noise), with the predictions from each. Returns the result fields and the measured step."""
         from snip_megatron.config import SnipConfig
-        from snip_megatron.stats import measure, measure_config_from
+        from snip_megatron.stats import measure_step
 
         args, tr = self.args, self.tr
         self.set_only()
-        config = measure_config_from(SnipConfig(fp4_recipe=args.fp4_recipe))
+        config = SnipConfig(fp4_recipe=args.fp4_recipe).measure_config()
         batches, tables, t0 = [], [], time.perf_counter()
         for i in range(max(args.pred_batches, 1)):
             tr.current_batch = tr.reader.take(args.num_mb)
             batches.append(tr.current_batch)
-            tables.append(measure(tr, config=config))
+            tables.append(measure_step(tr, config))
             tr.current_batch = None
             if i == 0:
                 measure_s = time.perf_counter() - t0

@@ -84,14 +84,14 @@ def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None,
 
     from snip_megatron.config import SnipConfig
     from snip_megatron.plan import Plan
-    from snip_megatron.stats import measure, measure_config_from
+    from snip_megatron.stats import measure_step
     from snip_megatron.train.config import TrainConfig
     from snip_megatron.train.loop import Trainer
 
     tr = Trainer(TrainConfig(model="llama_tiny", steps=4 * pairs + 4, micro_batch_size=mbs,
                              global_batch_size=mbs, eval_interval=None, progress=False))
     snip = SnipConfig()
-    config = measure_config_from(snip)  # the controller's measurement
+    config = snip.measure_config()  # the controller's measurement
     if error_token_stride is not None:
         config = dataclasses.replace(config, error_token_stride=error_token_stride)
     if grad_error_token_stride is not None:
@@ -113,7 +113,7 @@ def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None,
         tr.set_plan(plans["initial"])
         tr.current_batch = tr.reader.take(tr.num_microbatches)
         start = time.perf_counter()
-        measure(tr, config=config)
+        measure_step(tr, config)
         m = time.perf_counter() - start
         tr.current_batch = None
         times["measure"].append(m)

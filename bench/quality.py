@@ -104,8 +104,8 @@ def snip_config(spec: RunSpec):
     common = dict(enabled=True, warmup=spec.warmup, lag=1, initial_precision=initial,
                   fp4_recipe=spec.fp4_recipe, seed=spec.seed, solver_time_limit_s=60, baseline_relax=True)
     budget = spec.budget if spec.budget is not None else 1.0
-    if spec.method == "bf16":
-        return SnipConfig(enabled=False)
+    if spec.method == "bf16":  # SNIP off, in the run's formats (the trainer runs them)
+        return SnipConfig(enabled=False, fp4_recipe=spec.fp4_recipe)
     if spec.method in ("uniform_fp8", "uniform_fp4"):
         return SnipConfig(**common, baseline=spec.method, fp4_budget=budget, interval=spec.steps)
     if spec.method in HEURISTICS:
@@ -129,7 +129,7 @@ def train_config(spec: RunSpec, **overrides):
                     lr=3e-3, min_lr=3e-4, seed=spec.seed, eval_interval=max(1, branch // 4),
                     eval_batches=4, progress=False,
                     precision="bf16" if spec.method == "bf16" or spec.prefix_steps else "fp8",
-                    fp4_recipe=spec.fp4_recipe,
+                    formats=snip_config(spec).formats,  # the formats SNIP measures, one value
                     data=DataConfig(corpus="stdlib", vocab_size=shape.vocab_size,
                                     max_bytes=spec.max_bytes, cache_dir=str(at_root(spec.data_cache))))
     if spec.prefix_steps:

@@ -1,7 +1,9 @@
-"""SnipConfig: every knob of the SNIP controller, validated once, shared by CLI flags and recipes.
+"""SnipConfig: every knob of SNIP, validated once; the one owner of SNIP's configuration.
 
-No torch, no Megatron, no Hydra at import: `snip_megatron.megatron.args` builds one from Megatron's
-argparse namespace, the Hydra recipes (`configs/snip/*.yaml`) only pick values of these fields.
+The `--snip*` flags (`snip_megatron.megatron.args`) are generated from these fields and their
+docstrings, the Hydra recipes (`configs/snip/*.yaml`) only pick values of them, and the component
+configs of one run (measurement, estimate, planner, formats) are built here and nowhere else.
+No Megatron and no Hydra at import.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-PRECISIONS = ("bf16", "fp8", "fp4")
-FP8_RECIPES = ("blockwise", "tensorwise", "mxfp8")
-FP4_RECIPES = ("nvfp4", "mxfp4")
-# Fixed-rule planners of `snip_megatron.planner` run instead of the measured SNIP plan.
-BASELINES = ("uniform_bf16", "uniform_fp8", "uniform_fp4", "first_last_k", "last_fraction",
-             "layer_type", "min_rel_error", "random")
+from snip_megatron.formats.precision import FP4_RECIPES, FP8_RECIPES, Formats, Precision
+from snip_megatron.planner.baselines import BASELINES
+
+PRECISIONS = tuple(p.value for p in Precision)
+CHOICES = {"fp8_recipe": FP8_RECIPES, "fp4_recipe": FP4_RECIPES, "initial_precision": PRECISIONS,
+           "baseline": BASELINES, "precisions": PRECISIONS}
+"""The valid values of SnipConfig's choice fields (the flags offer the same lists)."""
 
 
 def _is_int(v) -> bool:
@@ -53,7 +56,7 @@ class SnipConfig:
     pin_plan: bool = False
     """Keep `plan` for the whole run: never measure or re-plan (needs `plan`)."""
     baseline: Optional[str] = None
-    """Run a fixed-rule baseline planner instead of SNIP's measured plan (see BASELINES)."""
+    """Run this fixed-rule baseline planner instead of SNIP's measured plan."""
     baseline_k: int = 1
     """first_last_k baseline: transformer layers kept out of FP4 at each end of the model."""
     baseline_fraction: float = 0.15
@@ -106,14 +109,13 @@ class SnipConfig:
             raise ValueError(f"SnipConfig.warmup={self.warmup!r} is >= 1, so it is a step count and "
                              "must be a whole number (use a value < 1 for a fraction of the run)")
         self.precisions = self._check_precisions(self.precisions)
-        self._check_choice("fp8_recipe", FP8_RECIPES)
-        self._check_choice("fp4_recipe", FP4_RECIPES)
-        self._check_choice("initial_precision", PRECISIONS)
+        for name in ("fp8_recipe", "fp4_recipe", "initial_precision"):
+            self._check_choice(name)
         if self.initial_precision != "bf16" and self.initial_precision not in self.precisions:
             raise ValueError(f"SnipConfig.initial_precision={self.initial_precision!r} is not one of "
                              f"SnipConfig.precisions={self.precisions} (nor bf16)")
         if self.baseline is not None:
-            self._check_choice("baseline", BASELINES)
+            self._check_choice("baseline")
         if self.plan is not None and (not isinstance(self.plan, str) or not self.plan.strip()):
             raise ValueError(f"SnipConfig.plan must be a file path, got {self.plan!r}")
         if self.pin_plan and self.plan is None:
@@ -136,8 +138,8 @@ class SnipConfig:
         if not _is_number(self.loss_guard_factor) or not (self.loss_guard_factor == 0 or self.loss_guard_factor > 1):
             raise ValueError(f"SnipConfig.loss_guard_factor must be 0 (off) or > 1, got {self.loss_guard_factor!r}")
 
-    def _check_choice(self, name: str, valid: tuple[str, ...]) -> None:
-        v = getattr(self, name)
+    def _check_choice(self, name: str) -> None:
+        v, valid = getattr(self, name), CHOICES[name]
         if v not in valid:
             raise ValueError(f"SnipConfig.{name}={v!r} is not valid; choose one of: {', '.join(valid)}")
 
@@ -172,6 +174,32 @@ class SnipConfig:
     def measures(self) -> bool:
         """True when the controller measures and re-plans (not off, not pinned, not a baseline)."""
         return self.enabled and not self.pin_plan and self.baseline is None
+
+    # -- the component configs of a run: built here, nowhere else ---------------------------------
+    @property
+    def formats(self) -> Formats:
+        """The FP8/FP4 formats SNIP measures and the planned linears run."""
+        return Formats(fp8_recipe=self.fp8_recipe, fp4_recipe=self.fp4_recipe)
+
+    def measure_config(self):
+        """The measurement's settings (snip_megatron.stats.MeasureConfig)."""
+        from snip_megatron.stats.config import MeasureConfig
+
+        return MeasureConfig(noise_frac=self.noise_scale, seed=self.seed, formats=self.formats)
+
+    def estimate_config(self):
+        """The cost estimator's settings (snip_megatron.estimate.EstimateConfig)."""
+        from snip_megatron.estimate.config import EstimateConfig
+
+        return EstimateConfig(lam=self.lambda_wd)
+
+    def planner_config(self):
+        """One re-plan's budget and solver settings (snip_megatron.planner.PlannerConfig)."""
+        from snip_megatron.planner.config import PlannerConfig
+
+        return PlannerConfig(rho=self.fp4_budget, allowed=tuple(Precision.parse(p) for p in self.precisions),
+                             per_stage=self.per_stage_budget, switch_penalty=self.switch_penalty,
+                             time_limit_s=self.solver_time_limit_s, gap_rel=self.solver_gap)
 
     def to_dict(self) -> dict:
         """Plain JSON/YAML-ready values (for logs, checkpoints and `--dry-run`)."""

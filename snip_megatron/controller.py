@@ -1,12 +1,11 @@
 """The SNIP controller: measure, estimate, solve and apply precision plans during training.
 
-The loop of DESIGN section 6, as a step hook (`on_step_start`, `on_step_end`, `state_dict`,
-`load_state_dict`) that the compact trainer and the Megatron-LM entry point both call:
+The loop of DESIGN section 6, as a step hook (snip_megatron.hooks) that both training loops call:
 
-- step < first measurement: the initial plan (every planned linear in `initial_precision`, or a
-  saved plan);
+- before the first measurement: the initial plan (`initial_plan`: a saved plan, or every planned
+  linear in `initial_precision`); a resumed run continues with its checkpoint's plan;
 - measurement step t (before the optimizer step of t, on t's batch, on every rank): statistics
-  and the two noise passes, reduced to global rank 0;
+  and the noise pass(es), reduced to global rank 0;
 - rank 0 estimates costs and solves the ILP in a background thread while training goes on;
 - apply step t + lag (at the start of that step): every rank joins one broadcast of the plan
   from rank 0 (rank 0 waits for the solver if needed, up to its time limit) and applies its slice.
@@ -14,15 +13,15 @@ The loop of DESIGN section 6, as a step hook (`on_step_start`, `on_step_end`, `s
 
 Steps that neither measure, apply nor close a loss-guard window issue no collective.
 Failures never stop training: a layer with non-finite statistics keeps its precision; a solver
-that raises, hangs past its limit or finds nothing keeps the previous plan; an error in the
-background thread is reported on the next step; the optional loss guard reverts a plan after
-which the loss rose by more than `loss_guard_factor`.
+that raises, hangs past its limit or finds nothing keeps the previous plan; an exception while
+measuring or applying a plan, on any rank, becomes one rank-agreed decision (one all-reduce of a
+flag) to skip that update and keep the previous plan; the optional loss guard reverts a plan after
+which the loss rose by more than `loss_guard_factor`. What the controller did is written by
+`snip_megatron.report.PlanLog`.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import threading
 import time
@@ -35,13 +34,14 @@ import torch.distributed as dist
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.formats.precision import Precision
+from snip_megatron.hooks import StepContext, StepHook
 from snip_megatron.plan import LayerKey, Plan, all_keys, parse_key
 from snip_megatron.shapes import ModelShape
 
-PLANS_FILE = "snip_plans.jsonl"
 COST_EMA = 0.5
 """Weight of a new measurement in the smoothed cost table (the rest is the previous smoothed
 value): one-batch statistics are noisy, and plans should not flap on that noise."""
+STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -75,17 +75,36 @@ class _Pending:
     reported: bool = False
 
 
-class SnipController:
+def initial_plan(config: SnipConfig, num_layers: int) -> tuple[Plan, str]:
+    """The plan a run starts with, and where it came from (the one place this is decided).
+
+    SNIP off: BF16 everywhere. A saved plan (`config.plan`, pinned or not), checked against the
+    model. Else every planned linear in `initial_precision`. A resumed run replaces it with its
+    checkpoint's plan (`SnipController.load_state_dict`), except a pinned plan, which always wins.
+    """
+    if not config.enabled:
+        return Plan.uniform(num_layers, Precision.BF16), "off"
+    if config.plan:
+        kind = "pinned" if config.pin_plan else "file"
+        return Plan.load(config.plan).check_model(num_layers), f"{kind} {config.plan}"
+    return Plan.uniform(num_layers, config.initial_precision), f"initial {config.initial_precision}"
+
+
+def _collective_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+class SnipController(StepHook):
     """Re-plans the precision of every planned linear during training (see module docstring).
 
-    `measure(trainer, step) -> StatsTable | None` runs the statistics step and the two noise passes
-    on every rank and returns the reduced table on global rank 0 (None elsewhere). `estimate` maps a
-    table to a cost table, `solve` a cost table to a PlanResult, `apply(model_chunks, plan)` applies
-    this rank's slice of a plan. The defaults are SNIP's own; tests inject fakes.
+    `measure(ctx, step) -> StatsTable | None` runs the measurement on every rank and returns the
+    reduced table on global rank 0 (None elsewhere). `estimate` maps a table to a CostEstimate,
+    `solve` a cost table to a PlanResult, `apply(ctx, plan)` applies this rank's slice of a plan
+    (default: `ctx.set_plan`). The defaults are SNIP's own, built from `config`; tests inject fakes.
     """
 
     name = "snip"
-    """Key of the controller's state in the trainer's checkpoints (train.hooks.StepHook)."""
+    """Key of the controller's state in the loop's checkpoints (snip_megatron.hooks.StepHook)."""
 
     def __init__(self, config: SnipConfig, shape: ModelShape, *, total_steps: int,
                  run_dir: str | Path | None = None, tokens_per_step: int | None = None,
@@ -93,63 +112,31 @@ class SnipController:
                  measure: Callable | None = None, estimate: Callable | None = None,
                  solve: Callable | None = None, apply: Callable | None = None):
         from snip_megatron.planner.flops import flop_table
+        from snip_megatron.report import PlanLog
 
         self.config = config
         self.shape = shape
         self.keys = all_keys(shape.num_layers)
         self.flops = flop_table(shape, tokens_per_step)
         self.stages = dict(stages) if stages else None
-        self.run_dir = Path(run_dir) if run_dir else None
         self._log = log
+        self.plan_log = PlanLog(run_dir, self.flops, log=log)
         self._measure = measure or _default_measure(config)
         self._estimate = estimate or _default_estimate(config)
         self._solve = solve or _default_solve(config)
-        self._apply_is_default = apply is None
-        self._apply = apply or functools.partial(_default_apply, fp8_recipe=config.fp8_recipe,
-                                                 fp4_recipe=config.fp4_recipe)
+        self._apply = apply or (lambda ctx, plan: ctx.set_plan(plan))
         self.schedule = Schedule(first=config.warmup_steps(total_steps), interval=config.interval,
                                  lag=config.lag)
-        self.plan = self._initial_plan()
+        self.plan, self.plan_source = initial_plan(config, shape.num_layers)
         self.history: list[dict] = []
         self.smoothed_costs: dict[LayerKey, dict[Precision, float]] | None = None
         self.next_measure = self.schedule.first if config.measures or config.baseline else None
         self.pending: _Pending | None = None
-        self.model_chunks: list = []
+        self.ctx: StepContext | None = None
         self._guard: dict | None = None
         self._recent_losses: list[float] = []
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _initial_plan(self) -> Plan:
-        if not self.config.enabled:
-            return Plan.uniform(self.shape.num_layers, Precision.BF16)
-        if self.config.plan:
-            return Plan.load(self.config.plan).check_model(self.shape.num_layers)
-        return Plan.uniform(self.shape.num_layers, self.config.initial_precision)
-
-    def attach(self, model_chunks: list, step: int = 0) -> None:
-        """Take the model chunks of this rank and apply the current plan to them."""
-        self.model_chunks = list(model_chunks)
-        self._apply(self.model_chunks, self.plan)
-        if step == 0 and not self.history:
-            self._record(step, self.plan, previous=None, info={"event": "initial"})
-
-    def on_train_start(self, trainer) -> None:
-        """Trainer hook: after set-up and any resume, apply the plan to the trainer's chunks.
-        Plans then go through `trainer.set_plan`, so the trainer's checkpoints name the live plan."""
-        if self._apply_is_default and hasattr(trainer, "set_plan"):
-            self._check_formats(getattr(trainer, "config", None))
-            self._apply = lambda chunks, plan: trainer.set_plan(plan)
-        self.attach(trainer.chunks, step=trainer.step)
-
-    def _check_formats(self, train_config) -> None:
-        """The trainer must run the formats SNIP measures, or its plans would mean other formats."""
-        for name in ("fp8_recipe", "fp4_recipe"):
-            theirs = getattr(train_config, name, None)
-            ours = getattr(self.config, name)
-            if theirs is not None and theirs != ours:
-                raise ValueError(f"SnipConfig.{name}={ours!r} but the trainer runs {name}={theirs!r}: "
-                                 f"set TrainConfig.{name}={ours!r} (or SnipConfig.{name}={theirs!r})")
-
     @property
     def rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
@@ -158,18 +145,36 @@ class SnipController:
         if self.rank == 0:
             self._log(f"[snip] {msg}")
 
+    def on_train_start(self, ctx: StepContext) -> None:
+        """After set-up and any resume: check the loop runs SNIP's formats, apply the plan."""
+        theirs = getattr(ctx, "formats", None)
+        if theirs is not None and theirs != self.config.formats:
+            raise ValueError(f"SNIP measures {self.config.formats.short_str()} but the training loop's "
+                             f"planned linears run {theirs.short_str()}: give both the same formats "
+                             "(TrainConfig.formats = SnipConfig.formats)")
+        self.attach(ctx, step=ctx.step)
+
+    def attach(self, ctx: StepContext, step: int = 0) -> None:
+        """Take the loop's context and apply the current plan to this rank's linears."""
+        self.ctx = ctx
+        self._apply(ctx, self.plan)
+        if step == 0 and not self.history:
+            self._record(step, self.plan, previous=None, info={"event": "initial"})
+
     # -- step hooks -----------------------------------------------------------------------------
-    def on_step_start(self, trainer, step: int) -> None:
+    def on_step_start(self, ctx: StepContext, step: int) -> None:
+        if ctx is not None:
+            self.ctx = ctx
         self._report_background_error()
         if self.pending is not None and step >= self.pending.apply_step:
             self._apply_pending(step)
         if self.next_measure is not None and step == self.next_measure:
-            self._start_measurement(trainer, step)
             self.next_measure = step + self.schedule.interval
+            self._start_measurement(step)
             if self.pending is not None and self.pending.apply_step <= step:
                 self._apply_pending(step)  # lag 0: the new plan trains this very step
 
-    def on_step_end(self, trainer, step: int, metrics: Mapping | None = None) -> None:
+    def on_step_end(self, ctx: StepContext, step: int, metrics: Mapping | None = None) -> None:
         loss = (metrics or {}).get("loss")
         if loss is not None and math.isfinite(float(loss)):
             self._recent_losses = (self._recent_losses + [float(loss)])[-self.config.loss_guard_window:]
@@ -180,20 +185,40 @@ class SnipController:
                 self._close_guard(step)
 
     # -- measurement and background solve ---------------------------------------------------------
-    def _start_measurement(self, trainer, step: int) -> None:
+    def _start_measurement(self, step: int) -> None:
         start = time.perf_counter()
         stats = None
         if self.config.measures or self.config.baseline == "min_rel_error":
-            stats = self._measure(trainer, step)
+            error = None
+            try:
+                stats = self._measure(self.ctx, step)
+            except Exception as exc:  # noqa: BLE001 - a failed measurement never stops training
+                error = f"{type(exc).__name__}: {exc}"
+            if self._any_rank(error is not None, f"measurement at step {step}", error):
+                return
         measure_s = time.perf_counter() - start
         pending = _Pending(measure_step=step, apply_step=step + self.schedule.lag, started=time.perf_counter())
         if self.rank == 0:
-            previous = self.plan
             pending.thread = threading.Thread(target=self._plan_in_background,
-                                              args=(pending, stats, previous, measure_s),
+                                              args=(pending, stats, self.plan, measure_s),
                                               name="snip-solver", daemon=True)
             pending.thread.start()
         self.pending = pending
+
+    def _any_rank(self, failed: bool, what: str, error: str | None) -> bool:
+        """One all-reduce (MAX) of a failure flag: True on every rank when any rank failed.
+        The failing rank logs its cause; rank 0 says the update is skipped."""
+        if error is not None:
+            self._log(f"[snip] rank {self.rank}: {what} failed: {error}")
+        flag = failed
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor([1 if failed else 0], dtype=torch.int64, device=_collective_device())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(int(t[0]))
+        if flag:
+            self.log(f"{what} failed on {'this' if failed else 'another'} rank; skipping this update, "
+                     "training continues with the current plan")
+        return flag
 
     def _plan_in_background(self, pending: _Pending, stats, previous: Plan, measure_s: float) -> None:
         try:
@@ -259,9 +284,8 @@ class SnipController:
             new_plan, info = self._collect(pending)
         new_plan = self._broadcast_plan(new_plan)
         previous = self.plan
-        if new_plan is None:
+        if new_plan is None or not self._switch_to(new_plan, step, info):
             return
-        self._switch_to(new_plan, step, info)
         if self.config.loss_guard_factor and new_plan != previous:
             self._guard = {"previous": previous, "before": list(self._recent_losses), "after": [],
                            "check_step": step + self.config.loss_guard_window - 1, "applied": step}
@@ -287,19 +311,28 @@ class SnipController:
         n = self.shape.num_layers
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return plan
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         ids = torch.tensor(plan.to_ids(n) if plan is not None else [-1] * len(self.keys),
-                           dtype=torch.int64, device=device)
+                           dtype=torch.int64, device=_collective_device())
         dist.broadcast(ids, src=0)
         if int(ids[0]) < 0:
             return None
         return Plan.from_ids(ids.tolist(), n)
 
-    def _switch_to(self, plan: Plan, step: int, info: dict) -> None:
-        previous = self.plan
-        self._apply(self.model_chunks, plan)
+    def _switch_to(self, plan: Plan, step: int, info: dict) -> bool:
+        """Apply `plan` on every rank, or on none: a rank whose apply raised makes every rank keep
+        (or go back to) the previous plan. Returns whether the plan was taken."""
+        previous, error = self.plan, None
+        try:
+            self._apply(self.ctx, plan)
+        except Exception as exc:  # noqa: BLE001 - a failed re-plan never stops training
+            error = f"{type(exc).__name__}: {exc}"
+        if self._any_rank(error is not None, f"applying the plan at step {step}", error):
+            if error is None:
+                self._apply(self.ctx, previous)
+            return False
         self.plan = plan
         self._record(step, plan, previous, info)
+        return True
 
     # -- loss guard -----------------------------------------------------------------------------
     def _close_guard(self, step: int) -> None:
@@ -319,54 +352,15 @@ class SnipController:
         """The last rank holds the loss (last pipeline stage): its decision, for every rank."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return flag
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_collective_device())
         dist.broadcast(t, src=dist.get_world_size() - 1)
         return bool(int(t[0]))
 
-    # -- reporting ------------------------------------------------------------------------------
     def _record(self, step: int, plan: Plan, previous: Plan | None, info: dict) -> None:
-        from snip_megatron.planner.config import DEFAULT_GEMM_COST
-        from snip_megatron.planner.problem import measure
-
-        achieved = measure(plan, self.flops, DEFAULT_GEMM_COST)  # the planner's own models
-        fp4 = achieved.fp4_fraction
-        row = {"step": step, "plan": {str(k): p.value for k, p in plan.items()},
-               "digest": plan.digest(), "fp4_fraction": fp4, "speedup": achieved.speedup}
-        result = info.get("result")
-        if result is not None:
-            row.update(solver=result.solver, status=result.status, objective=result.objective,
-                       solve_s=info.get("solve_s"), measure_s=info.get("measure_s"),
-                       measure_step=info.get("measure_step"), fallback=result.fallback_reason)
-        if info.get("skipped"):
-            row["nonfinite_layers"] = {str(k): list(v) for k, v in info["skipped"].items()}
-        if info.get("event"):
-            row["event"] = info["event"]
-        self.history.append({"step": step, "plan": row["plan"], "event": info.get("event", "update")})
-        if self.rank != 0:
-            return
-        changed = previous.diff(plan) if previous is not None else []
-        self.log(f"step {step}: plan {plan.digest()[:12]}  FP4 {fp4:.1%} of linear FLOPs, "
-                 f"modelled GEMM speed-up {row['speedup']:.2f}x, {len(changed)} linears changed"
-                 + (f", solver {result.solver} ({result.status}) {info.get('solve_s', 0):.2f} s, "
-                    f"measurement {info.get('measure_s', 0):.2f} s" if result is not None else ""))
-        for key, fields in (info.get("skipped") or {}).items():
-            self.log(f"  {key}: non-finite statistics ({', '.join(fields)}); kept {plan[key]}")
-        costs = info.get("costs")
-        if previous is not None and (costs is not None or changed):
-            self._log(format_plan_table(plan, previous, costs))
-        if costs is not None:
-            row["table"] = [
-                {"layer": str(k), "precision": plan[k].value, "previous": previous[k].value,
-                 **{f"Q.{p.value}": costs.costs[k][p] for p in costs.costs[k]},
-                 **{f"dL.{p.value}": costs.loss_div[k][p] for p in costs.loss_div[k]},
-                 **{f"WD.{p.value}": costs.weight_div[k][p] for p in costs.weight_div[k]}}
-                for k in plan]
-        if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.run_dir / PLANS_FILE, "a") as f:
-                f.write(json.dumps(row, default=_json_default) + "\n")
-        _tensorboard(self.run_dir, step, fp4, row["speedup"])
+        self.history.append({"step": step, "plan": {str(k): p.value for k, p in plan.items()},
+                             "event": info.get("event", "update")})
+        if self.rank == 0:
+            self.plan_log.record(step, plan, previous, info)
 
     # -- checkpoint state (JSON-safe) -----------------------------------------------------------
     def state_dict(self) -> dict:
@@ -379,7 +373,7 @@ class SnipController:
             pending = {"measure_step": self.pending.measure_step, "apply_step": self.pending.apply_step,
                        "plan": solved}
         return {
-            "version": 1,
+            "version": STATE_VERSION,
             "plan": self.plan.to_dict(),
             "history": self.history,
             "smoothed_costs": None if self.smoothed_costs is None else
@@ -389,9 +383,10 @@ class SnipController:
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore from `state_dict()`; a state that does not fit this model is refused whole."""
-        if not isinstance(state, Mapping) or state.get("version") != 1:
-            raise ValueError("SNIP controller state: unknown or missing version (expected 1)")
+        """Restore from `state_dict()`; a state that does not fit this model is refused whole.
+        A pinned plan (`pin_plan`) stays: it beats the checkpoint's."""
+        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"SNIP controller state: unknown or missing version (expected {STATE_VERSION})")
         plan = Plan.from_dict(state["plan"]).check_model(self.shape.num_layers)
         smoothed = state.get("smoothed_costs")
         if smoothed is not None:
@@ -403,7 +398,8 @@ class SnipController:
         if pending is not None and pending.get("plan") is not None:
             pending_plan = Plan.from_dict(pending["plan"]).check_model(self.shape.num_layers)
         # Validated: now commit.
-        self.plan = plan
+        if not self.config.pin_plan:
+            self.plan, self.plan_source = plan, "checkpoint"
         self.history = list(state.get("history", []))
         self.smoothed_costs = smoothed
         self.next_measure = state.get("next_measure")
@@ -415,90 +411,37 @@ class SnipController:
                 self.pending.result = {"plan": pending_plan, "result": None, "costs": None}
             elif self.rank == 0:
                 self.pending.error = "the solve was not finished when the checkpoint was written"
-        if self.model_chunks:
-            self._apply(self.model_chunks, self.plan)
+        if self.ctx is not None:
+            self._apply(self.ctx, self.plan)
 
 
-def format_plan_table(plan: Plan, previous: Plan, costs=None) -> str:
-    """The per-update table: layer, precision, previous precision, Q, dL, WD (FP4 and FP8)."""
-    head = f"  {'layer':<16}{'now':>6}{'was':>6}"
-    if costs is not None:
-        head += "".join(f"{'Q.' + p:>11}{'dL.' + p:>11}{'WD.' + p:>11}" for p in ("fp4", "fp8"))
-    lines = [head]
-    for key in plan:
-        mark = " *" if plan[key] != previous[key] else ""
-        line = f"  {str(key):<16}{plan[key].value:>6}{previous[key].value:>6}"
-        if costs is not None:
-            for p in (Precision.FP4, Precision.FP8):
-                line += "".join(f"{getattr(costs, part)[key].get(p, math.nan):>11.3g}"
-                                for part in ("costs", "loss_div", "weight_div"))
-        lines.append(line + mark)
-    return "\n".join(lines)
-
-
-def _json_default(obj):
-    if isinstance(obj, float):
-        return None if not math.isfinite(obj) else obj
-    if hasattr(obj, "_asdict"):
-        return obj._asdict()
-    if isinstance(obj, Precision):
-        return obj.value
-    return str(obj)
-
-
-_TB_WRITERS: dict = {}
-
-
-def _tensorboard(run_dir: Path | None, step: int, fp4: float, speedup: float) -> None:
-    """Scalars to TensorBoard when it is installed (optional dependency)."""
-    if run_dir is None:
-        return
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except Exception:
-        return
-    writer = _TB_WRITERS.get(run_dir)
-    if writer is None:
-        writer = _TB_WRITERS[run_dir] = SummaryWriter(str(run_dir / "tensorboard"))
-    writer.add_scalar("snip/fp4_fraction", fp4, step)
-    writer.add_scalar("snip/modelled_speedup", speedup, step)
-    writer.flush()
-
-
-# -- defaults: SNIP's own measurement, estimate, solver and apply --------------------------------
+# -- defaults: SNIP's own measurement, estimate and solver, from the one SnipConfig ---------------
 
 def _default_measure(config: SnipConfig):
-    def measure(trainer, step):
-        from snip_megatron.stats import measure as stats_measure
+    measure_config = config.measure_config()
 
-        return stats_measure(trainer, config=config, step=step)
+    def measure(ctx, step):
+        from snip_megatron.stats import measure_step
+
+        return measure_step(ctx, measure_config)
     return measure
 
 
 def _default_estimate(config: SnipConfig):
+    estimate_config = config.estimate_config()
+
     def estimate(stats):
-        from snip_megatron.estimate.config import EstimateConfig
         from snip_megatron.estimate.cost import cost_table
 
-        return cost_table(stats, EstimateConfig(lam=config.lambda_wd))
+        return cost_table(stats, estimate_config)
     return estimate
 
 
 def _default_solve(config: SnipConfig):
+    planner_config = config.planner_config()
+
     def solve(costs, flops, *, previous=None, stages=None, pinned=None):
-        from snip_megatron.planner.config import PlannerConfig
         from snip_megatron.planner.solve import solve_plan
 
-        planner = PlannerConfig(rho=config.fp4_budget,
-                                allowed=tuple(Precision.parse(p) for p in config.precisions),
-                                per_stage=config.per_stage_budget,
-                                switch_penalty=config.switch_penalty,
-                                time_limit_s=config.solver_time_limit_s, gap_rel=config.solver_gap)
-        return solve_plan(costs, flops, planner, previous=previous, stages=stages, pinned=pinned)
+        return solve_plan(costs, flops, planner_config, previous=previous, stages=stages, pinned=pinned)
     return solve
-
-
-def _default_apply(model_chunks, plan, *, fp8_recipe: str, fp4_recipe: str):
-    from snip_megatron.megatron.apply import apply_plan
-
-    return apply_plan(model_chunks, plan, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)

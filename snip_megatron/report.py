@@ -1,8 +1,10 @@
-"""Draw what SNIP did in a run: precision per layer over training (heat map) and the loss curve.
+"""What SNIP did in a run: the plan log (written during training, read here), the per-update
+plan table, and the drawings (precision per layer over training, the loss curve).
 
     python -m snip_megatron.report <run dir>
 
-Reads `<run dir>/snip_plans.jsonl` (one line per plan the controller applied: step, plan) and
+`PlanLog` writes `<run dir>/snip_plans.jsonl` (one line per plan the controller applied: step, plan,
+solver, the cost table) and TensorBoard scalars; `make_report` reads it with
 `<run dir>/metrics.jsonl` (one line per training step: step, loss, optionally val_loss), writes
 `<run dir>/snip_heatmap.png` and `<run dir>/loss.png`, and prints their paths.
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from snip_megatron.formats.precision import Precision
@@ -20,6 +24,104 @@ PLANS_FILE = "snip_plans.jsonl"
 METRICS_FILE = "metrics.jsonl"
 _CODE = {Precision.BF16: 2, Precision.FP8: 1, Precision.FP4: 0}
 
+
+# -- the plan log: written by the controller (rank 0) ---------------------------------------------
+
+class PlanLog:
+    """One record per applied plan: a console line (and the plan table when something changed or
+    was measured), a `snip_plans.jsonl` line and TensorBoard scalars when a run folder is given."""
+
+    def __init__(self, run_dir: "str | Path | None", flops: Mapping, log: Callable[[str], None] = print):
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.flops = flops
+        self._log = log
+        self._tensorboard = None
+
+    def record(self, step: int, plan: Plan, previous: "Plan | None", info: dict) -> dict:
+        """Log one applied plan; `info` holds the solver's result, costs and timings, if any."""
+        from snip_megatron.planner.config import DEFAULT_GEMM_COST
+        from snip_megatron.planner.problem import measure
+
+        achieved = measure(plan, self.flops, DEFAULT_GEMM_COST)  # the planner's own models
+        fp4 = achieved.fp4_fraction
+        row = {"step": step, "plan": {str(k): p.value for k, p in plan.items()},
+               "digest": plan.digest(), "fp4_fraction": fp4, "speedup": achieved.speedup}
+        result = info.get("result")
+        if result is not None:
+            row.update(solver=result.solver, status=result.status, objective=result.objective,
+                       solve_s=info.get("solve_s"), measure_s=info.get("measure_s"),
+                       measure_step=info.get("measure_step"), fallback=result.fallback_reason)
+        if info.get("skipped"):
+            row["nonfinite_layers"] = {str(k): list(v) for k, v in info["skipped"].items()}
+        if info.get("event"):
+            row["event"] = info["event"]
+        changed = previous.diff(plan) if previous is not None else []
+        self._log(f"[snip] step {step}: plan {plan.digest()[:12]}  FP4 {fp4:.1%} of linear FLOPs, "
+                  f"modelled GEMM speed-up {row['speedup']:.2f}x, {len(changed)} linears changed"
+                  + (f", solver {result.solver} ({result.status}) {info.get('solve_s', 0):.2f} s, "
+                     f"measurement {info.get('measure_s', 0):.2f} s" if result is not None else ""))
+        for key, fields in (info.get("skipped") or {}).items():
+            self._log(f"[snip]   {key}: non-finite statistics ({', '.join(fields)}); kept {plan[key]}")
+        costs = info.get("costs")
+        if previous is not None and (costs is not None or changed):
+            self._log(format_plan_table(plan, previous, costs))
+        if costs is not None:
+            row["table"] = [
+                {"layer": str(k), "precision": plan[k].value, "previous": previous[k].value,
+                 **{f"Q.{p.value}": costs.costs[k][p] for p in costs.costs[k]},
+                 **{f"dL.{p.value}": costs.loss_div[k][p] for p in costs.loss_div[k]},
+                 **{f"WD.{p.value}": costs.weight_div[k][p] for p in costs.weight_div[k]}}
+                for k in plan]
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.run_dir / PLANS_FILE, "a") as f:
+                f.write(json.dumps(row, default=_json_default) + "\n")
+            self._scalars(step, fp4, row["speedup"])
+        return row
+
+    def _scalars(self, step: int, fp4: float, speedup: float) -> None:
+        """TensorBoard scalars when TensorBoard is installed (an optional dependency)."""
+        if self._tensorboard is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except Exception:
+                self._tensorboard = False
+                return
+            self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+        if self._tensorboard:
+            self._tensorboard.add_scalar("snip/fp4_fraction", fp4, step)
+            self._tensorboard.add_scalar("snip/modelled_speedup", speedup, step)
+            self._tensorboard.flush()
+
+
+def format_plan_table(plan: Plan, previous: Plan, costs=None) -> str:
+    """The per-update table: layer, precision, previous precision, Q, dL, WD (FP4 and FP8)."""
+    head = f"  {'layer':<16}{'now':>6}{'was':>6}"
+    if costs is not None:
+        head += "".join(f"{'Q.' + p:>11}{'dL.' + p:>11}{'WD.' + p:>11}" for p in ("fp4", "fp8"))
+    lines = [head]
+    for key in plan:
+        mark = " *" if plan[key] != previous[key] else ""
+        line = f"  {str(key):<16}{plan[key].value:>6}{previous[key].value:>6}"
+        if costs is not None:
+            for p in (Precision.FP4, Precision.FP8):
+                line += "".join(f"{getattr(costs, part)[key].get(p, math.nan):>11.3g}"
+                                for part in ("costs", "loss_div", "weight_div"))
+        lines.append(line + mark)
+    return "\n".join(lines)
+
+
+def _json_default(obj):
+    if isinstance(obj, float):
+        return None if not math.isfinite(obj) else obj
+    if hasattr(obj, "_asdict"):
+        return obj._asdict()
+    if isinstance(obj, Precision):
+        return obj.value
+    return str(obj)
+
+
+# -- reading and drawing ---------------------------------------------------------------------------
 
 def read_jsonl(path: Path) -> list[dict]:
     """Every JSON object of a JSONL file; a truncated last line (a run killed mid-write) is skipped."""

@@ -10,7 +10,7 @@ import pytest
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.controller import Schedule, SnipController
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.plan import Plan, all_keys
 from snip_megatron.shapes import ModelShape
 
@@ -49,8 +49,8 @@ class Harness:
         self.ctrl = SnipController(self.config, SHAPE, total_steps=100, run_dir=tmp_path,
                                    log=self.logs.append, measure=self._measure,
                                    estimate=estimate or (lambda stats: fake_costs()),
-                                   apply=lambda chunks, plan: self.applied.append(plan), **kwargs)
-        self.ctrl.attach(["chunk"])
+                                   apply=lambda ctx, plan: self.applied.append(plan), **kwargs)
+        self.ctrl.attach(SimpleNamespace(step=0))
 
     def _measure(self, trainer, step):
         self.measured.append(step)
@@ -155,30 +155,20 @@ def test_relaxed_baseline_meets_a_budget_its_rule_cannot():
     assert relaxed.ctrl.plan[(4, "linear_fc2")] is Precision.FP8  # the rule's last linear gives in last
 
 
-def test_plans_are_applied_in_snips_formats(monkeypatch):
-    import snip_megatron.megatron.apply as apply_module
-
-    calls = []
-    monkeypatch.setattr(apply_module, "apply_plan", lambda chunks, plan, **kw: calls.append(kw))
-    ctrl = SnipController(SnipConfig(enabled=True, fp4_recipe="mxfp4", fp8_recipe="mxfp8"), SHAPE,
-                          total_steps=100, log=lambda m: None)
-    ctrl.attach(["chunk"])
-    assert calls == [{"fp8_recipe": "mxfp8", "fp4_recipe": "mxfp4"}]
-
-
-def test_a_trainer_in_other_formats_is_refused():
-    def trainer(fp4_recipe):
+def test_a_loop_in_other_formats_is_refused():
+    def loop(fp4_recipe):
         applied = []
-        return SimpleNamespace(config=SimpleNamespace(fp8_recipe="blockwise", fp4_recipe=fp4_recipe),
-                               set_plan=applied.append, chunks=["chunk"], step=0, applied=applied)
+        return SimpleNamespace(formats=Formats(fp4_recipe=fp4_recipe), set_plan=applied.append,
+                               chunks=["chunk"], step=0, applied=applied)
 
     ctrl = SnipController(SnipConfig(enabled=True, fp4_recipe="mxfp4"), SHAPE, total_steps=100,
                           log=lambda m: None)
-    with pytest.raises(ValueError, match=r"SnipConfig.fp4_recipe='mxfp4' but the trainer runs fp4_recipe='nvfp4'"):
-        ctrl.on_train_start(trainer("nvfp4"))
-    same = trainer("mxfp4")
+    with pytest.raises(ValueError, match=r"SNIP measures fp8=blockwise fp4=mxfp4 but the training loop's "
+                                         r"planned linears run fp8=blockwise fp4=nvfp4"):
+        ctrl.on_train_start(loop("nvfp4"))
+    same = loop("mxfp4")
     ctrl.on_train_start(same)
-    assert same.applied == [Plan.uniform(4, "fp8")]
+    assert same.applied == [Plan.uniform(4, "fp8")]  # the plan goes through the loop's set_plan
 
 
 def test_disabled_and_pinned_never_measure(tmp_path):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import fields
 
 from snip_megatron.cli.recipe import RunRecipe
 from snip_megatron.megatron.args import snip_args_from_config
 from snip_megatron.shapes import PRESETS
+from snip_megatron.train.config import TrainingSchedule
 
-PRETRAIN_MODULE = "snip_megatron.megatron.pretrain_gpt"
+PRETRAIN_MODULE = "snip_megatron.pretrain"
 COMPACT_MODULE = "snip_megatron.train"
 
 
@@ -54,20 +56,22 @@ def megatron_args(recipe: RunRecipe) -> list[str]:
         args.append("--sequence-parallel")
     if par.distributed_optimizer:
         args.append("--use-distributed-optimizer")
-    # Schedule.
+    # Schedule: TrainingSchedule's fields under Megatron-LM's names.
     args += [
         "--micro-batch-size", str(t.micro_batch_size),
-        "--global-batch-size", str(t.global_batch_size),
-        "--train-iters", str(t.train_iters),
+        "--global-batch-size", str(t.global_batch_size or t.micro_batch_size * par.data_parallel_size),
+        "--train-iters", str(t.steps),
         "--lr", _num(t.lr),
         "--min-lr", _num(t.min_lr),
-        "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", str(t.lr_warmup_iters),
+        "--lr-decay-style", t.lr_decay_style,
+        "--lr-warmup-iters", str(t.num_warmup_steps),
         "--weight-decay", _num(t.weight_decay),
+        "--adam-beta1", _num(t.adam_beta1),
+        "--adam-beta2", _num(t.adam_beta2),
         "--clip-grad", _num(t.clip_grad),
         "--seed", str(t.seed),
     ]
-    if t.bf16:
+    if t.params_dtype == "bf16":
         args.append("--bf16")
     # Data: Megatron's NullTokenizer carries the vocabulary size; the corpus tokenizer is ours.
     args += ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(m.vocab_size)]
@@ -82,11 +86,11 @@ def megatron_args(recipe: RunRecipe) -> list[str]:
     # Bookkeeping.
     args += [
         "--log-interval", str(t.log_interval),
-        "--eval-interval", str(t.eval_interval),
-        "--eval-iters", str(t.eval_iters),
+        "--eval-interval", str(t.eval_interval or t.steps),
+        "--eval-iters", str(t.eval_batches if t.eval_interval else 0),
         "--save", t.run_dir,
         "--load", t.load or t.run_dir,
-        "--save-interval", str(t.save_interval or t.train_iters),
+        "--save-interval", str(t.save_interval or t.steps),
     ]
     return args + snip_args_from_config(recipe.snip.snip_config())
 
@@ -111,26 +115,16 @@ def compact_args(recipe: RunRecipe) -> list[str]:
     if d.kind == "mock":
         raise ValueError("train.entry=compact trains on real text: use data=stdlib (or data=indexed), "
                          "or train.entry=megatron for mock data")
-    args = [
-        "--model", m.name, "--seq-length", str(m.seq_length),
-        "--steps", str(t.train_iters),
-        "--micro-batch-size", str(t.micro_batch_size), "--global-batch-size", str(t.global_batch_size),
-        "--lr", _num(t.lr), "--min-lr", _num(t.min_lr), "--warmup-steps", str(t.lr_warmup_iters),
-        "--lr-decay-style", "cosine", "--weight-decay", _num(t.weight_decay), "--clip-grad", _num(t.clip_grad),
-        "--tp", str(par.tp), "--pp", str(par.pp),
-    ]
+    args = ["--model", m.name, "--seq-length", str(m.seq_length), "--tp", str(par.tp), "--pp", str(par.pp)]
+    # Schedule: the compact loop's flags are TrainingSchedule's fields under their own names.
+    for f in fields(TrainingSchedule):
+        value = getattr(t, f.name)
+        if value is not None:
+            args += ["--" + f.name.replace("_", "-"), _num(value) if isinstance(value, float) else str(value)]
     if par.distributed_optimizer:
         args.append("--distributed-optimizer")
     snip = recipe.snip.snip_config()
-    args += [
-        "--params-dtype", "bf16" if t.bf16 else "fp32",
-        "--precision", snip.initial_precision if snip.enabled else "bf16",
-        "--seed", str(t.seed),
-        "--eval-interval", str(t.eval_interval), "--eval-batches", str(t.eval_iters),
-        "--log-interval", str(t.log_interval),
-        "--metrics", f"{t.run_dir}/metrics.jsonl",
-        "--save-dir", t.run_dir, "--save-interval", str(t.save_interval or t.train_iters),
-    ]
+    args += ["--metrics", f"{t.run_dir}/metrics.jsonl", "--save-dir", t.run_dir]
     if t.load:
         args += ["--load-dir", t.load]
     if d.kind == "corpus":

@@ -8,12 +8,14 @@ composition). `compose_recipe(overrides)` -> a validated `RunRecipe`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Optional
 
 from snip_megatron.config import SnipConfig
-from snip_megatron.shapes import ModelShape
+from snip_megatron.shapes import PRESETS, ModelShape
+from snip_megatron.train.config import TrainingSchedule
 
 ENTRIES = ("auto", "compact", "megatron")
 DATA_KINDS = ("mock", "corpus", "indexed")
@@ -25,37 +27,26 @@ def _positive(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
 
 
-@dataclass(kw_only=True)
-class ModelRecipe:
-    """A Llama-like decoder (RMSNorm, SwiGLU, RoPE, GQA, untied embeddings)."""
-
-    name: str = "llama_tiny"
-    """Preset name (logs, run folder)."""
-    num_layers: int = 6
-    """Transformer layers."""
-    hidden_size: int = 128
-    """Model width."""
-    ffn_hidden_size: int = 352
-    """SwiGLU inner width."""
-    num_attention_heads: int = 4
-    """Query heads."""
-    num_query_groups: int = 2
-    """Key/value heads (GQA); equal to num_attention_heads for plain multi-head attention."""
-    vocab_size: int = 4096
-    """Vocabulary size (the tokenizer's; Megatron pads it for TP)."""
-    seq_length: int = 128
-    """Training sequence length."""
+def _model_recipe_class() -> type:
+    """ModelShape's fields as a mutable dataclass for Hydra (defaults: llama_tiny's). Derived, not
+    written out: the shape's fields and the presets exist once, in snip_megatron.shapes."""
+    hints = typing.get_type_hints(ModelShape)
+    tiny = PRESETS["llama_tiny"]
 
     def shape(self) -> ModelShape:
         """The ModelShape (validates divisibility of heads and groups)."""
         try:
-            return ModelShape(name=self.name, num_layers=self.num_layers, hidden_size=self.hidden_size,
-                              ffn_hidden_size=self.ffn_hidden_size,
-                              num_attention_heads=self.num_attention_heads,
-                              num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
-                              seq_length=self.seq_length)
+            return ModelShape(**{f.name: getattr(self, f.name) for f in fields(ModelShape)})
         except ValueError as e:
             raise ValueError(str(e).replace("ModelShape.", "model.")) from None
+
+    return make_dataclass(
+        "ModelRecipe", [(f.name, hints[f.name], field(default=getattr(tiny, f.name))) for f in fields(ModelShape)],
+        kw_only=True, namespace={"shape": shape, "__module__": __name__,
+                                 "__doc__": "A Llama-like decoder: snip_megatron.shapes.ModelShape's fields."})
+
+
+ModelRecipe = _model_recipe_class()
 
 
 @dataclass(kw_only=True)
@@ -112,41 +103,14 @@ class DataRecipe:
 
 
 @dataclass(kw_only=True)
-class TrainRecipe:
-    """The optimisation and bookkeeping of one run."""
+class TrainRecipe(TrainingSchedule):
+    """The schedule of one run (snip_megatron.train.config.TrainingSchedule, the same fields for both
+    loops) plus where it runs and keeps its files."""
 
     name: str = "tiny"
     """Train recipe name (logs)."""
     entry: str = "auto"
     """auto: the compact loop for llama_tiny, snip-pretrain-gpt otherwise; or compact / megatron."""
-    train_iters: int = 300
-    """Optimizer steps."""
-    micro_batch_size: int = 4
-    """Sequences per micro-batch per data-parallel rank."""
-    global_batch_size: int = 8
-    """Sequences per optimizer step over all data-parallel ranks."""
-    lr: float = 3.0e-3
-    """Peak learning rate."""
-    min_lr: float = 3.0e-4
-    """Final learning rate (cosine decay)."""
-    lr_warmup_iters: int = 30
-    """Linear warm-up steps."""
-    weight_decay: float = 0.1
-    """AdamW weight decay."""
-    clip_grad: float = 1.0
-    """Gradient-norm clip (0: off)."""
-    bf16: bool = False
-    """BF16 parameters and activations (GPU runs); False: FP32 (CPU runs)."""
-    seed: int = 1234
-    """Model init and data order seed."""
-    log_interval: int = 10
-    """Steps between log lines."""
-    eval_interval: int = 100
-    """Steps between validations."""
-    eval_iters: int = 10
-    """Validation batches per validation."""
-    save_interval: int = 0
-    """Steps between checkpoints (0: only at the end)."""
     run_dir: str = "runs/${model.name}-${snip.name}"
     """Run folder: checkpoints, plans, logs, heat map."""
     load: Optional[str] = None
@@ -154,18 +118,10 @@ class TrainRecipe:
     cpu: Optional[bool] = None
     """Force the CPU path (gloo, CPU shim); None: CPU when there is no GPU."""
 
-    def check(self) -> None:
-        for name in ("train_iters", "micro_batch_size", "global_batch_size", "log_interval",
-                     "eval_interval", "eval_iters"):
-            _positive("train", name, getattr(self, name))
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.entry not in ENTRIES:
             raise ValueError(f"train.entry={self.entry!r} is not valid; choose one of: {', '.join(ENTRIES)}")
-        if not isinstance(self.save_interval, int) or self.save_interval < 0:
-            raise ValueError(f"train.save_interval must be an integer >= 0, got {self.save_interval!r}")
-        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"train.lr={self.lr} must be > 0 and train.min_lr={self.min_lr} in [0, lr]")
-        if not isinstance(self.lr_warmup_iters, int) or not 0 <= self.lr_warmup_iters < self.train_iters:
-            raise ValueError(f"train.lr_warmup_iters={self.lr_warmup_iters!r} must be in [0, train_iters)")
 
 
 @dataclass(kw_only=True)
@@ -239,14 +195,13 @@ def validate_layout(recipe: RunRecipe) -> None:
     if par.sequence_parallel and par.tp < 2:
         raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
     dp = par.data_parallel_size
-    if train.global_batch_size % (train.micro_batch_size * dp):
+    if train.global_batch_size is not None and train.global_batch_size % (train.micro_batch_size * dp):
         raise ValueError(f"train.global_batch_size={train.global_batch_size} is not divisible by "
                          f"train.micro_batch_size x data-parallel size = {train.micro_batch_size} x {dp}")
 
 
 def validate(recipe: RunRecipe) -> RunRecipe:
-    """Every check of a recipe: fields, layout, data and SNIP (ValueError naming the field)."""
-    recipe.train.check()
+    """The checks across fields of a recipe: layout, data and SNIP (ValueError naming the field)."""
     validate_layout(recipe)
     if recipe.data.kind not in DATA_KINDS:
         raise ValueError(f"data.kind={recipe.data.kind!r} is not valid; choose one of: {', '.join(DATA_KINDS)}")
@@ -260,7 +215,7 @@ def validate(recipe: RunRecipe) -> RunRecipe:
                          "(snip.enabled with no snip.baseline and no snip.pin_plan): set "
                          "parallel.sequence_parallel=false, or use snip=off, a baseline or a pinned plan")
     if recipe.snip.enabled and recipe.snip.warmup < 1:
-        recipe.snip.warmup_steps(recipe.train.train_iters)
+        recipe.snip.warmup_steps(recipe.train.steps)
     return recipe
 
 
@@ -276,6 +231,9 @@ def register_configs() -> None:
     for group, node in (("model", ModelRecipe), ("parallel", ParallelRecipe), ("snip", SnipRecipe),
                         ("data", DataRecipe), ("train", TrainRecipe)):
         cs.store(group=group, name="schema", node=node)
+    for name, shape in PRESETS.items():  # model=<preset>: the presets of snip_megatron.shapes
+        cs.store(group="model", name=name, node=ModelRecipe(**{f.name: getattr(shape, f.name)
+                                                               for f in fields(ModelShape)}))
 
 
 def default_config_dir() -> Path:
@@ -319,7 +277,7 @@ def to_recipe(cfg) -> RunRecipe:
     except (OmegaConfBaseException, ValueError) as e:
         cause = e if isinstance(e, ValueError) else e.__cause__
         if isinstance(cause, ValueError):  # a dataclass check: say it in recipe terms
-            raise ValueError(str(cause).replace("SnipConfig.", "snip.")) from None
+            raise ValueError(str(cause).replace("SnipConfig.", "snip.").replace("TrainRecipe.", "train.")) from None
         raise ValueError(f"bad recipe: {e}") from None
     return validate(recipe)
 

@@ -20,6 +20,7 @@ layer, and the TP=1 run, draw the same bits.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 import zlib
@@ -31,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
-from snip_megatron.formats import FormatSpec, Precision, Role
+from snip_megatron.formats import Formats, FormatSpec, Precision, Role
 
 CONFIG_KEYS = ("precision", "fp8_recipe", "fp4_recipe", "sr_seed")
 _CONSTRUCTED = itertools.count()
@@ -45,7 +46,7 @@ class _QuantLinearMixin:
     format_spec: FormatSpec
 
     def _init_quant(self) -> None:
-        self._fp8_recipe, self._fp4_recipe = "blockwise", "nvfp4"
+        self.formats = Formats()
         self._sr_seed = next(_CONSTRUCTED)
         self._generators: dict[torch.device, torch.Generator] = {}
         self.precision = Precision.BF16
@@ -67,20 +68,17 @@ class _QuantLinearMixin:
         seed = config.get("sr_seed", zlib.crc32(path.encode()) if path else None)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"{type(self).__name__}: sr_seed must be an int, got {seed!r}")
-        self.set_precision(config["precision"], fp8_recipe=config.get("fp8_recipe"),
-                           fp4_recipe=config.get("fp4_recipe"))
+        recipes = {k: config[k] for k in ("fp8_recipe", "fp4_recipe") if k in config}
+        self.set_precision(config["precision"], dataclasses.replace(self.formats, **recipes))
         if seed is not None:
             self.set_sr_seed(seed)
 
-    def set_precision(self, precision, *, fp8_recipe: str | None = None,
-                      fp4_recipe: str | None = None) -> None:
-        """Switch formats (re-planning). None keeps the layer's current recipe of that precision.
+    def set_precision(self, precision, formats: Formats | None = None) -> None:
+        """Switch precision (re-planning), in `formats` (None keeps the layer's formats).
         Parameters, gradients and optimizer state are untouched."""
-        fp8_recipe = self._fp8_recipe if fp8_recipe is None else fp8_recipe
-        fp4_recipe = self._fp4_recipe if fp4_recipe is None else fp4_recipe
-        spec = FormatSpec.for_precision(precision, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
-        self._fp8_recipe, self._fp4_recipe = fp8_recipe, fp4_recipe
-        self.precision, self.format_spec = spec.precision, spec
+        formats = self.formats if formats is None else formats
+        spec = formats.spec(precision)
+        self.formats, self.precision, self.format_spec = formats, spec.precision, spec
         self._warn_if_shards_split_blocks()
 
     def set_sr_seed(self, seed: int) -> None:

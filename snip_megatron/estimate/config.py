@@ -18,7 +18,8 @@ class EstimateConfig:
     """Weight of the (normalised) weight divergence against the relative loss divergence. 0.3 has
     the best mean long-horizon score of bench/estimator_fidelity.py over two NVFP4 runs on
     llama_tiny (lambda 0 / 0.3 / 1 / 3: 0.35 / 0.43 / 0.41 / 0.33; docs/method.md, section 7).
-    That truth is noisy (seed-vs-seed agreement 0.32-0.67): re-check on real models."""
+    That truth is noisy (seed-vs-seed agreement 0.32-0.67): re-check on real models. In a run,
+    SnipConfig.lambda_wd sets this."""
     first_order: bool = False
     """Add the signed first-order loss term <G_X, E_X> + <G_W, E_W>. Off by default: it was noise
     late in training in our measurements; turn on only when averaged over many batches."""

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.formats.quantize import quantize_for_role
-from snip_megatron.formats.spec import FormatSpec, Role, Rounding
+from snip_megatron.formats.spec import Role, Rounding
 
 
 @torch.no_grad()
 def quantization_error(tensor: torch.Tensor, precision: "Precision | str", role: "Role | str", *,
-                       fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4", seed: int = 0,
+                       formats: Formats = Formats(), seed: int = 0,
                        amax_group=None) -> torch.Tensor:
     """Squared Frobenius norm of Q(T) - T as a float32 scalar tensor (0 for BF16).
 
@@ -23,7 +23,7 @@ def quantization_error(tensor: torch.Tensor, precision: "Precision | str", role:
     With a Hadamard transform the error is measured in the transformed domain, which has the same
     norm (the transform is orthogonal).
     """
-    spec = FormatSpec.for_precision(precision, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+    spec = formats.spec(precision)
     cast = spec.cast(Role(role))
     if cast is None:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)

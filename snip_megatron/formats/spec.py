@@ -17,10 +17,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 
 from snip_megatron.formats.constants import E2M1_MAX, E4M3_MAX, E5M2_MAX
-from snip_megatron.formats.precision import Precision
-
-FP8_RECIPES = ("blockwise", "tensorwise", "mxfp8")
-FP4_RECIPES = ("nvfp4", "mxfp4")
+from snip_megatron.formats.precision import FP4_RECIPES, FP8_RECIPES, Precision
 
 
 class Role(str, Enum):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from megatron.core.quantization.quant_config import MatchContext, QuantizationConfig
 
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.megatron.quant_recipe import config_dict_for, parse_planned_path
 from snip_megatron.plan import LayerKey, Plan, PlanChange, forward_order
 from snip_megatron.te.options import TEOptions
@@ -114,8 +114,7 @@ def _num_layers(model) -> "int | None":
 
 
 def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOptions | None" = None,
-               fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4",
-               num_layers: "int | None" = None) -> list[AppliedChange]:
+               formats: Formats = Formats(), num_layers: "int | None" = None) -> list[AppliedChange]:
     """Set every planned linear of this rank to its precision in `plan`; returns what changed.
 
     Call it on every rank at the same step boundary (between optimizer step and next forward).
@@ -140,7 +139,7 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         new = plan[pl.key]
         if is_emulated_linear(pl.module):
             if emulated_configs is None:
-                emulated_configs = config_dict_for("emulated", fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+                emulated_configs = config_dict_for("emulated", formats=formats)
             config = emulated_configs[new.value]
         elif is_te_linear(pl.module):
             if te_configs is None:
@@ -161,8 +160,7 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         if old is new:
             continue
         if is_emulated_linear(pl.module):
-            pl.module.set_precision(new, fp8_recipe=config.get("fp8_recipe"),
-                                    fp4_recipe=config.get("fp4_recipe"))
+            pl.module.set_precision(new, formats)
         else:
             local = parse_planned_path(pl.module_path)[0]
             pl.module.finish_init(QuantizationConfig(config, MatchContext(pl.module_path, local), new.value))

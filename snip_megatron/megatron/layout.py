@@ -1,22 +1,16 @@
 """Every rank's planned linears for a model layout, without building the model.
 
-    python -m snip_megatron.megatron.layout --model llama_70b --tp 8 --pp 8 [--vpp N]
-    python -m snip_megatron.megatron.layout --recipe [model=llama_70b parallel=tp8_pp8_vpp2]
-
 Layers per pipeline stage / virtual chunk come from Megatron's own `get_num_layers_to_build` and
-`get_transformer_layer_offset` (both take `pp_rank`, so no process group is needed); module paths
-are the ones `GPTModel.named_modules()` gives. The command checks that every LayerKey is owned by
-exactly one pipeline chunk and by all TP ranks of it, and that a random plan round-trips through
-each rank's matcher (Megatron's `get_quant_config_or_none`). Last line:
-`RESULT layers=<n_linears> ranks=<n> seconds=<t> ok=1`.
+`get_transformer_layer_offset` (both take `pp_rank`, so no process group is needed), so uneven
+splits (`--decoder-first/last-pipeline-num-layers`, embedding/loss accounting, custom layouts) are
+Megatron's; module paths are the ones `GPTModel.named_modules()` gives. `pipeline_stages` maps
+every layer to its pipeline rank (the per-stage budgets); the command that checks a whole layout
+is `python -m snip_megatron.cli.layout`.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
-import sys
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -91,6 +85,18 @@ def chunk_layers(config, pp_rank: int, vp_stage: "int | None") -> tuple[int, int
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return int(offset), int(count)
+
+
+def pipeline_stages(config) -> dict[LayerKey, int]:
+    """LayerKey -> the pipeline rank that holds it, by Megatron's offsets (any split, with VPP)."""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    stages = {}
+    for pp_rank in range(pp):
+        for vp_stage in (range(vpp) if vpp else [None]):
+            offset, count = chunk_layers(config, pp_rank, vp_stage)
+            for layer in range(offset + 1, offset + count + 1):
+                stages.update({LayerKey(layer, name): pp_rank for name in LINEAR_NAMES})
+    return stages
 
 
 def rank_layout(shape: ModelShape, config, *, tp_rank: int, pp_rank: int, dp_rank: int = 0,
@@ -180,60 +186,3 @@ def describe(r: RankLayout, verbose: bool = False) -> str:
         line += "".join(f"\n    chunk {s.chunk} {s.module_path:45s} {str(s.key):18s} "
                         f"{s.local_shape[0]}x{s.local_shape[1]}" for s in r.linears)
     return line
-
-
-def _split_from_args(args) -> tuple[ModelShape, int, int, "int | None", int]:
-    """(shape, tp, pp, vpp, dp) from the flags, or from a composed Hydra recipe with --recipe."""
-    if args.recipe is None:
-        return (get_shape(args.model or "llama_tiny"), args.tp or 1, args.pp or 1, args.vpp,
-                args.dp or 1)
-    given = [f"--{n}" for n in ("model", "tp", "pp", "vpp", "dp") if getattr(args, n) is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)} cannot be combined with --recipe: the recipe sets them "
-                         f"(override them there, e.g. parallel.tp=2)")
-    from snip_megatron.cli.recipe import compose_recipe
-
-    recipe = compose_recipe(args.recipe)  # no overrides: the tiny recipe
-    par = recipe.parallel
-    return recipe.model.shape(), par.tp, par.pp, par.vpp, par.data_parallel_size
-
-
-def main(argv: "list[str] | None" = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="preset name (snip_megatron.shapes); default llama_tiny")
-    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default 1)")
-    ap.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default 1)")
-    ap.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
-    ap.add_argument("--dp", type=int, default=None, help="data-parallel replicas (ranks = tp*pp*dp)")
-    ap.add_argument("--recipe", nargs="*", default=None, metavar="OVERRIDE",
-                    help="take model and split from a Hydra recipe (configs/), e.g. --recipe "
-                         "model=llama_70b parallel=tp8_pp8; no overrides: the tiny recipe")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random plan round-tripped")
-    ap.add_argument("--verbose", action="store_true", help="print every module of every rank")
-    args = ap.parse_args(argv)
-
-    t0 = time.perf_counter()
-    shape, tp, pp, vpp, dp = _split_from_args(args)
-    if not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp must be a positive integer, got {dp!r}")
-    ranks = enumerate_layout(shape, tp=tp, pp=pp, vpp=vpp, dp=dp)
-    check_ownership(shape, ranks, tp)
-    plan = random_plan(shape.num_layers, args.seed)
-    back = roundtrip_plan(plan, ranks)
-    if back != plan:
-        raise ValueError(f"plan did not round-trip through the matchers: {plan.diff(back)[:4]}")
-    seconds = time.perf_counter() - t0
-
-    print(f"model {shape.name}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
-          f"ffn {shape.ffn_hidden_size}, heads {shape.num_attention_heads}, "
-          f"query groups {shape.num_query_groups}; tp={tp} pp={pp} vpp={vpp} dp={dp}")
-    for r in ranks:
-        print(describe(r, args.verbose))
-    print(f"plan digest {plan.digest()[:16]} round-tripped on every rank; each of "
-          f"{len(plan)} linears owned by one pipeline chunk and all {tp} TP ranks of it")
-    print(f"RESULT layers={len(plan)} ranks={len(ranks)} seconds={seconds:.2f} ok=1")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,12 +14,13 @@ import re
 
 from megatron.core.quantization.quant_config import MatchContext, Matcher, RecipeConfig
 
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.plan import LayerKey, Plan
 from snip_megatron.te.options import TEOptions
 from snip_megatron.te.translate import emulated_params, te_config_dict
 
-BACKENDS = ("emulated", "te")
+QUANT_BACKENDS = ("emulated", "te")
+"""Planned-linear backends that read a quant_recipe (the third, "local", runs Megatron's plain linears)."""
 
 # A planned linear inside a GPTModel chunk: the decoder's attention and dense-MLP linears.
 # MTP layers (`mtp.layers...`) and MoE experts (`mlp.experts...`) do not match: not planned.
@@ -77,8 +78,7 @@ class PlanMatcher(Matcher):
 
 
 def config_dict_for(backend: str = "emulated", *, sm: "int | None" = None,
-                    te_options: "TEOptions | None" = None, fp8_recipe: str = "blockwise",
-                    fp4_recipe: str = "nvfp4") -> dict[str, dict]:
+                    te_options: "TEOptions | None" = None, formats: Formats = Formats()) -> dict[str, dict]:
     """{precision name: config dict} that the planned linears of `backend` read in finish_init.
 
     backend='emulated': SNIP's emulated linears ({"precision": "fp4", "fp4_recipe": "nvfp4"}).
@@ -86,14 +86,13 @@ def config_dict_for(backend: str = "emulated", *, sm: "int | None" = None,
     on GPUs without native FP4 the 'fp4' entry is the emulated linear's dict.
     """
     if backend == "emulated":
-        return {p.value: emulated_params(p, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
-                for p in Precision}
+        return {p.value: emulated_params(p, formats) for p in Precision}
     if backend == "te":
         if sm is None:
             sm = current_sm()
         return {name: mc.config for name, mc in
                 te_config_dict(sm=sm, options=te_options or TEOptions()).items()}
-    raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(QUANT_BACKENDS)}")
 
 
 def current_sm() -> int:
@@ -108,8 +107,7 @@ def current_sm() -> int:
 
 def build_recipe(plan: Plan, *, layer_offset: int = 0, backend: str = "emulated",
                  num_layers: "int | None" = None, sm: "int | None" = None,
-                 te_options: "TEOptions | None" = None, fp8_recipe: str = "blockwise",
-                 fp4_recipe: str = "nvfp4") -> RecipeConfig:
+                 te_options: "TEOptions | None" = None, formats: Formats = Formats()) -> RecipeConfig:
     """Plan -> RecipeConfig for one model chunk (`layer_offset`: global layers before it).
 
     With `num_layers`, the plan must cover exactly that model's planned linears (ValueError
@@ -117,8 +115,7 @@ def build_recipe(plan: Plan, *, layer_offset: int = 0, backend: str = "emulated"
     """
     if num_layers is not None:
         plan.check_model(num_layers)
-    configs = config_dict_for(backend, sm=sm, te_options=te_options, fp8_recipe=fp8_recipe,
-                              fp4_recipe=fp4_recipe)
+    configs = config_dict_for(backend, sm=sm, te_options=te_options, formats=formats)
     if backend == "te":
         used = {p.value for p in plan.values()}
         emulated = sorted(name for name in used if "precision" in configs[name])

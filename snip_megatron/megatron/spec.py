@@ -13,6 +13,8 @@ import dataclasses
 import functools
 
 BACKENDS = ("emulated", "local", "te")
+"""Planned-linear backends: SNIP's emulated linears (any device, any plan), Megatron's plain local
+linears (a BF16 reference), Transformer Engine's linears (planned through quant_recipe)."""
 
 
 def _replace_mlp_linears(mlp_spec, column_cls, row_cls):

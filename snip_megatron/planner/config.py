@@ -26,29 +26,33 @@ class PlannerConfig:
     """"fp4_fraction": at least `rho` of the linear FLOPs in FP4. "speedup": the modelled linear-GEMM
     time (FLOPs x `gemm_cost`) at least `speedup` times faster than all-BF16."""
     rho: float = 0.75
-    """FP4 budget: the fraction of linear FLOPs that must run in FP4 (budget="fp4_fraction")."""
+    """FP4 budget: the fraction of linear FLOPs that must run in FP4 (budget="fp4_fraction"). In a
+    run, SnipConfig.fp4_budget sets this."""
     speedup: float = 2.0
     """Target speed-up of the linear GEMMs over all-BF16 (budget="speedup")."""
     gemm_cost: dict = field(default_factory=_default_gemm_cost)
     """Relative GEMM time per precision for the time model; every Precision needs a positive entry."""
     allowed: tuple = (Precision.FP8, Precision.FP4)
     """Precisions the planner may choose (the paper: FP8 and FP4); add BF16 for a third choice.
-    Pinned layers may hold any precision."""
+    Pinned layers may hold any precision. In a run, SnipConfig.precisions sets this."""
     per_stage: bool = True
     """When `stages` are given to solve_plan, every pipeline stage must meet the budget on its own, so
-    no stage becomes the bottleneck (the global budget then follows)."""
+    no stage becomes the bottleneck (the global budget then follows). In a run,
+    SnipConfig.per_stage_budget sets this (off there by default)."""
     switch_penalty: float = 0.0
     """Cost added for each linear whose precision differs from the previous plan (same units as the
-    cost table), so plans do not flap on measurement noise. 0 disables it."""
+    cost table), so plans do not flap on measurement noise. 0 disables it. In a run,
+    SnipConfig.switch_penalty sets this."""
     solver: str = "auto"
     """"auto": CBC, and the exact fallback if CBC is missing, fails or times out; "cbc": the same
     (the fallback still answers on failure, and the result says so); "exact": the fallback only."""
     time_limit_s: float = 10.0
     """Wall-clock limit of all CBC solves of one re-plan together (the stages share it), seconds.
-    The exact fallback, when needed, runs after it (tens of ms on real layouts)."""
+    The exact fallback, when needed, runs after it (tens of ms on real layouts). In a run,
+    SnipConfig.solver_time_limit_s sets this."""
     gap_rel: float = 1e-6
     """Relative optimality gap at which CBC may stop (CBC's own measure: relative to the cost above
-    every layer's cheapest choice)."""
+    every layer's cheapest choice). In a run, SnipConfig.solver_gap sets this."""
     threads: int | None = None
     """CBC threads; None lets CBC choose."""
     cbc_path: str | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.stats.table import CANDIDATES
 
 
@@ -15,12 +15,13 @@ class MeasureConfig:
 
     noise_frac: float = 0.05
     """Forward noise standard deviation as a fraction of rms(Y) of each layer (kappa did not depend
-    on it between 2% and 5% in our measurements)."""
+    on it between 2% and 5% in our measurements). In a run, SnipConfig.noise_scale sets this."""
     bwd_noise_frac: float = 1.0
     """Backward noise standard deviation as a fraction of rms(G_X). The backward-noise pass runs
     with a zero loss gradient, so it is exactly linear and the gains do not depend on this."""
     seed: int = 0
-    """Seed of the dedicated noise and stochastic-rounding generators (never the global RNG)."""
+    """Seed of the dedicated noise and stochastic-rounding generators (never the global RNG). In a
+    run, SnipConfig.seed sets this."""
     precisions: tuple = CANDIDATES
     """Candidate precisions whose quantization errors are collected."""
     first_order: bool = True
@@ -39,10 +40,9 @@ class MeasureConfig:
     """The same for the backward-GEMM roles (X for wgrad, G_Y for dgrad and wgrad), which only
     feed the weight divergence: sums of squared errors, spread evenly over tokens, so a sparser
     sample serves them (the forward roles also feed dY and its per-token projections)."""
-    fp8_recipe: str = "blockwise"
-    """FP8 recipe of the quantization errors (formats.FP8_RECIPES)."""
-    fp4_recipe: str = "nvfp4"
-    """FP4 recipe of the quantization errors (formats.FP4_RECIPES)."""
+    formats: Formats = Formats()
+    """The FP8/FP4 formats whose quantization errors are measured. In a run, SnipConfig.formats
+    sets this (the formats the planned linears run)."""
 
     def __post_init__(self) -> None:
         for name in ("noise_frac", "bwd_noise_frac"):

@@ -2,9 +2,9 @@
 (by default the noise passes share one pass: forward noise on even micro-batches, backward noise
 on odd ones; MeasureConfig.interleave_noise).
 
-    table = measure(model_chunks, forward_step_func, batches, optimizer=optimizer,
-                    seq_length=S, micro_batch_size=B)       # a reduced StatsTable on global rank 0
-    table = measure(trainer, config=snip_config)            # from a train.Trainer (the controller)
+    table = measure_chunks(model_chunks, forward_step_func, batches, optimizer=optimizer,
+                           seq_length=S, micro_batch_size=B)  # a reduced StatsTable on global rank 0
+    table = measure_step(ctx, snip_config.measure_config())  # from a loop's StepContext (the controller)
 
 Call it at a step boundary with the micro-batches of the coming step (the caller then trains on
 the same list, so the data position does not move). Training is left untouched: parameters are
@@ -138,35 +138,16 @@ def _model_config(chunk):
     return get_model_config(chunk)
 
 
-def measure_config_from(config) -> MeasureConfig:
-    """A MeasureConfig from a MeasureConfig, None, or the controller's SnipConfig."""
-    if config is None:
-        return MeasureConfig()
-    if isinstance(config, MeasureConfig):
-        return config
-    return MeasureConfig(noise_frac=getattr(config, "noise_scale", 0.05), seed=getattr(config, "seed", 0),
-                         fp8_recipe=getattr(config, "fp8_recipe", "blockwise"),
-                         fp4_recipe=getattr(config, "fp4_recipe", "nvfp4"))
+def measure_step(ctx, config: MeasureConfig, **kwargs) -> "StatsTable | None":
+    """The measurement of the step about to run, from a training loop's StepContext
+    (snip_megatron.hooks): its chunks, forward step, optimizer and current micro-batches. The
+    reduced table comes back on global rank 0, None elsewhere."""
+    import torch.distributed as dist
 
-
-def measure(target, forward_step_func=None, batches=None, *, config=None, step=None, **kwargs):
-    """Statistics of one step. `target` is a list of model chunks (then forward_step_func, batches,
-    seq_length and micro_batch_size are required) or a train.Trainer (its chunks, optimizer and
-    current_batch are used; the table comes back on global rank 0 and None elsewhere). `config`:
-    a MeasureConfig or the controller's SnipConfig. `step` is accepted for the controller's call."""
-    mconfig = measure_config_from(config)
-    if hasattr(target, "current_batch"):  # a Trainer
-        import torch.distributed as dist
-
-        from snip_megatron.megatron.batch import make_forward_step
-
-        kwargs.setdefault("optimizer", target.optimizer)
-        table = measure_chunks(target.chunks, forward_step_func or make_forward_step(),
-                               batches if batches is not None else target.current_batch,
-                               seq_length=getattr(target.config, "seq_len", target.shape.seq_length),
-                               micro_batch_size=target.config.micro_batch_size, config=mconfig, **kwargs)
-        return table if (not dist.is_initialized() or dist.get_rank() == 0) else None
-    return measure_chunks(target, forward_step_func, batches, config=mconfig, **kwargs)
+    table = measure_chunks(ctx.chunks, ctx.forward_step_func, ctx.current_batch,
+                           seq_length=ctx.seq_length, micro_batch_size=ctx.micro_batch_size,
+                           optimizer=ctx.optimizer, config=config, **kwargs)
+    return table if (not dist.is_initialized() or dist.get_rank() == 0) else None
 
 
 def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length: int,
@@ -187,7 +168,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
     if not batches:
         raise ValueError("measure() needs the micro-batches of the step, got an empty list")
     linears = planned_linears(chunks)
-    error_fn = error_fn or formats_error_fn(config.fp8_recipe, config.fp4_recipe, config.seed)
+    error_fn = error_fn or formats_error_fn(config.formats, config.seed)
     # the noise pass: alternate micro-batches, or the two halves of a lone one
     noise_batches, noise_mbs = batches, micro_batch_size
     interleave, halves = config.interleave_noise and len(batches) >= 2, False

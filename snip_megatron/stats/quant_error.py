@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 
 ErrorFn = Callable[..., torch.Tensor]  # (tensor_2d, precision, role, group=None) -> error
 
@@ -37,16 +37,14 @@ def _layout_free(cast) -> bool:
             and (cast.block is None or cast.block[0] == cast.block[1]))
 
 
-def formats_error_fn(fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4", seed: int = 0) -> ErrorFn:
+def formats_error_fn(formats: Formats = Formats(), seed: int = 0) -> ErrorFn:
     """E = Q(T) - T with the project's fake quantizers; stochastic rounding draws from a dedicated
     generator (seeded once), never from the global RNG. The error of the last tensor under a
     layout-free cast is kept, so a weight's dgrad error is not recomputed when it equals fprop's."""
-    from snip_megatron import formats
-    from snip_megatron.formats.spec import FormatSpec, Role
+    from snip_megatron.formats.quantize import quantize_for_role as quantize
+    from snip_megatron.formats.spec import Role
 
-    quantize = formats.quantize_for_role
-    specs = {p: FormatSpec.for_precision(p, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
-             for p in (Precision.FP8, Precision.FP4)}
+    specs = {p: formats.spec(p) for p in (Precision.FP8, Precision.FP4)}
     generator = torch.Generator().manual_seed(seed)
     last: list = []  # [tensor, version, cast, group, error]: the tensor is held, so `is` is safe
 

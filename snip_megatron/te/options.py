@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# TE per-module recipes that Megatron's TEQuantizationRecipe accepts and that can switch per layer.
-FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
-FP4_RECIPES = ("nvfp4",)
+from snip_megatron.formats.precision import FP8_RECIPES
+
+# FP4 recipes Transformer Engine runs natively (per module, through Megatron's TEQuantizationRecipe);
+# every FP8 recipe of snip_megatron.formats is one TE runs too.
+TE_FP4_RECIPES = ("nvfp4",)
 # What to do with an FP4 layer on a GPU without native FP4 (before Blackwell).
 FP4_FALLBACKS = ("emulated", "error")
 
@@ -42,9 +44,9 @@ class TEOptions:
             if self.fp8_recipe not in FP8_RECIPES:
                 raise ValueError(f"TEOptions.fp8_recipe={self.fp8_recipe!r} is unknown; valid: "
                                  f"{', '.join(FP8_RECIPES)} (or None to pick by GPU)")
-        if self.fp4_recipe not in FP4_RECIPES:
-            raise ValueError(f"TEOptions.fp4_recipe={self.fp4_recipe!r} is unknown; valid: "
-                             f"{', '.join(FP4_RECIPES)}")
+        if self.fp4_recipe not in TE_FP4_RECIPES:
+            raise ValueError(f"TEOptions.fp4_recipe={self.fp4_recipe!r} has no Transformer Engine "
+                             f"recipe; valid: {', '.join(TE_FP4_RECIPES)}")
         if self.fp4_fallback not in FP4_FALLBACKS:
             raise ValueError(f"TEOptions.fp4_fallback={self.fp4_fallback!r} is unknown; valid: "
                              f"{', '.join(FP4_FALLBACKS)}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.te.options import TEOptions, fp8_recipe_for, has_native_fp4
 
 TE_CONFIG_TYPE_KEY = "transformer_engine_config_type"
@@ -53,15 +53,15 @@ def te_params(precision: "Precision | str", *, sm: int, options: TEOptions = TEO
             "training_recipe": te_recipe(precision, sm=sm, options=options)}
 
 
-def emulated_params(precision: "Precision | str", *, fp8_recipe: str = "blockwise",
-                    fp4_recipe: str = "nvfp4") -> dict:
-    """The config dict SNIP's emulated linears read in `finish_init`."""
+def emulated_params(precision: "Precision | str", formats: Formats = Formats()) -> dict:
+    """The config dict SNIP's emulated linears read in `finish_init` (plain JSON: recipes travel
+    as names, like every quant_recipe config)."""
     p = Precision.parse(precision)
     config: dict = {"precision": p.value}
     if p is Precision.FP8:
-        config["fp8_recipe"] = fp8_recipe
+        config["fp8_recipe"] = formats.fp8_recipe
     elif p is Precision.FP4:
-        config["fp4_recipe"] = fp4_recipe
+        config["fp4_recipe"] = formats.fp4_recipe
     return config
 
 
@@ -74,7 +74,7 @@ def module_config(precision: "Precision | str", *, sm: int,
         if options.fp4_fallback == "error":
             raise ValueError(f"FP4 needs SM100+ for Transformer Engine, this GPU is SM{sm}, and "
                              f"TEOptions.fp4_fallback='error'; set it to 'emulated'")
-        return ModuleConfig("emulated", emulated_params(p, fp4_recipe=options.fp4_recipe))
+        return ModuleConfig("emulated", emulated_params(p, Formats(fp4_recipe=options.fp4_recipe)))
     return ModuleConfig("te", te_params(p, sm=sm, options=options))
 
 

@@ -11,80 +11,52 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-
 from pathlib import Path
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.controller import SnipController
-from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
+from snip_megatron.data.prepare import DataConfig
+from snip_megatron.flags import add_dataclass_flags, values_of
 from snip_megatron.megatron.args import add_snip_args, snip_config_from_args
-from snip_megatron.shapes import get_shape
-from snip_megatron.train.config import TrainConfig
+from snip_megatron.shapes import PRESETS, get_shape
+from snip_megatron.megatron.spec import BACKENDS
+from snip_megatron.train.config import PARAM_DTYPES, TrainConfig
 from snip_megatron.train.loop import Trainer
 
+# Flags whose name is not the field's (kept for the command lines users already have).
+_TRAIN_FLAGS = {"metrics_path": "--metrics"}
+_DATA_FLAGS = {"cache_dir": "--data-cache"}
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, str | None]:
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict, dict]:
+    """The compact loop's parser: TrainConfig's and DataConfig's fields and the --snip* flags, all
+    generated from the dataclasses (snip_megatron.flags)."""
     p = argparse.ArgumentParser(prog="python -m snip_megatron.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = p.add_argument
-    a("--model", default="llama_tiny", help="model preset (snip_megatron.shapes)")
-    a("--steps", type=int, default=100)
-    a("--seq-length", type=int, default=None)
-    a("--micro-batch-size", type=int, default=4)
-    a("--global-batch-size", type=int, default=None)
-    a("--lr", type=float, default=3e-3)
-    a("--min-lr", type=float, default=3e-4)
-    a("--warmup-steps", type=int, default=None)
-    a("--lr-decay-style", default="cosine")
-    a("--weight-decay", type=float, default=0.1)
-    a("--clip-grad", type=float, default=1.0)
-    a("--tp", type=int, default=1)
-    a("--pp", type=int, default=1)
-    a("--distributed-optimizer", action="store_true")
-    a("--params-dtype", default="fp32", choices=("fp32", "bf16"))
-    a("--backend", default="emulated", choices=("emulated", "local", "te"))
-    a("--precision", default="bf16", help="initial precision of every planned linear: bf16, fp8, fp4")
-    a("--seed", type=int, default=1234)
-    a("--eval-interval", type=int, default=50)
-    a("--eval-batches", type=int, default=8)
-    a("--log-interval", type=int, default=1)
-    a("--metrics", default=None, help="metrics JSONL path")
-    a("--save-dir", default=None)
-    a("--save-interval", type=int, default=None)
-    a("--load-dir", default=None)
-    a("--load-step", type=int, default=None)
-    a("--no-progress", action="store_true")
-    d = p.add_argument_group("data")
-    d.add_argument("--corpus", default="stdlib")
-    d.add_argument("--data-cache", default=DEFAULT_CACHE_DIR)
-    d.add_argument("--vocab-size", type=int, default=None, help="default: the model's")
-    d.add_argument("--tokenizer", default=None)
-    d.add_argument("--max-docs", type=int, default=None)
-    d.add_argument("--max-bytes", type=int, default=None)
+    p.add_argument("--model", default="llama_tiny", choices=list(PRESETS),
+                   help="model preset (snip_megatron.shapes.PRESETS)")
+    train = add_dataclass_flags(p, TrainConfig, exclude=("model", "data", "formats"),
+                                flag_of=lambda n: _TRAIN_FLAGS.get(n, "--" + n.replace("_", "-")),
+                                choices={"backend": BACKENDS, "params_dtype": PARAM_DTYPES})
+    data = add_dataclass_flags(p.add_argument_group("data"), DataConfig, defaults={"vocab_size": None},
+                               flag_of=lambda n: _DATA_FLAGS.get(n, "--" + n.replace("_", "-")))
     add_snip_args(p)
     p.add_argument("--run-dir", default=None,
                    help="folder for the SNIP plan log (snip_plans.jsonl) and the report; default: "
                         "beside --metrics")
-    args = p.parse_args(argv)
-    data = DataConfig(corpus=args.corpus, cache_dir=args.data_cache, tokenizer=args.tokenizer,
-                      vocab_size=args.vocab_size or get_shape(args.model).vocab_size,
-                      max_docs=args.max_docs, max_bytes=args.max_bytes)
+    return p, train, data
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, str | None]:
+    parser, train_dests, data_dests = build_parser()
+    args = parser.parse_args(argv)
+    data_values = values_of(args, data_dests)
+    data_values["vocab_size"] = data_values["vocab_size"] or get_shape(args.model).vocab_size
     snip = snip_config_from_args(args)
-    run_dir = args.run_dir or (str(Path(args.metrics).parent) if args.metrics else None)
-    if snip.enabled and args.precision == "bf16":
-        args.precision = snip.initial_precision  # the plan before SNIP's first measurement
-    train = TrainConfig(
-        model=args.model, data=data, steps=args.steps, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, lr=args.lr,
-        min_lr=args.min_lr, warmup_steps=args.warmup_steps, lr_decay_style=args.lr_decay_style,
-        weight_decay=args.weight_decay, clip_grad=args.clip_grad, tp=args.tp, pp=args.pp,
-        distributed_optimizer=args.distributed_optimizer, params_dtype=args.params_dtype,
-        backend=args.backend, precision=args.precision, seed=args.seed,
-        fp8_recipe=snip.fp8_recipe, fp4_recipe=snip.fp4_recipe,  # one flag sets both: the formats SNIP measures
-        eval_interval=args.eval_interval or None, eval_batches=args.eval_batches,
-        log_interval=args.log_interval, metrics_path=args.metrics, save_dir=args.save_dir,
-        save_interval=args.save_interval, load_dir=args.load_dir, load_step=args.load_step,
-        progress=not args.no_progress)
+    values = values_of(args, train_dests)
+    values["eval_interval"] = values["eval_interval"] or None  # --eval-interval 0: no validation
+    train = TrainConfig(model=args.model, data=DataConfig(**data_values), formats=snip.formats, **values)
+    run_dir = args.run_dir or (str(Path(train.metrics_path).parent) if train.metrics_path else None)
     return train, snip, run_dir
 
 

@@ -3,11 +3,12 @@
     trainer = Trainer(TrainConfig(model="llama_tiny", steps=200, metrics_path="runs/m.jsonl"))
     history = trainer.fit()
 
-What the SNIP controller uses (through StepHook): `trainer.chunks` (DDP-wrapped model chunks),
-`trainer.modules` (the GPTModel chunks inside), `trainer.optimizer` (Adam moments),
-`trainer.current_batch` (this step's micro-batches), `trainer.step`, `trainer.forward_backward()`
-(an extra pass on the current batch that leaves gradients in `param.main_grad` and does not step
-the optimizer), and `trainer.set_plan()` (apply a precision plan at a step boundary).
+The Trainer is itself the StepContext its hooks see (snip_megatron.hooks): `chunks` (DDP-wrapped
+model chunks), `optimizer`, `forward_step_func`, `current_batch` (this step's micro-batches),
+`seq_length`, `micro_batch_size`, `formats`, `step` and `set_plan()` (apply a precision plan at a
+step boundary). Beyond it: `modules` (the GPTModel chunks inside DDP) and `forward_backward()` (an
+extra pass on the current batch that leaves gradients in `param.main_grad` and does not step the
+optimizer).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from snip_megatron.megatron.sr_seed import reseed_stochastic_rounding
 from snip_megatron.plan import Plan
 from snip_megatron.train import checkpoint
 from snip_megatron.train.config import TrainConfig
-from snip_megatron.train.hooks import StepHook, check_unique_names, hooks_from_json, hooks_to_json
+from snip_megatron.hooks import StepHook, check_unique_names, hooks_from_json, hooks_to_json
 
 LOSS_KEY = "lm loss"
 
@@ -63,6 +64,11 @@ class Trainer:
     @property
     def micro_batch_size(self) -> int:
         return self.config.micro_batch_size
+
+    @property
+    def formats(self):
+        """The FP8/FP4 formats the planned linears run."""
+        return self.config.formats
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -156,7 +162,7 @@ class Trainer:
                                  "plans; use backend='emulated'")
         else:
             apply_plan(self.chunks, plan, num_layers=self.shape.num_layers,
-                       fp8_recipe=self.config.fp8_recipe, fp4_recipe=self.config.fp4_recipe)
+                       formats=self.config.formats)
         self.plan = plan
 
     # ---- one step ----------------------------------------------------------------------------

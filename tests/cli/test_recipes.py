@@ -1,6 +1,7 @@
 """Hydra recipes: every file composes against the schema, layouts are checked field by field,
 and the 70B recipe becomes exactly the Megatron-LM arguments a 64-rank run needs."""
 
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from snip_megatron.cli.command import compact_args, megatron_args, training_targ
 from snip_megatron.cli.recipe import compose_recipe, default_config_dir
 from snip_megatron.config import BASELINES
 from snip_megatron.shapes import PRESETS
+from snip_megatron.train.config import TrainingSchedule
 
 CONFIGS = default_config_dir()
 
@@ -23,19 +25,26 @@ def test_config_dir_is_the_repository_configs():
 
 
 def test_groups_hold_the_promised_recipes():
-    assert {"llama_tiny", "llama_1b", "llama_3b", "llama_7b", "llama_70b"} <= set(options("model"))
+    assert not (CONFIGS / "model").exists()  # the model presets exist once: snip_megatron.shapes
     assert {"off", "default", "aggressive", *BASELINES} <= set(options("snip"))
     assert {"single", "tp4_pp2", "tp8_pp8", "tp8_pp8_vpp2", "dp2"} <= set(options("parallel"))
     assert {"mock", "stdlib"} <= set(options("data"))
     assert {"tiny", "pretrain"} <= set(options("train"))
 
 
-@pytest.mark.parametrize("model", ["llama_tiny", "llama_1b", "llama_3b", "llama_7b", "llama_70b"])
-def test_model_recipes_match_the_shape_presets(model):
+@pytest.mark.parametrize("model", sorted(PRESETS))
+def test_model_recipes_are_the_shape_presets(model):
     recipe = compose_recipe([f"model={model}"] + ([] if model == "llama_tiny" else ["parallel=single"]))
-    shape, preset = recipe.model.shape(), PRESETS[model]
-    for f in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups"):
-        assert getattr(shape, f) == getattr(preset, f), f
+    assert recipe.model.shape() == PRESETS[model] and recipe.model.name == model
+
+
+def test_a_preset_field_can_be_overridden_and_is_typed():
+    recipe = compose_recipe(["model=llama_7b", "model.seq_length=4096", "train=pretrain"])
+    assert recipe.model.shape() == PRESETS["llama_7b"].with_(seq_length=4096)
+    with pytest.raises(ValueError, match="seq_length"):
+        compose_recipe(["model.seq_length=long"])
+    with pytest.raises(ValueError, match="no_such_field"):
+        compose_recipe(["model.no_such_field=1"])
 
 
 # A layout each recipe of a group composes with (the tiny model cannot take TP=8).
@@ -122,7 +131,8 @@ EXPECTED_70B = [
     "--use-distributed-optimizer",
     "--micro-batch-size", "1", "--global-batch-size", "1024", "--train-iters", "100000",
     "--lr", "0.0003", "--min-lr", "3e-05", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2000",
-    "--weight-decay", "0.1", "--clip-grad", "1", "--seed", "1234", "--bf16",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1",
+    "--seed", "1234", "--bf16",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--mock-data",
     "--log-interval", "10", "--eval-interval", "1000", "--eval-iters", "20",
     "--save", "runs/llama_70b-default", "--load", "runs/llama_70b-default", "--save-interval", "1000",
@@ -135,7 +145,7 @@ def test_llama_70b_tp8_pp8_on_64_ranks_becomes_these_megatron_arguments():
                              "snip.fp4_budget=0.8"])
     assert recipe.parallel.world_size == 64 and recipe.parallel.data_parallel_size == 1
     assert megatron_args(recipe) == EXPECTED_70B
-    assert training_target(recipe) == ["-m", "snip_megatron.megatron.pretrain_gpt", *EXPECTED_70B]
+    assert training_target(recipe) == ["-m", "snip_megatron.pretrain", *EXPECTED_70B]
 
 
 def test_vpp_and_corpus_arguments():
@@ -155,7 +165,7 @@ def test_megatron_accepts_the_generated_arguments():
 
     from megatron.training.arguments import add_megatron_arguments
 
-    from snip_megatron.megatron.pretrain_gpt import add_extra_args
+    from snip_megatron.pretrain.entry import add_extra_args
 
     parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for overrides in (["model=llama_70b", "parallel=tp8_pp8_vpp2", "train=pretrain", "snip=aggressive"],
@@ -169,13 +179,13 @@ def test_megatron_accepts_the_generated_arguments():
 
 
 def test_tiny_recipe_becomes_compact_loop_arguments():
-    recipe = compose_recipe(["train.train_iters=200", "snip.fp4_budget=0.8"])
+    recipe = compose_recipe(["train.steps=200", "snip.fp4_budget=0.8"])
     assert recipe.entry == "compact" and recipe.data.kind == "corpus"
     args = compact_args(recipe)
     value = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
     assert value["--model"] == "llama_tiny" and value["--steps"] == "200"
     assert value["--corpus"] == "stdlib" and value["--vocab-size"] == "4096"
-    assert value["--precision"] == "fp8"  # SNIP's initial precision
+    assert "--precision" not in value  # SNIP's controller decides the initial plan
     assert args[args.index("--snip"):] == ["--snip", "--snip-fp4-budget", "0.8"]
     assert training_target(recipe)[:2] == ["-m", "snip_megatron.train"]
 
@@ -184,10 +194,13 @@ def test_compact_loop_parses_its_arguments():
     """The compact loop's parser takes every argument of the recipe, the --snip* flags included."""
     from snip_megatron.train.__main__ import parse_args
 
-    args = compact_args(compose_recipe(["parallel=dp2", "train.train_iters=120", "snip.fp4_budget=0.8"]))
+    args = compact_args(compose_recipe(["parallel=dp2", "train.steps=120", "snip.fp4_budget=0.8"]))
     config, snip, _ = parse_args(args)
     assert (config.steps, config.global_batch_size, config.distributed_optimizer) == (120, 8, True)
-    assert snip.enabled and snip.fp4_budget == 0.8 and config.precision == snip.initial_precision
+    assert snip.enabled and snip.fp4_budget == 0.8 and config.formats == snip.formats
+    recipe = compose_recipe(["parallel=dp2", "train.steps=120"])
+    for f in fields(TrainingSchedule):  # every schedule field reaches the compact loop unchanged
+        assert getattr(config, f.name) == getattr(recipe.train, f.name), f.name
 
 
 @pytest.mark.parametrize("overrides, message", [

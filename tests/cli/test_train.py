@@ -33,7 +33,7 @@ def test_dry_run_70b_multi_node(capsys):
     assert cmd[0] == sys.executable
     assert cmd[1:] == ["-m", "torch.distributed.run", "--nnodes", "8", "--nproc-per-node", "8",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "job7",
-                       "-m", "snip_megatron.megatron.pretrain_gpt", *EXPECTED_70B]
+                       "-m", "snip_megatron.pretrain", *EXPECTED_70B]
 
 
 def test_multi_node_needs_a_rendezvous(capsys, monkeypatch):
@@ -43,7 +43,7 @@ def test_multi_node_needs_a_rendezvous(capsys, monkeypatch):
 
 
 def test_dry_run_tiny_is_the_compact_loop(capsys):
-    code, out, _ = run_cli(capsys, "--dry-run", "snip.fp4_budget=0.5", "train.train_iters=50")
+    code, out, _ = run_cli(capsys, "--dry-run", "snip.fp4_budget=0.5", "train.steps=50")
     assert code == 0 and "# entry: compact" in out
     cmd = command_line(out)
     assert cmd[:5] == [sys.executable, "-m", "snip_megatron.train", "--model", "llama_tiny"]
@@ -64,7 +64,7 @@ def test_print_target_one_argument_a_line(capsys):
     code, out, _ = run_cli(capsys, "--print-target", "model=llama_70b", "parallel=tp8_pp8", "train=pretrain",
                            "data=mock", "snip.fp4_budget=0.8")
     assert code == 0
-    assert out.splitlines() == ["-m", "snip_megatron.megatron.pretrain_gpt", *EXPECTED_70B]
+    assert out.splitlines() == ["-m", "snip_megatron.pretrain", *EXPECTED_70B]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -88,7 +88,7 @@ def test_without_dry_run_it_execs_the_command(capsys, monkeypatch):
 
     monkeypatch.setattr(cli.os, "execvp", fake_exec)
     with pytest.raises(SystemExit):
-        cli.main(["snip=off", "train.train_iters=50"])
+        cli.main(["snip=off", "train.steps=50"])
     assert seen["path"] == sys.executable
     assert seen["argv"][:3] == [sys.executable, "-m", "snip_megatron.train"]
     assert "--snip" not in seen["argv"] and seen["argv"][seen["argv"].index("--steps") + 1] == "50"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from snip_megatron.emulation import QuantRuntime, quantized_linear
-from snip_megatron.formats import FormatSpec, Precision
+from snip_megatron.formats import Formats, FormatSpec, Precision
 from snip_megatron.shapes import ModelShape
 
 SHAPE = ModelShape(num_layers=1, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
@@ -97,8 +97,8 @@ def test_set_precision_keeps_parameters_and_changes_numerics(megatron_single):
     assert torch.equal(outs["bf16"][0], outs["bf16"][1])
     err = {p: float((outs[p][0] - outs["bf16"][0]).norm()) for p in ("fp8", "fp4")}
     assert 0 < err["fp8"] < err["fp4"]
-    # None keeps the current recipe of that precision.
-    layer.set_precision("fp8", fp8_recipe="mxfp8")
+    # No formats keeps the layer's formats.
+    layer.set_precision("fp8", Formats(fp8_recipe="mxfp8"))
     layer.set_precision("fp4")
     layer.set_precision("fp8")
     assert layer.format_spec.recipe == "mxfp8"
@@ -113,7 +113,7 @@ def test_finish_init_rejects_bad_configs(megatron_single):
     with pytest.raises(ValueError, match="bf16, fp8, fp4"):
         layer.finish_init(_QC({"precision": "int4"}))
     with pytest.raises(ValueError, match="nvfp4, mxfp4"):
-        layer.set_precision("fp4", fp4_recipe="nvfp8")
+        layer.finish_init(_QC({"precision": "fp4", "fp4_recipe": "nvfp8"}))
     assert layer.precision is Precision.BF16  # nothing half-applied
 
 
@@ -152,7 +152,7 @@ def test_warns_when_tp_shards_split_blocks(megatron_single, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer.set_precision("fp4")  # 80 = 5 x 16: aligned
-        layer.set_precision("fp8", fp8_recipe="tensorwise")  # per-tensor: nothing to align
+        layer.set_precision("fp8", Formats(fp8_recipe="tensorwise"))  # per-tensor: nothing to align
 
 
 def test_finish_init_again_keeps_the_sr_stream(megatron_single):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from snip_megatron.megatron import runtime
+from snip_megatron.formats.precision import Formats
 
 RECIPES = [("bf16", {}), ("fp8", {"fp8_recipe": "blockwise"}), ("fp8", {"fp8_recipe": "tensorwise"}),
            ("fp8", {"fp8_recipe": "mxfp8"}), ("fp4", {"fp4_recipe": "nvfp4"}),
@@ -44,7 +45,7 @@ def run_pair(tp, precision, recipe, data, sequence_parallel):
         col.weight.copy_(w_col[r * m_local:(r + 1) * m_local])
         row.weight.copy_(w_row[:, r * m_local:(r + 1) * m_local])
     for layer, seed in ((col, 11), (row, 12)):
-        layer.set_precision(precision, **recipe)
+        layer.set_precision(precision, Formats(**recipe))
         layer.set_sr_seed(seed)
     sp = sequence_parallel and tp > 1
     s_local = S // tp if sp else S

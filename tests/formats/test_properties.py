@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from snip_megatron.formats import (
-    CastConfig, ElementFormat, FormatSpec, Role, hadamard_last_dim, hadamard_matrix,
+    CastConfig, ElementFormat, Formats, FormatSpec, Role, hadamard_last_dim, hadamard_matrix,
     quantization_error, quantize, quantize_for_role,
 )
 from snip_megatron.formats.elements import cast_fp8, e2m1_codes, round_e2m1
@@ -157,7 +157,7 @@ def test_quantization_error_orders_precisions():
     assert float(quantization_error(x, "fp4", "wgrad_grad_output", seed=3)) == \
         float(quantization_error(x, "fp4", "wgrad_grad_output", seed=3))
     nv = float(quantization_error(x, "fp4", "fprop_input"))
-    mx = float(quantization_error(x, "fp4", "fprop_input", fp4_recipe="mxfp4"))
+    mx = float(quantization_error(x, "fp4", "fprop_input", formats=Formats(fp4_recipe="mxfp4")))
     assert nv < mx  # finer blocks and E4M3 scales beat 1x32 power-of-two scales on Gaussian data
 
 

@@ -25,7 +25,7 @@ def run(script: Path, *args: str, env: dict | None = None) -> subprocess.Complet
 
 
 def test_torchrun_dry_run_one_node_two_processes():
-    proc = run(TORCHRUN_SH, "--dry-run", "--nproc", "2", "parallel=dp2", "train.train_iters=40")
+    proc = run(TORCHRUN_SH, "--dry-run", "--nproc", "2", "parallel=dp2", "train.steps=40")
     assert proc.returncode == 0, proc.stderr
     cmd = shlex.split(proc.stdout)
     assert cmd[:10] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -39,7 +39,7 @@ def test_torchrun_dry_run_megatron_entry_from_env_flag():
     cmd = shlex.split(proc.stdout)
     assert cmd[:8] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                        "--nproc-per-node", "8"]
-    assert cmd[8:10] == ["-m", "snip_megatron.megatron.pretrain_gpt"]
+    assert cmd[8:10] == ["-m", "snip_megatron.pretrain"]
     assert cmd[cmd.index("--tensor-model-parallel-size") + 1] == "4"
     assert cmd[cmd.index("--pipeline-model-parallel-size") + 1] == "2"
 
@@ -59,7 +59,7 @@ def expected_srun(head: str) -> list[str]:
     return ["srun", "--nodes", "4", "--ntasks-per-node", "1", "--kill-on-bad-exit=1",
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "4", "--nproc-per-node", "8",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:29500", "--rdzv-id", "4242",
-            "-m", "snip_megatron.megatron.pretrain_gpt"]
+            "-m", "snip_megatron.pretrain"]
 
 
 def test_slurm_dry_run_four_nodes_with_scontrol(tmp_path):

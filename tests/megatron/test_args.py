@@ -1,5 +1,6 @@
-"""The --snip* flags: parsing, validation with the flag's name, round trip to a launch line, and
-(where megatron.training exists) coexistence with every Megatron-LM argument."""
+"""The --snip* flags: generated from SnipConfig (one per field, its docstring as help), parsing,
+validation with the flag's name, round trip to a launch line, and (where megatron.training exists)
+coexistence with every Megatron-LM argument."""
 
 import argparse
 
@@ -7,7 +8,12 @@ import pytest
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.megatron import add_snip_args
-from snip_megatron.megatron.args import FIELD_TO_FLAG, snip_args_from_config, snip_config_from_args
+from dataclasses import fields
+
+from snip_megatron.flags import field_docs
+from snip_megatron.megatron.args import flag_of, snip_args_from_config, snip_config_from_args
+
+FLAGS = {f.name: flag_of(f.name) for f in fields(SnipConfig)}
 
 
 def parse(*argv):
@@ -20,13 +26,17 @@ def test_defaults_match_snipconfig():
     assert cfg == SnipConfig()
 
 
-def test_every_field_has_a_flag():
-    from dataclasses import fields
-
-    assert set(FIELD_TO_FLAG) == {f.name for f in fields(SnipConfig)}
+def test_every_field_has_a_flag_with_its_docstring_as_help():
     parser = add_snip_args(argparse.ArgumentParser())
-    options = {o for a in parser._actions for o in a.option_strings}
-    assert set(FIELD_TO_FLAG.values()) <= options
+    by_option = {o: a for a in parser._actions for o in a.option_strings}
+    docs = field_docs(SnipConfig)
+    assert set(docs) == {f.name for f in fields(SnipConfig)}  # every field is documented
+    for name, flag in FLAGS.items():
+        assert flag in by_option, flag
+        assert by_option[flag].help.replace("%%", "%").startswith(docs[name]), flag
+    assert FLAGS["enabled"] == "--snip" and FLAGS["fp4_budget"] == "--snip-fp4-budget"
+    choice = by_option["--snip-fp4-recipe"]
+    assert tuple(choice.choices) == ("nvfp4", "mxfp4") and choice.default == SnipConfig().fp4_recipe
 
 
 def test_flags_reach_the_config():
@@ -49,17 +59,24 @@ def test_plan_or_baseline_enables_snip():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--snip-fp4-budget", "1.2"], "--snip-fp4-budget"),
     (["--snip-fp4-budget", "lots"], "--snip-fp4-budget"),
-    (["--snip-interval", "0"], "--snip-interval"),
-    (["--snip-warmup", "12.5"], "--snip-warmup"),
-    (["--snip-precisions", "fp8,int8"], "--snip-precisions"),
     (["--snip-fp8-recipe", "delayed"], "--snip-fp8-recipe"),
     (["--snip-baseline", "best"], "--snip-baseline"),
 ])
-def test_bad_flag_values_are_rejected_by_the_parser(argv, message):
+def test_values_of_the_wrong_type_or_choice_are_rejected_by_the_parser(argv, message):
     with pytest.raises(argparse.ArgumentError, match=message):
         parse(*argv)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--snip-fp4-budget", "1.2"], "--snip-fp4-budget must be a fraction in"),
+    (["--snip-interval", "0"], "--snip-interval must be a positive integer"),
+    (["--snip-warmup", "12.5"], "--snip-warmup=12.5 is >= 1, so it is a step count"),
+    (["--snip-precisions", "fp8,int8"], "--snip-precisions has unknown precision 'int8'"),
+])
+def test_bad_values_are_refused_by_snipconfig_naming_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        snip_config_from_args(parse(*argv))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -101,5 +118,5 @@ def test_every_flag_is_documented():
     from pathlib import Path
 
     usage = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
-    missing = [flag for flag in FIELD_TO_FLAG.values() if f"`{flag}" not in usage]
+    missing = [flag for flag in FLAGS.values() if f"`{flag}" not in usage]
     assert not missing, f"docs/usage.md does not document {missing}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from snip_megatron.megatron.layout import (check_ownership, enumerate_layout, main, module_path,
+from snip_megatron.cli.layout import main
+from snip_megatron.megatron.layout import (check_ownership, enumerate_layout, module_path,
                                            random_plan, roundtrip_plan)
 from snip_megatron.plan import LayerKey
 from snip_megatron.shapes import get_shape
@@ -99,7 +100,7 @@ def test_module_entry_point_prints_result_last():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "snip_megatron.megatron.layout",
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "snip_megatron.cli.layout",
                            "--model", "llama_70b", "--tp", "8", "--pp", "8"],
                           capture_output=True, text=True, timeout=120, check=True)
     lines = proc.stdout.strip().splitlines()

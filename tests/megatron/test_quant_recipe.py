@@ -7,7 +7,7 @@ import pytest
 from megatron.core.quantization.quant_config import GlobMatcher, MatchContext, RecipeConfig
 from megatron.core.quantization.utils import get_quant_config_or_none
 
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.megatron.quant_recipe import (PlanMatcher, build_recipe, config_dict_for,
                                                  key_for_path, layer_offset, parse_planned_path,
                                                  recipe_for_chunk)
@@ -74,7 +74,7 @@ def test_plan_matcher_composes_with_other_matchers_first_match_wins():
 
 
 def test_emulated_and_te_config_dicts():
-    emu = config_dict_for("emulated", fp8_recipe="tensorwise", fp4_recipe="mxfp4")
+    emu = config_dict_for("emulated", formats=Formats(fp8_recipe="tensorwise", fp4_recipe="mxfp4"))
     assert emu == {"bf16": {"precision": "bf16"},
                    "fp8": {"precision": "fp8", "fp8_recipe": "tensorwise"},
                    "fp4": {"precision": "fp4", "fp4_recipe": "mxfp4"}}

@@ -72,7 +72,7 @@ def measure_layout(name: str):
     """Build the model of layout `name`, measure one step, tear the parallel state down."""
     from snip_megatron.megatron.batch import make_forward_step
     from snip_megatron.stats.config import MeasureConfig
-    from snip_megatron.stats.measure import measure
+    from snip_megatron.stats.measure import measure_chunks
     from snip_megatron.stats.quant_error import blockwise_error_fn
 
     # "<layout>_lone": a step of one micro-batch of 4, whose noise pass runs its two halves
@@ -81,7 +81,7 @@ def measure_layout(name: str):
     chunks = build(tp, pp, reinit=not megatron_init)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
     try:
-        return measure(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
+        return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
                        micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05),
                        error_fn=blockwise_error_fn())
     finally:

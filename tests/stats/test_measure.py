@@ -12,7 +12,7 @@ from snip_megatron.megatron.batch import make_forward_step, masked_mean_loss
 from snip_megatron.stats import noise
 from snip_megatron.stats.config import MeasureConfig
 from snip_megatron.stats.discover import planned_linears
-from snip_megatron.stats.measure import measure
+from snip_megatron.stats.measure import measure_chunks
 from snip_megatron.stats.quant_error import blockwise_error_fn
 from tests.stats.measure_worker import SHAPE, batches, build
 
@@ -83,12 +83,12 @@ def test_statistics_equal_direct_computation(megatron_single, layout):
     config = dataclasses.replace(CFG, interleave_noise=layout != "two_passes")
     if layout == "halved":
         whole = batches(num=1, mbs=4)
-        table = measure([model], make_forward_step(), whole, seq_length=SHAPE.seq_length,
+        table = measure_chunks([model], make_forward_step(), whole, seq_length=SHAPE.seq_length,
                         micro_batch_size=4, config=config, error_fn=err)
         mbs = [{k: (v[:2], v[2:])[i] if v.shape[0] == 4 else v for k, v in whole[0].items()} for i in range(2)]
         clean_mbs = whole
     else:
-        table = measure([model], make_forward_step(), mbs, seq_length=SHAPE.seq_length, micro_batch_size=2,
+        table = measure_chunks([model], make_forward_step(), mbs, seq_length=SHAPE.seq_length, micro_batch_size=2,
                         config=config, error_fn=err)
         clean_mbs = mbs
     fwd_mbs, bwd_mbs = ([0, 1], [0, 1]) if layout == "two_passes" else ([0], [1])
@@ -169,7 +169,7 @@ def test_nonfinite_statistics_reported_per_layer(megatron_single):
         e = base(t, p, role)
         return e + math.inf if role == "fprop_weight" and tuple(t.shape) == fc2_shape else e
 
-    table = measure([model], make_forward_step(), batches(), seq_length=SHAPE.seq_length,
+    table = measure_chunks([model], make_forward_step(), batches(), seq_length=SHAPE.seq_length,
                     micro_batch_size=2, config=CFG, error_fn=err)
     bad = table.nonfinite()
     assert {k.name for k in bad} == {"linear_fc2"} and len(bad) == SHAPE.num_layers
@@ -184,8 +184,8 @@ def test_token_subsampled_errors_close_to_full(megatron_single):
     run = dict(seq_length=SHAPE.seq_length, micro_batch_size=2, error_fn=blockwise_error_fn())
     run["micro_batch_size"] = 8  # 256 tokens per micro-batch: stride 2 keeps 8 of 16 chunks
     mbs = batches(mbs=8)
-    full = measure([model], make_forward_step(), mbs, config=CFG, **run)
-    sub = measure([model], make_forward_step(), mbs,
+    full = measure_chunks([model], make_forward_step(), mbs, config=CFG, **run)
+    sub = measure_chunks([model], make_forward_step(), mbs,
                   config=MeasureConfig(noise_frac=0.05, bwd_noise_frac=0.5, seed=3, error_token_stride=2,
                                        grad_error_token_stride=2), **run)
     for f in ("ex", "ex_w", "egy_d", "egy_w"):
@@ -203,8 +203,8 @@ def test_grad_error_stride_samples_only_the_backward_roles(megatron_single):
     model = build()[0]
     run = dict(seq_length=SHAPE.seq_length, micro_batch_size=8, error_fn=blockwise_error_fn())
     mbs = batches(mbs=8)
-    full = measure([model], make_forward_step(), mbs, config=CFG, **run)
-    sub = measure([model], make_forward_step(), mbs, config=dataclasses.replace(CFG, grad_error_token_stride=2), **run)
+    full = measure_chunks([model], make_forward_step(), mbs, config=CFG, **run)
+    sub = measure_chunks([model], make_forward_step(), mbs, config=dataclasses.replace(CFG, grad_error_token_stride=2), **run)
     for p in (FP8, FP4):
         for f in ("ex", "dy_sq", "gdy_sq", "gx_ex", "ew_d"):  # forward roles and weights: every token
             np.testing.assert_allclose(sub.column(f"{f}.{p}"), full.column(f"{f}.{p}"), rtol=1e-6, err_msg=f)

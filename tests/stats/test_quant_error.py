@@ -6,6 +6,7 @@ import torch
 from snip_megatron import formats
 from snip_megatron.formats.precision import Precision
 from snip_megatron.formats.spec import FormatSpec, Role
+from snip_megatron.formats.precision import Formats
 from snip_megatron.stats.quant_error import formats_error_fn
 
 FP8, FP4 = Precision.FP8, Precision.FP4
@@ -19,7 +20,7 @@ def _direct(t, p, role, fp4_recipe):
 def test_square_block_weights_share_the_fprop_error():
     w = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
     for p in (FP8, FP4):  # blockwise FP8: 128x128 weight blocks; NVFP4: 16x16 weight tiles
-        err = formats_error_fn("blockwise", "nvfp4")
+        err = formats_error_fn(Formats(fp4_recipe="nvfp4"))
         e_fprop = err(w, p, "fprop_weight")
         e_dgrad = err(w, p, "dgrad_weight")
         assert e_dgrad is e_fprop  # not recomputed
@@ -30,12 +31,12 @@ def test_square_block_weights_share_the_fprop_error():
 def test_no_reuse_across_tensors_layouts_or_changes():
     g = torch.Generator().manual_seed(1)
     w, w2 = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
-    err = formats_error_fn("blockwise", "mxfp4")
+    err = formats_error_fn(Formats(fp4_recipe="mxfp4"))
     # MXFP4 weights: 1x32 blocks along the contraction dim, so fprop and dgrad errors differ
     e_fprop, e_dgrad = err(w, FP4, "fprop_weight"), err(w, FP4, "dgrad_weight")
     assert not torch.equal(e_fprop, e_dgrad)
     torch.testing.assert_close(e_dgrad, _direct(w, FP4, "dgrad_weight", "mxfp4"), rtol=0, atol=0)
-    err = formats_error_fn("blockwise", "nvfp4")
+    err = formats_error_fn(Formats(fp4_recipe="nvfp4"))
     e1 = err(w, FP4, "fprop_weight")
     torch.testing.assert_close(err(w2, FP4, "dgrad_weight"), _direct(w2, FP4, "dgrad_weight", "nvfp4"),
                                rtol=0, atol=0)  # another tensor: its own error

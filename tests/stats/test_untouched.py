@@ -8,7 +8,7 @@ from snip_megatron.megatron import runtime
 from snip_megatron.megatron.batch import make_forward_step
 from snip_megatron.megatron.smoke import wrap_ddp_and_optimizer
 from snip_megatron.stats.discover import planned_linears
-from snip_megatron.stats.measure import measure
+from snip_megatron.stats.measure import measure_chunks
 from snip_megatron.stats.quant_error import blockwise_error_fn
 from tests.stats.measure_worker import SHAPE, batches, build
 
@@ -38,7 +38,7 @@ def _run(measured: bool, distributed_optimizer: bool):
     tables = []
 
     def measure_now():
-        tables.append(measure(ddp, make_forward_step(), step2, seq_length=SHAPE.seq_length,
+        tables.append(measure_chunks(ddp, make_forward_step(), step2, seq_length=SHAPE.seq_length,
                               micro_batch_size=2, optimizer=opt, error_fn=blockwise_error_fn()))
 
     _train_step(ddp, opt, step2, measure_now if measured else None)
@@ -85,7 +85,7 @@ def test_adam_statistics_equal_direct_computation(megatron_single):
                                       distributed_optimizer=False)
     for seed in (1, 2):
         _train_step(ddp, opt, batches(seed=seed))
-    table = measure(ddp, make_forward_step(), batches(seed=3), seq_length=SHAPE.seq_length,
+    table = measure_chunks(ddp, make_forward_step(), batches(seed=3), seq_length=SHAPE.seq_length,
                     micro_batch_size=2, optimizer=opt, error_fn=blockwise_error_fn())
     inner = opt.optimizer
     b1, b2 = inner.param_groups[0]["betas"]

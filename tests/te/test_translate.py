@@ -119,7 +119,7 @@ def test_fp8_recipe_is_configurable_and_checked_against_the_gpu():
     (dict(fp8_recipe="delayed"), "fp8_recipe='delayed' cannot switch per layer"),
     (dict(fp8_recipe="custom"), "fp8_recipe='custom' cannot switch"),
     (dict(fp8_recipe="fp8ish"), "fp8_recipe='fp8ish' is unknown"),
-    (dict(fp4_recipe="mxfp4"), "fp4_recipe='mxfp4' is unknown"),
+    (dict(fp4_recipe="mxfp4"), "fp4_recipe='mxfp4' has no Transformer Engine recipe"),
     (dict(fp4_fallback="fp8"), "fp4_fallback='fp8' is unknown"),
     (dict(fp8_format="e5m2"), "fp8_format='e5m2' is unknown"),
 ])

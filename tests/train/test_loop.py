@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from snip_megatron.formats.precision import Precision
+from snip_megatron.formats.precision import Formats, Precision
+from snip_megatron.hooks import StepHook
 from snip_megatron.plan import Plan
-from snip_megatron.train.hooks import StepHook
 from snip_megatron.train.loop import Trainer
 
 
@@ -92,7 +92,7 @@ def test_plan_reaches_every_planned_linear(tiny_config):
 def test_plans_run_in_the_configured_formats(tiny_config):
     from snip_megatron.stats.discover import planned_linears
 
-    trainer = Trainer(tiny_config(precision="fp4", fp4_recipe="mxfp4", fp8_recipe="mxfp8"))
+    trainer = Trainer(tiny_config(precision="fp4", formats=Formats(fp4_recipe="mxfp4", fp8_recipe="mxfp8")))
     try:
         assert {m.format_spec.recipe for _, m in planned_linears(trainer.chunks)} == {"mxfp4"}
         trainer.set_plan(Plan.uniform(2, "fp8"))

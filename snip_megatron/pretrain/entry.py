@@ -1,0 +1,123 @@
+"""snip-pretrain-gpt: Megatron-LM's GPT pretraining (`megatron.training.pretrain`) with SNIP.
+
+    torchrun --nproc-per-node 8 -m snip_megatron.pretrain <Megatron-LM arguments> \\
+        --snip --snip-fp4-budget 0.75 --snip-interval 1000
+
+Megatron-LM's own pretrain_gpt main, as a patched checkout runs it: `gpt_config_from_args` builds
+the model config (Megatron's builder and layer spec, every model flag), `setup_megatron_lm` adds
+SNIP, and `pretrain` runs Megatron's loop with Megatron-LM's GPT forward step and datasets
+(snip_megatron.pretrain.data, which also takes `--corpus` text). Takes every Megatron-LM argument
+plus the `--snip*` flags (generated from SnipConfig) and the data flags. Runs on CPU (gloo) too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def require_megatron_training() -> None:
+    """Fail with a clear message where megatron.training is missing (megatron-core < 0.19)."""
+    try:
+        import megatron.training  # noqa: F401
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: F401
+    except Exception as e:  # ImportError, or a broken optional dependency behind it
+        try:
+            import megatron.core as mcore
+            have = f"megatron-core {mcore.__version__}"
+        except Exception:
+            have = "no megatron-core"
+        raise SystemExit(
+            f"snip-pretrain-gpt needs megatron.training (shipped with megatron-core >= 0.19); this "
+            f"environment has {have} ({type(e).__name__}: {e}). Install megatron-core>=0.19 or use "
+            "a Megatron-LM checkout with patches/megatron-lm-pretrain_gpt.patch.") from None
+
+
+def add_extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The `extra_args_provider` of this entry point: SNIP flags and data flags."""
+    from snip_megatron.megatron.args import add_snip_args
+    from snip_megatron.pretrain.data import add_data_args
+
+    return add_data_args(add_snip_args(parser))
+
+
+def main(argv: "list[str] | None" = None, controller=None) -> int:
+    """Parse Megatron + SNIP arguments, set SNIP up and run `megatron.training.pretrain`.
+    `controller`: a stand-in for SnipController (tests)."""
+    require_megatron_training()
+    import torch
+
+    from snip_megatron.megatron.args import add_snip_args, snip_config_from_args
+    from snip_megatron.pretrain import cpu
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The SNIP flags first, on their own: a bad one fails in a second, not after Megatron's start-up.
+    early = add_snip_args(argparse.ArgumentParser(prog="snip-pretrain-gpt", add_help=False, allow_abbrev=False))
+    try:
+        snip_config_from_args(early.parse_known_args(argv)[0])
+    except ValueError as e:
+        print(f"snip-pretrain-gpt: error: {e}", file=sys.stderr)
+        return 2
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        argv = cpu.cpu_flags() + argv
+        cpu.patch_arguments_for_cpu()
+        # Megatron requires this with TP > 1 (a CUDA stream setting); meaningless on CPU.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    sys.argv = [sys.argv[0]] + argv  # Megatron parses sys.argv
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*model provider.*")
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from snip_megatron.pretrain.data import datasets_provider, forward_step
+    from snip_megatron.pretrain.setup import check_run, start
+
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return 0
+    args = parse_and_validate_args(extra_args_provider=add_extra_args,
+                                   args_defaults={"tokenizer_type": "NullTokenizer"})
+    try:
+        check_run(args)  # refuse what SNIP cannot run before Megatron builds anything
+        if on_cpu:
+            cpu.prepare_cpu(args)
+        model_cfg = gpt_config_from_args(args)
+        start(args, model_cfg, controller=controller)
+    except ValueError as e:
+        print(f"snip-pretrain-gpt: error: {e}", file=sys.stderr)
+        return 2
+    cpu.skip_prebuilt_helpers()
+    pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
+             ModelType.encoder_or_decoder, forward_step)
+    return 0
+
+
+def print_help() -> None:
+    """Megatron-LM's arguments and SNIP's, as `--help` shows them. (A stray '%' in one of
+    Megatron's own help texts makes argparse's help fail; it is escaped here.)"""
+    import re
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(
+        prog="snip-pretrain-gpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)))
+    for action in parser._actions:
+        if action.help:
+            action.help = re.sub(r"%%|%\(\w+\)\w|%", lambda m: "%%" if m.group() == "%" else m.group(),
+                                 action.help)
+    parser.print_help()
+
+
+def cli() -> None:
+    """Console entry point `snip-pretrain-gpt`."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

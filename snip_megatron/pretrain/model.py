@@ -1,0 +1,102 @@
+"""The model SNIP trains in Megatron-LM: Megatron's own layer spec (every model flag keeps its
+effect), SNIP's emulated linears put in for the emulated backend, and each chunk's quant_recipe.
+
+`GPTModelBuilder.build_model` resolves `model_cfg.transformer_layer_spec` right before it builds
+each model chunk, passing that chunk's `vp_stage`, and GPTModel's `finish_init` loop then reads
+`TransformerConfig.quant_recipe`. So the spec function below sets the recipe of the chunk about to
+be built: the plan keyed by global layer needs each chunk's own layer offset (Megatron's, uneven
+splits included), while the config object is shared by all chunks.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from snip_megatron.megatron.quant_recipe import PlanMatcher, config_dict_for
+
+
+def resolve_spec(user_spec, model_config, vp_stage):
+    """The layer spec Megatron would build: the user's `--spec` (a spec or a spec function), else
+    Megatron-LM's `default_layer_spec` (TE or local, qk-layernorm, ...)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if user_spec is None:
+        from megatron.training.models.gpt import default_layer_spec
+
+        return default_layer_spec(model_config, vp_stage)
+    if isinstance(user_spec, ModuleSpec) or not callable(user_spec):
+        return user_spec
+    if "vp_stage" in inspect.signature(user_spec).parameters:
+        return user_spec(model_config, vp_stage=vp_stage)
+    return user_spec(model_config)
+
+
+def with_planned_linears(spec, backend: str):
+    """The spec with SNIP's emulated linears for the emulated backend; the TE backend keeps
+    Megatron's TE linears (they read the plan through quant_recipe). A spec whose planned linears
+    SNIP cannot find (a block spec, another attention) is refused."""
+    attention = getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "submodules", None)
+    if attention is None or not hasattr(attention, "linear_qkv") or not hasattr(attention, "linear_proj"):
+        raise ValueError(f"the layer spec ({type(spec).__name__}) has no self_attention.linear_qkv / "
+                         "linear_proj: SNIP plans the GPT layer's attention and dense MLP linears only")
+    if backend != "emulated":
+        return spec
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
+    from snip_megatron.megatron.spec import replace_planned_linears
+
+    return replace_planned_linears(spec, QuantColumnParallelLinear, QuantRowParallelLinear)
+
+
+def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, user_recipe=None):
+    """This chunk's RecipeConfig: SNIP's plan first, then the user's own matchers (modules SNIP
+    does not plan keep what the user's precision config gives them)."""
+    from megatron.core.quantization.quant_config import RecipeConfig
+
+    from snip_megatron.megatron.quant_recipe import layer_offset
+
+    plan.check_model(transformer_config.num_layers)
+    ours = config_dict_for("te" if backend == "te" else "emulated", formats=formats)
+    matchers = [PlanMatcher(plan, layer_offset=layer_offset(transformer_config, vp_stage=vp_stage))]
+    configs = dict(ours)
+    if user_recipe is not None:
+        matchers += list(user_recipe.matchers)
+        configs.update(user_recipe.configs)
+    return RecipeConfig(matchers=matchers, config_dict=configs)
+
+
+def check_user_recipe(user_recipe, num_layers: int, source: str) -> None:
+    """A user's precision config (`--te-precision-config-file`) may set modules SNIP does not
+    plan; one that sets a planned linear, or reuses SNIP's config names, is refused."""
+    from megatron.core.quantization.quant_config import MatchContext
+
+    from snip_megatron.formats.precision import Precision
+    from snip_megatron.megatron.layout import module_path
+    from snip_megatron.plan import LINEAR_NAMES
+
+    if user_recipe is None:
+        return
+    clash = sorted(set(user_recipe.configs) & {p.value for p in Precision})
+    if clash:
+        raise ValueError(f"{source} defines config keys {clash}, the names SNIP's plan uses; rename them")
+    for index in range(num_layers):
+        for name in LINEAR_NAMES:
+            path = module_path(index, name)
+            for matcher in user_recipe.matchers:
+                key = matcher.match(MatchContext(path, index))
+                if key is not None:
+                    raise ValueError(f"{source} sets {path} (config {key!r}), a linear SNIP plans; "
+                                     "drop that matcher, or freeze a plan with --snip-plan PATH "
+                                     "--snip-pin-plan instead")
+
+
+def snip_layer_spec(run, user_spec):
+    """The `transformer_layer_spec` function for Megatron's GPTModelBuilder (see module docstring)."""
+
+    def layer_spec(model_config, vp_stage=None):
+        spec = with_planned_linears(resolve_spec(user_spec, model_config, vp_stage), run.backend)
+        model_config.transformer.quant_recipe = merged_recipe(
+            run.controller.plan, model_config.transformer, vp_stage, backend=run.backend,
+            formats=run.config.formats, user_recipe=run.user_recipe)
+        return spec
+
+    return layer_spec

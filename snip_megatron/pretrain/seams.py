@@ -1,0 +1,116 @@
+"""Where SNIP joins megatron.training: the step boundary and the checkpoint save.
+
+Megatron-LM offers no hook at a step boundary with the data iterator at hand, nor one after a
+checkpoint is final, so SNIP wraps three functions, and only these, each checked against the
+parameters this code was written for (`check_seams`, run before anything is wrapped, so a Megatron
+that changed one fails at start-up with the function named, never mid-run):
+
+- `training.train_step`: on every rank, before the step trains, the controller may measure on the
+  step's own micro-batches (which train_step then trains on) and apply a new plan;
+- `training.save_checkpoint`: SNIP's state at that iteration is written beside the checkpoint once
+  it is final: after a synchronous save returns, or ...
+- `checkpointing.schedule_async_save` (wrapped only during a save): ... as the last finalize step
+  of an `--async-save` request, after Megatron's own (which writes the tracker file).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+WRAPPED = {
+    ("megatron.training.training", "train_step"):
+        ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler", "config",
+         "forward_backward_func", "iteration"),
+    ("megatron.training.training", "save_checkpoint"):
+        ("iteration", "model", "optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far"),
+    ("megatron.training.checkpointing", "schedule_async_save"): ("async_request",),
+}
+"""The functions SNIP wraps and the leading parameters it relies on."""
+
+
+def check_seams() -> None:
+    """Raise RuntimeError naming any wrapped Megatron function whose parameters changed."""
+    import importlib
+
+    for (module_name, name), expected in WRAPPED.items():
+        fn = getattr(importlib.import_module(module_name), name, None)
+        if fn is None:
+            raise RuntimeError(f"{module_name}.{name} does not exist in this Megatron-LM; snip-megatron "
+                               "joins the training loop there and cannot run with this version")
+        fn = getattr(fn, "__wrapped__", fn)
+        have = tuple(inspect.signature(fn).parameters)[:len(expected)]
+        if have != expected:
+            raise RuntimeError(f"{module_name}.{name} takes ({', '.join(have)}, ...) in this Megatron-LM; "
+                               f"snip-megatron was written for ({', '.join(expected)}, ...) and cannot "
+                               "join the training loop safely")
+
+
+def _is_rank_0() -> bool:
+    import torch
+
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def install(run) -> None:
+    """Wrap train_step and save_checkpoint for this process's SnipRun (setup.SnipRun)."""
+    import functools
+
+    from megatron.training import checkpointing as mcheckpointing
+    from megatron.training import get_args
+    from megatron.training import training as mtraining
+
+    check_seams()
+    original_step = mtraining.train_step
+    original_save = mtraining.save_checkpoint
+
+    @functools.wraps(original_step)
+    def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        iteration = kwargs.get("iteration")
+        if iteration is None:
+            iteration = get_args().curr_iteration
+        step = iteration + 1
+        data_iterator = run.step_begin(step, forward_step_func, model, optimizer, data_iterator)
+        # Gradient stochastic rounding: a stream per (layer, step), so a resumed run rounds alike.
+        from snip_megatron.megatron.sr_seed import reseed_stochastic_rounding
+
+        reseed_stochastic_rounding(model, step, get_args().seed)
+        result = original_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+        run.step_end(step, result[0].get("lm loss") if result[0] else None)
+        return result
+
+    @functools.wraps(original_save)
+    def save_checkpoint(iteration, *args, **kwargs):
+        margs = get_args()
+        if not margs.save or kwargs.get("non_persistent_ckpt"):
+            return original_save(iteration, *args, **kwargs)
+        state = run.state_dict(iteration)  # every rank: the controller may wait for its solver
+
+        def write_after_checkpoint():
+            if _is_rank_0():
+                run.report_saved(iteration, state, margs.save)
+
+        if not margs.async_save:
+            result = original_save(iteration, *args, **kwargs)
+            write_after_checkpoint()
+            return result
+        original_schedule = mcheckpointing.schedule_async_save
+        added = []
+
+        def schedule_async_save(async_request):
+            # The request that carries Megatron's finalize steps (the tracker file) gets ours last.
+            if not added and async_request.finalize_fns:
+                async_request.add_finalize_fn(write_after_checkpoint)
+                added.append(async_request)
+            return original_schedule(async_request)
+
+        mcheckpointing.schedule_async_save = schedule_async_save
+        try:
+            return original_save(iteration, *args, **kwargs)
+        finally:
+            mcheckpointing.schedule_async_save = original_schedule
+            if not added and _is_rank_0():
+                raise RuntimeError(f"--async-save: Megatron scheduled no finalize step for iteration "
+                                   f"{iteration}, so SNIP cannot write its state after the checkpoint")
+
+    mtraining.train_step = train_step
+    mtraining.save_checkpoint = save_checkpoint

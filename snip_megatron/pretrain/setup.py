@@ -1,0 +1,254 @@
+"""setup_megatron_lm: SNIP's one entrance into a Megatron-LM run (our entry point and the patch).
+
+    model_cfg = gpt_config_from_args(args)
+    setup_megatron_lm(args, model_cfg)          # SNIP: flags checked, controller, layer spec, seams
+    pretrain(pretrain_cfg_container_from_args(args, model_cfg), ...)
+
+Megatron builds the model from `model_cfg` with its own builder and layer spec; SNIP adds only its
+linear classes (emulated backend) and each chunk's quant_recipe (model.py). A Megatron flag SNIP
+cannot keep is refused here, by name, before anything starts (`refusals`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from snip_megatron.config import SnipConfig
+from snip_megatron.megatron.args import snip_config_from_args
+
+
+def _print_rank_0(msg: str) -> None:
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # absent, or a broken install (it raises RuntimeError without CUDA)
+        return False
+    return True
+
+
+def resolve_backend(args) -> str:
+    """--snip-backend, with auto resolved from --transformer-impl."""
+    backend = getattr(args, "snip_backend", "auto")
+    if backend == "auto":
+        return "te" if args.transformer_impl == "transformer_engine" else "emulated"
+    return backend
+
+
+def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
+    """Every Megatron setting this SNIP run cannot honour, as one line each naming the flag and the fix."""
+    out = []
+
+    def refuse(when, text):
+        if when:
+            out.append(text)
+
+    refuse(getattr(args, "num_experts", None), "--num-experts (MoE): SNIP plans dense GPT layers only; "
+           "expert linears would run unplanned. Train dense, or drop --snip")
+    refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention: SNIP plans linear_qkv/"
+           "linear_proj attention only; drop one of them")
+    refuse(getattr(args, "hybrid_layer_pattern", None), "--hybrid-layer-pattern: SNIP plans GPT layers only")
+    refuse(args.transformer_impl not in ("local", "transformer_engine"),
+           f"--transformer-impl {args.transformer_impl}: SNIP needs local or transformer_engine")
+    refuse(backend == "emulated" and args.transformer_impl == "transformer_engine",
+           "--snip-backend emulated needs Megatron's local layer spec: add --transformer-impl local "
+           "(or use --snip-backend te for Transformer Engine's linears)")
+    refuse(backend == "te" and args.transformer_impl != "transformer_engine",
+           "--snip-backend te needs --transformer-impl transformer_engine")
+    refuse(backend == "te" and not te_available(),
+           "--snip-backend te: Transformer Engine is not installed here; use --transformer-impl local "
+           "--snip-backend emulated")
+    refuse(getattr(args, "fp8", None), f"--fp8-format {args.fp8}: one global FP8 autocast fights SNIP's "
+           "per-layer plan; drop it (--snip-initial-precision and --snip-precisions choose the formats)")
+    refuse(getattr(args, "fp4", None), f"--fp4-format {getattr(args, 'fp4', None)}: one global FP4 autocast "
+           "fights SNIP's per-layer plan; drop it")
+    refuse(getattr(args, "fp8_param_gather", False), "--fp8-param-gather stores weights in FP8, so a "
+           "layer cannot change precision; drop it")
+    refuse(getattr(args, "fp4_param_gather", False), "--fp4-param-gather stores weights in FP4, so a "
+           "layer cannot change precision; drop it")
+    refuse(getattr(args, "cuda_graph_impl", "none") not in (None, "none")
+           or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False),
+           "CUDA graphs (--cuda-graph-impl / --enable-cuda-graph) capture one precision per layer; "
+           "SNIP re-plans: drop them")
+    refuse(getattr(args, "tp_comm_overlap", False), "--tp-comm-overlap (Transformer Engine userbuffers) "
+           "is not supported with per-layer precision switching; drop it")
+    refuse(getattr(args, "delay_wgrad_compute", False), "--delay-wgrad-compute: SNIP's measurement reads "
+           "each weight gradient in its own backward; drop it")
+    refuse(getattr(args, "use_legacy_models", False), "--use-legacy-models: SNIP plans Megatron-Core models")
+    measures = snip.measures or snip.baseline == "min_rel_error"
+    refuse(measures and args.sequence_parallel, "--sequence-parallel: SNIP's measurement does not "
+           "support it yet; drop it, or pin a plan (--snip-plan PATH --snip-pin-plan)")
+    refuse(measures and getattr(args, "context_parallel_size", 1) > 1, "--context-parallel-size > 1: SNIP's "
+           "measurement does not support it yet; use 1, or pin a plan (--snip-plan PATH --snip-pin-plan)")
+    refuse(measures and getattr(args, "recompute_granularity", None), f"--recompute-granularity "
+           f"{getattr(args, 'recompute_granularity', None)}: SNIP's measurement does not support activation "
+           "recompute yet; drop it, or pin a plan (--snip-plan PATH --snip-pin-plan)")
+    return out
+
+
+@dataclass
+class SnipRun:
+    """SNIP inside one Megatron-LM process: its config, controller, and the step boundary."""
+
+    config: SnipConfig
+    """The --snip* flags."""
+    controller: Any
+    """The SnipController (or a stand-in with its hook methods, in tests)."""
+    backend: str = "emulated"
+    """Planned-linear backend: emulated or te."""
+    num_layers: int = 0
+    """Transformer layers of the whole model."""
+    seq_length: int = 0
+    micro_batch_size: int = 0
+    user_recipe: Any = None
+    """The user's own quant_recipe (--te-precision-config-file), merged after SNIP's matchers."""
+    _started: bool = False
+    _ctx: Any = field(default=None, repr=False)
+
+    def step_begin(self, step: int, forward_step_func, model, optimizer, data_iterator,
+                   num_microbatches: Optional[int] = None):
+        """Before Megatron's train_step: the controller may measure on this step's micro-batches
+        (which train_step then trains on) and apply a new plan. Returns what train_step must read."""
+        from snip_megatron.pretrain.step import MegatronStep
+
+        ctx = MegatronStep(step=step - 1, chunks=list(model), optimizer=optimizer,
+                           forward_step_func=forward_step_func, data_iterator=data_iterator,
+                           num_microbatches=num_microbatches or _num_microbatches(),
+                           seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
+                           formats=self.config.formats, num_layers=self.num_layers)
+        if not self._started:
+            self._started = True
+            self.controller.on_train_start(ctx)
+            self.check_applied(ctx.chunks)
+        self.controller.on_step_start(ctx, step)
+        self._ctx = ctx
+        return ctx.data_iterator()
+
+    def check_applied(self, chunks) -> None:
+        """Before the first step: this rank's planned linears run the controller's plan."""
+        from snip_megatron.megatron.apply import current_plan
+
+        local, plan = current_plan(chunks), self.controller.plan
+        wrong = [f"{k}: {local[k]} (plan: {plan[k]})" for k in local if local[k] is not plan[k]]
+        if wrong or not len(local):
+            raise RuntimeError("the model does not run the SNIP plan: "
+                               + ("; ".join(wrong[:6]) if wrong else "no planned linears found"))
+        _print_rank_0(f"[snip] rank 0 runs the plan on its {len(local)} planned linears: {local.counts()}")
+
+    def step_end(self, step: int, loss) -> None:
+        loss = float(loss) if loss is not None else None
+        if self.config.loss_guard_factor > 0:
+            loss = _loss_on_every_rank(loss)
+        self.controller.on_step_end(self._ctx, step, {"loss": loss})
+
+    def state_dict(self, iteration: int) -> dict:
+        from snip_megatron.pretrain.state import STATE_VERSION
+
+        return {"version": STATE_VERSION, "iteration": iteration, "snip_config": self.config.to_dict(),
+                "plan_source": getattr(self.controller, "plan_source", None),
+                "plan": self.controller.plan.to_dict(), "controller": self.controller.state_dict()}
+
+    def resume(self, state: Optional[dict]) -> None:
+        """Give the controller the state of the checkpoint Megatron loads (before the model exists)."""
+        if state is not None:
+            self.controller.load_state_dict(state["controller"])
+
+    def report_saved(self, iteration: int, state: dict, save_dir: str) -> None:
+        from snip_megatron.plan import Plan
+        from snip_megatron.pretrain.state import write_state
+
+        path = write_state(save_dir, iteration, state)
+        print(f"[snip] saved plan ({Plan.from_dict(state['plan']).counts()}) to {path}", flush=True)
+
+
+def _num_microbatches() -> int:
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    return get_num_microbatches()
+
+
+def _loss_on_every_rank(loss):
+    """The last pipeline stage's loss on every rank of its pipeline (one scalar all-reduce)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return loss
+    t = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64)
+    torch.distributed.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    return float(t.item())
+
+
+def model_shape(args):
+    """The ModelShape of Megatron's arguments (for the controller's FLOP table)."""
+    from snip_megatron.shapes import ModelShape
+
+    return ModelShape(name="megatron", num_layers=args.num_layers, hidden_size=args.hidden_size,
+                      ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+                      num_query_groups=args.num_query_groups or args.num_attention_heads,
+                      vocab_size=args.padded_vocab_size, seq_length=args.seq_length)
+
+
+def make_controller(snip: SnipConfig, args, transformer_config):
+    """SNIP's controller for this run: per-stage budgets from Megatron's own pipeline offsets."""
+    from snip_megatron.controller import SnipController
+    from snip_megatron.megatron.layout import pipeline_stages
+
+    stages = pipeline_stages(transformer_config) if args.pipeline_model_parallel_size > 1 else None
+    return SnipController(snip, model_shape(args), total_steps=args.train_iters, run_dir=args.save,
+                          tokens_per_step=args.global_batch_size * args.seq_length, stages=stages,
+                          log=_print_rank_0)
+
+
+def check_run(args) -> Optional[SnipConfig]:
+    """The run's SnipConfig (None when SNIP is off) after refusing every Megatron setting it cannot
+    honour; raises ValueError listing them all. Needs only Megatron's parsed arguments."""
+    snip = snip_config_from_args(args)
+    if not snip.enabled:
+        return None
+    refused = refusals(args, snip, resolve_backend(args))
+    if refused:
+        raise ValueError("this Megatron-LM run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))
+    return snip
+
+
+def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
+    """setup_megatron_lm's work; raises ValueError naming what to change."""
+    from snip_megatron.pretrain import seams
+    from snip_megatron.pretrain.model import check_user_recipe, snip_layer_spec
+    from snip_megatron.pretrain.state import read_state
+
+    snip = check_run(args)
+    if snip is None:
+        return None
+    backend = resolve_backend(args)
+    transformer = model_cfg.transformer
+    user_recipe = transformer.quant_recipe
+    check_user_recipe(user_recipe, args.num_layers, "--te-precision-config-file")
+    run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer),
+                  backend=backend, num_layers=args.num_layers, seq_length=args.seq_length,
+                  micro_batch_size=args.micro_batch_size, user_recipe=user_recipe)
+    run.resume(read_state(args))
+    model_cfg.transformer_layer_spec = snip_layer_spec(run, model_cfg.transformer_layer_spec)
+    seams.install(run)
+    plan = run.controller.plan
+    _print_rank_0(f"[snip] on; backend {backend}; formats {snip.formats.short_str()}; plan: "
+                  f"{getattr(run.controller, 'plan_source', '?')} {plan.counts()}")
+    return run
+
+
+def setup_megatron_lm(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
+    """SNIP inside a Megatron-LM run (patches/megatron-lm-pretrain_gpt.patch, and snip-pretrain-gpt).
+
+    Call after `model_cfg = gpt_config_from_args(args)`, before `pretrain(...)`. Does nothing
+    without --snip / --snip-plan / --snip-baseline. A setting SNIP cannot run exits with the reason."""
+    try:
+        return start(args, model_cfg, controller=controller)
+    except ValueError as e:
+        raise SystemExit(f"pretrain_gpt.py: SNIP: {e}") from None

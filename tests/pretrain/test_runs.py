@@ -1,0 +1,259 @@
+"""Real CPU runs of Megatron-LM's loop with SNIP (prod lane; megatron.training ships with
+megatron-core >= 0.19): SNIP measures, re-plans, writes its state beside every checkpoint (async
+saves included) and a resumed run (the latest, or --ckpt-step) takes the plan of the iteration
+Megatron loads; Megatron's own model flags, spec, masks and pipeline split keep their effect;
+real text over TP=2 with a pinned plan; the patched Megatron-LM main."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from snip_megatron.plan import Plan
+from snip_megatron.pretrain.state import STATE_FILE
+from tests.distributed import ROOT, run_distributed
+
+HAVE_TRAINING = True
+try:
+    import megatron.training.training  # noqa: F401
+except Exception:
+    HAVE_TRAINING = False
+needs_training = pytest.mark.skipif(
+    not HAVE_TRAINING, reason="megatron.training ships only with megatron-core >= 0.19 (prod lane); "
+                              "the compat lane checks the clear refusal instead")
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+         "--group-query-attention", "--num-query-groups", "2", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--position-embedding-type", "rope", "--normalization", "RMSNorm",
+         "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4",
+         "--lr-decay-style", "cosine", "--tokenizer-type", "NullTokenizer", "--log-interval", "1",
+         "--eval-iters", "1"]
+ENV = {"PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "2"}
+
+
+def run(cwd: Path, target: list[str], *argv: str, nproc: int = 1, timeout: float = 420) -> str:
+    args = [*target, *MODEL, *argv]
+    if nproc > 1:
+        return run_distributed(args, nproc=nproc, timeout=timeout).stdout
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def train(cwd: Path, *argv: str, **kw) -> str:
+    return run(cwd, ["-m", "snip_megatron.megatron.pretrain_gpt"], *argv, **kw)
+
+
+def snip_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("[snip]")]
+
+
+def losses(out: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in
+            re.finditer(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+)", out)}
+
+
+def state_of(folder: Path, iteration: int) -> dict:
+    return json.loads((folder / f"iter_{iteration:07d}" / STATE_FILE).read_text())
+
+
+def corpus_of(tmp_path: Path, docs: int = 40, words_per_doc: int = 300) -> Path:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = "each linear layer runs in the lowest precision it tolerates and is planned again".split()
+    for i in range(docs):  # a small real-text corpus: tokenizer training and indexing take seconds
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(words[(i + j) % len(words)] for j in range(words_per_doc)))
+    return corpus
+
+
+@needs_training
+def test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_loaded_one(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    snip = ["--snip", "--snip-warmup", "2", "--snip-interval", "3", "--snip-lag", "1", "--snip-fp4-budget", "0.5"]
+    common = ["--mock-data", "--vocab-size", "256", "--eval-interval", "100", "--save-interval", "2",
+              "--train-iters", "8", *snip]  # the same schedule in every run; --exit-interval stops early
+    out = train(tmp_path, *common, "--exit-interval", "6", "--save", str(ckpt), "--async-save")
+    lines = snip_lines(out)
+    assert ("[snip] on; backend emulated; formats fp8=blockwise fp4=nvfp4; plan: initial fp8 "
+            "{'bf16': 0, 'fp8': 8, 'fp4': 0}") in lines
+    assert "[snip] rank 0 runs the plan on its 8 planned linears: {'bf16': 0, 'fp8': 8, 'fp4': 0}" in lines
+    update = next(line for line in lines if line.startswith("[snip] step 3: plan"))
+    assert float(re.search(r"FP4 ([0-9.]+)% of linear FLOPs", update).group(1)) >= 50.0  # the budget
+    assert sorted(losses(out)) == [1, 2, 3, 4, 5, 6] and all(2.0 < x < 7.0 for x in losses(out).values())
+    # --async-save: each state is written after Megatron finalised its checkpoint (tracker written)
+    saved = [i for i, line in enumerate(out.splitlines()) if "snip_state.json" in line and "saved plan" in line]
+    final = [i for i, line in enumerate(out.splitlines()) if "successfully saved checkpoint" in line]
+    assert len(saved) == len(final) == 3 and all(s > f for s, f in zip(saved, final))
+    s4, s6 = state_of(ckpt, 4), state_of(ckpt, 6)
+    assert (s4["iteration"], s4["controller"]["next_measure"]) == (4, 5)
+    assert (s6["iteration"], s6["controller"]["next_measure"]) == (6, 8)
+    assert Plan.from_dict(s4["plan"]).counts()["fp4"] > 0 and s4["plan_source"] == "initial fp8"
+
+    # Resume the latest: the model is built with iteration 6's plan, whatever the flags say.
+    plan6 = Plan.from_dict(s6["plan"]).counts()
+    out = train(tmp_path, *common, "--exit-interval", "7", "--save", str(ckpt), "--load", str(ckpt),
+                "--snip-initial-precision", "fp4")
+    assert f"[snip] rank 0 runs the plan on its 8 planned linears: {plan6}" in snip_lines(out)
+    assert any(line.endswith(f"plan: checkpoint {plan6}") for line in snip_lines(out)), snip_lines(out)
+    assert sorted(losses(out)) == [7]
+
+    # --ckpt-step 4: iteration 4's state, so the measurement of step 5 runs again.
+    out = train(tmp_path, *common, "--exit-interval", "6", "--save", str(tmp_path / "again"),
+                "--load", str(ckpt), "--ckpt-step", "4")
+    plan4 = Plan.from_dict(s4["plan"]).counts()
+    assert any(line.endswith(f"plan: checkpoint {plan4}") for line in snip_lines(out)), snip_lines(out)
+    assert sorted(losses(out)) == [5, 6]
+    assert any(line.startswith("[snip] step 6: plan") for line in snip_lines(out))
+
+
+@needs_training
+def test_megatrons_model_data_and_pipeline_flags_keep_their_effect(tmp_path):
+    """Megatron builds the model (--qk-layernorm), the batch (masks, --reset-*, --eod-mask-loss)
+    and the pipeline split (--decoder-first-pipeline-num-layers): SNIP's stages are Megatron's."""
+    corpus = corpus_of(tmp_path, docs=60, words_per_doc=6)  # short documents: EODs inside a sample
+    out = run(tmp_path, [str(ROOT / "tests" / "pretrain" / "pretrain_worker.py"), str(tmp_path / "probe")],
+              "--num-layers", "3", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+              "--qk-layernorm", "--corpus", str(corpus / "*.txt"), "--corpus-cache", str(tmp_path / "cache"),
+              "--vocab-size", "300", "--split", "90,10,0", "--reset-position-ids",
+              "--reset-attention-mask", "--eod-mask-loss", "--train-iters", "2", "--eval-interval", "100",
+              "--snip", "--snip-per-stage-budget", "--snip-warmup", "1", "--snip-interval", "10",
+              "--snip-lag", "0", "--snip-fp4-budget", "0.5", nproc=2)
+    first, last = (json.loads((tmp_path / "probe" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert sorted(first["planned"]) == ["1.linear_fc1", "1.linear_fc2", "1.linear_proj", "1.linear_qkv"]
+    assert sorted({k.split(".")[0] for k in last["planned"]}) == ["2", "3"]  # the uneven split
+    assert set(first["planned"].values()) == {"QuantColumnParallelLinear", "QuantRowParallelLinear"}
+    assert first["stages"] == {f"{layer}.{n}": (0 if layer == 1 else 1) for layer in (1, 2, 3)
+                               for n in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")}
+    assert first["q_layernorms"] == 1 and last["q_layernorms"] == 2  # --qk-layernorm: one per layer
+    assert first["batch"]["attention_mask"] == [2, 1, 32, 32]  # built by the dataloader (its default)
+    pos, mask = first["position_ids"], first["loss_mask"]
+    restarts = [i for i in range(1, len(pos)) if pos[i] == 0]
+    assert restarts, pos  # --reset-position-ids: a new document restarts at 0
+    assert all(mask[i - 1] == 0.0 for i in restarts), (restarts, mask)  # --eod-mask-loss: no loss on EOD
+    lines = snip_lines(out)
+    assert any(line.startswith("[snip] step 1: plan") for line in lines), lines
+
+
+@needs_training
+def test_a_user_spec_and_precision_config_are_kept(tmp_path):
+    config = tmp_path / "precision.yaml"
+    config.write_text("matchers:\n  out:\n    enabled: true\n    type: glob\n    pattern: '*output_layer*'\n"
+                      "    config: keep_high\nconfigs:\n  keep_high:\n    precision: bf16\n")
+    plan = Plan.uniform(2, "fp8").replace({"1.linear_fc1": "fp4"})
+    plan.save(tmp_path / "plan.json")
+    run(tmp_path, [str(ROOT / "tests" / "pretrain" / "pretrain_worker.py"), str(tmp_path / "probe")],
+        "--spec", "tests.pretrain.custom_spec", "user_layer_spec", "--te-precision-config-file", str(config),
+        "--mock-data", "--vocab-size", "256", "--train-iters", "1", "--eval-interval", "100",
+        "--snip", "--snip-plan", str(tmp_path / "plan.json"), "--snip-pin-plan")
+    probe = json.loads((tmp_path / "probe" / "rank0.json").read_text())
+    assert "UserTransformerLayer" in probe["module_types"]  # Megatron built the user's --spec ...
+    assert set(probe["planned"].values()) == {"QuantColumnParallelLinear", "QuantRowParallelLinear"}  # ... with SNIP's linears
+    assert probe["plan_source"].startswith("pinned")
+
+
+@needs_training
+def test_real_text_tp2_pinned_plan(tmp_path):
+    corpus = corpus_of(tmp_path)
+    pinned = Plan.uniform(2, "fp4").replace({"1.linear_qkv": "fp8", "2.linear_fc2": "bf16"})
+    pinned.save(tmp_path / "pin.json")
+    out = train(tmp_path, "--tensor-model-parallel-size", "2", "--corpus", str(corpus / "*.txt"),
+                "--corpus-cache", str(tmp_path / "cache"), "--vocab-size", "300", "--split", "90,10,0",
+                "--train-iters", "3", "--eval-interval", "3", "--save", str(tmp_path / "ckpt"),
+                "--save-interval", "3", "--snip", "--snip-plan", str(tmp_path / "pin.json"), "--snip-pin-plan",
+                nproc=2)
+    assert f"[snip] rank 0 runs the plan on its 8 planned linears: {pinned.counts()}" in out
+    assert "validation loss at iteration 3" in out and sorted(losses(out)) == [1, 2, 3]
+    state = state_of(tmp_path / "ckpt", 3)
+    assert Plan.from_dict(state["plan"]) == pinned and state["plan_source"].startswith("pinned")
+
+
+# The main block of Megatron-LM's pretrain_gpt.py (core_v0.19.0) with the patch's SNIP lines, on CPU.
+PATCHED_MAIN = """
+import sys
+from snip_megatron.megatron import add_snip_args
+from snip_megatron.megatron.pretrain_gpt import setup_megatron_lm
+from snip_megatron.pretrain import cpu, data
+
+
+# Megatron-LM's own main guard: its checkpoint writer spawns processes that re-import __main__.
+if __name__ == "__main__":
+    sys.argv = [sys.argv[0]] + cpu.cpu_flags() + sys.argv[1:]
+    cpu.patch_arguments_for_cpu()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=lambda parser: add_snip_args(parser),
+                                   args_defaults={"tokenizer_type": "NullTokenizer"})
+    cpu.prepare_cpu(args)  # CPU only; Megatron-LM does this itself on GPUs
+    model_cfg = gpt_config_from_args(args)
+    setup_megatron_lm(args, model_cfg)
+    cpu.skip_prebuilt_helpers()
+    full_config = pretrain_cfg_container_from_args(args, model_cfg)
+    pretrain(full_config, data.datasets_provider, ModelType.encoder_or_decoder, data.forward_step)
+"""
+
+
+@needs_training
+def test_patched_megatron_lm_main_measures_and_applies(tmp_path):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(PATCHED_MAIN)
+    out = run(tmp_path, [str(script)], "--mock-data", "--vocab-size", "256", "--train-iters", "4",
+              "--eval-interval", "100", "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
+              "--snip", "--snip-warmup", "2", "--snip-interval", "10", "--snip-lag", "1")
+    lines = snip_lines(out)
+    assert "[snip] rank 0 runs the plan on its 8 planned linears: {'bf16': 0, 'fp8': 8, 'fp4': 0}" in lines
+    assert any(line.startswith("[snip] step 3: plan") and "solver" in line for line in lines), lines
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    assert Plan.from_dict(state_of(tmp_path / "ckpt", 4)["plan"]).counts()["fp4"] > 0
+
+
+@needs_training
+def test_bad_snip_settings_fail_before_megatron_starts(capsys):
+    from snip_megatron.pretrain.entry import main
+
+    assert main([*MODEL, "--mock-data", "--snip", "--snip-lag", "50", "--snip-interval", "10"]) == 2
+    assert "--snip-lag=50 must be smaller than --snip-interval=10" in capsys.readouterr().err
+    assert main(["--snip-fp4-budget", "2"]) == 2
+    assert "--snip-fp4-budget must be a fraction in [0, 1], got 2.0" in capsys.readouterr().err
+
+
+@needs_training
+def test_help_shows_the_flags_generated_from_snipconfig(capsys):
+    from dataclasses import fields
+
+    from snip_megatron.config import SnipConfig
+    from snip_megatron.flags import field_docs
+    from snip_megatron.megatron.args import flag_of
+    from snip_megatron.pretrain.entry import main
+
+    assert main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--num-layers" in text  # Megatron-LM's own arguments are all there
+    for f in fields(SnipConfig):
+        first_words = " ".join(field_docs(SnipConfig)[f.name].split()[:6])
+        assert flag_of(f.name) in text and first_words in text, f.name
+
+
+def test_refuses_clearly_without_megatron_training(monkeypatch):
+    from snip_megatron.pretrain.entry import require_megatron_training
+
+    monkeypatch.setitem(sys.modules, "megatron.training", None)  # import fails as on megatron-core 0.16
+    with pytest.raises(SystemExit, match=r"needs megatron.training \(shipped with megatron-core >= 0.19\)"):
+        require_megatron_training()
+
+
+@pytest.mark.skipif(HAVE_TRAINING, reason="this lane has megatron.training: the real runs above cover it")
+def test_command_fails_with_the_reason_in_the_compat_lane():
+    proc = subprocess.run([sys.executable, "-m", "snip_megatron.megatron.pretrain_gpt", "--snip"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "snip-pretrain-gpt needs megatron.training" in proc.stderr and "0.16" in proc.stderr

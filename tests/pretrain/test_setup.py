@@ -1,0 +1,121 @@
+"""setup_megatron_lm's start-up checks (prod lane: megatron.training ships with megatron-core
+>= 0.19; the compat lane checks the clear refusal in test_runs.py): every Megatron flag SNIP cannot
+honour is refused by name, a user's precision config is merged or refused, the Megatron functions
+SNIP wraps are checked against the parameters it was written for."""
+
+import argparse
+
+import pytest
+
+pytest.importorskip("megatron.training.arguments",
+                    reason="megatron.training ships only with megatron-core >= 0.19 (prod lane)")
+
+from snip_megatron.megatron.args import snip_config_from_args  # noqa: E402
+from snip_megatron.pretrain import seams  # noqa: E402
+from snip_megatron.pretrain.entry import add_extra_args  # noqa: E402
+from snip_megatron.pretrain.setup import check_run, refusals, resolve_backend, setup_megatron_lm  # noqa: E402
+
+
+def megatron_args(*argv):
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return parser.parse_args(["--transformer-impl", "local", *argv])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--num-experts", "4"], "--num-experts (MoE)"),
+    (["--multi-latent-attention"], "--multi-latent-attention"),
+    (["--hybrid-layer-pattern", "M*"], "--hybrid-layer-pattern"),
+    (["--fp8-format", "e4m3"], "--fp8-format e4m3"),
+    (["--fp4-format", "e2m1"], "--fp4-format e2m1"),
+    (["--fp8-param-gather"], "--fp8-param-gather"),
+    (["--cuda-graph-impl", "local"], "CUDA graphs"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap"),
+    (["--delay-wgrad-compute"], "--delay-wgrad-compute"),
+    (["--sequence-parallel"], "--sequence-parallel: SNIP's measurement"),
+    (["--context-parallel-size", "2"], "--context-parallel-size > 1"),
+    (["--recompute-granularity", "full"], "--recompute-granularity full"),
+    (["--transformer-impl", "transformer_engine", "--snip-backend", "emulated"],
+     "--snip-backend emulated needs Megatron's local layer spec"),
+    (["--snip-backend", "te"], "--snip-backend te needs --transformer-impl transformer_engine"),
+])
+def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
+    args = megatron_args("--snip", *argv)
+    found = refusals(args, snip_config_from_args(args), resolve_backend(args))
+    assert len(found) >= 1 and any(line.startswith(flag) for line in found), found
+    with pytest.raises(ValueError, match="cannot take SNIP as configured"):
+        check_run(args)
+
+
+def test_a_pinned_plan_may_use_the_layouts_the_measurement_cannot():
+    args = megatron_args("--snip", "--snip-plan", "p.json", "--snip-pin-plan", "--sequence-parallel",
+                         "--recompute-granularity", "full")
+    assert refusals(args, snip_config_from_args(args), "emulated") == []
+
+
+def test_a_plain_run_is_accepted_and_snip_off_does_nothing():
+    args = megatron_args("--snip")
+    assert check_run(args).enabled and resolve_backend(args) == "emulated"
+    model_cfg = argparse.Namespace(transformer_layer_spec=None)
+    assert setup_megatron_lm(megatron_args(), model_cfg) is None and model_cfg.transformer_layer_spec is None
+    with pytest.raises(SystemExit, match="SNIP: bad SNIP flags: --snip-pin-plan is set but --snip-plan is empty"):
+        setup_megatron_lm(megatron_args("--snip", "--snip-pin-plan"), model_cfg)
+
+
+def test_the_wrapped_megatron_functions_have_the_expected_parameters(monkeypatch):
+    seams.check_seams()  # this Megatron: as written for
+    from megatron.training import training
+
+    monkeypatch.setattr(training, "train_step", lambda data_iterator, model: None)
+    with pytest.raises(RuntimeError, match=r"megatron.training.training.train_step takes \(data_iterator, model"):
+        seams.check_seams()
+
+
+YAML = """
+matchers:
+  out:
+    enabled: true
+    type: glob
+    pattern: "*output_layer*"
+    config: keep_high
+{extra}
+configs:
+  keep_high:
+    transformer_engine_config_type: TEQuantizationParams
+    training_recipe: {{}}
+"""
+
+
+def test_a_user_precision_config_is_merged_or_refused(tmp_path):
+    from megatron.core.quantization.quant_config import MatchContext
+    from megatron.core.quantization.utils import load_quantization_recipe
+
+    from snip_megatron.formats.precision import Formats
+    from snip_megatron.plan import Plan
+    from snip_megatron.pretrain.model import check_user_recipe, merged_recipe
+
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(YAML.format(extra=""))
+    user = load_quantization_recipe(str(ok))  # Megatron's own parser of --te-precision-config-file
+    check_user_recipe(user, 4, "--te-precision-config-file")
+    config = argparse.Namespace(num_layers=4, pipeline_model_parallel_size=1)
+    plan = Plan.uniform(4, "fp8").replace({"2.linear_fc1": "fp4"})
+    recipe = merged_recipe(plan, _layout_config(), None, backend="emulated", formats=Formats(), user_recipe=user)
+    assert recipe.match_to_config_key(MatchContext("decoder.layers.1.mlp.linear_fc1", 1)) == "fp4"
+    assert recipe.match_to_config_key(MatchContext("output_layer", None)) == "keep_high"
+    del config
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(YAML.format(extra='  fc1:\n    enabled: true\n    type: glob\n    pattern: "*linear_fc1"\n'
+                                     '    config: keep_high'))
+    with pytest.raises(ValueError, match=r"sets decoder.layers.0.mlp.linear_fc1 \(config 'keep_high'\), a "
+                                         r"linear SNIP plans"):
+        check_user_recipe(load_quantization_recipe(str(bad)), 4, "--te-precision-config-file")
+
+
+def _layout_config():
+    from snip_megatron.megatron.layout import layout_config
+    from snip_megatron.shapes import ModelShape
+
+    return layout_config(ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                    num_query_groups=2))
