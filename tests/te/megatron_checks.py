@@ -9,7 +9,6 @@ tests/te/test_te_double.py runs it in a subprocess (both lanes) and asserts ever
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 

@@ -8,8 +8,8 @@ this package. It is importable as `transformer_engine` only in test processes th
 HAVE_TE at import). It is never installed and never shipped; the `transformer_engine-2.14.0.dist-info`
 beside it carries the version Megatron reads through importlib.metadata.
 
-It follows TE v2.14 (April 2026; `is_te_min_version` gates in megatron-core 0.19.2 go up to
-2.14), files:
+It follows TE v2.14 (April 2026): the newest version megatron-core 0.19.2 gates on
+(`is_te_min_version("2.14.0")`; 0.16.1 gates up to 2.10). Files followed:
 - transformer_engine/common/recipe/__init__.py    -> common/recipe (recipe classes, env switches)
 - transformer_engine/pytorch/quantization.py, fp8.py -> pytorch/quantization.py, fp8.py
 - transformer_engine/pytorch/module/base.py        -> pytorch/module/base.py (recipe state)
@@ -41,6 +41,13 @@ What it models (the contract Megatron's wrappers rely on):
   module (`last_run`, `run_counts`) and refused with NotImplementedError naming the variant;
   outside an autocast, plain GEMMs in the activation dtype;
 - `CudaRNGStatesTracker` (CPU generator states stand in for CUDA ones).
+
+Deliberate differences from TE: stochastic rounding draws from a CPU generator per module
+(`module.sr_generator`, TE uses the CUDA Philox stream), so tests can reproduce it; the amax
+reduction group of an autocast is recorded in `fp8_meta["fp8_group"]` but not used (TE 2.14 itself
+reduces per-tensor amaxes over TP only for sequence-parallel inputs / gradients, which the double
+gets by quantizing the gathered tensor: every other operand is scaled from its local shard, as in
+TE); modules build on the CPU whatever device is asked for.
 
 What it does not model: TE's CUDA/cuDNN kernels and their exact rounding (fused norms, flash
 attention, FP8 GEMM accumulation, quantize-then-all-gather of FP8 data), userbuffers / tp-comm
