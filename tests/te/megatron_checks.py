@@ -1,0 +1,276 @@
+"""Checks of Megatron-Core's real TE wrappers over the TE test double, in one process (TP=PP=1).
+
+    PYTHONPATH=<repo>:<repo>/tests/te_double NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 \
+        python tests/te/megatron_checks.py --out FILE
+
+tests/te/test_te_double.py runs it in a subprocess (both lanes) and asserts every check passed;
+`check_trains_at_tp1.data` holds the TP=1 losses the torchrun TP=2 / PP=2 runs are compared with.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from check_runner import run_checks  # noqa: E402
+from tests.te import te_worker as worker  # noqa: E402
+
+
+def setup() -> None:
+    worker.require_double()
+    torch.set_num_threads(1)
+    from snip_megatron.megatron import runtime
+
+    runtime.initialize_model_parallel(tp=1, pp=1, seed=worker.SEED)
+
+
+def check_import_sees_te_and_its_version():
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    import megatron.core.extensions.transformer_engine as mte
+    from megatron.core import fp4_utils, fp8_utils
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.utils import get_te_version, is_te_min_version
+
+    assert mte.HAVE_TE and fp8_utils.HAVE_TE and fp4_utils.HAVE_TE and mrandom.HAVE_TE
+    assert get_te_version() == Version("2.14.0") == Version(metadata.version("transformer-engine"))
+    assert is_te_min_version("2.7.0") and not is_te_min_version("2.15.0")
+    import transformer_engine.pytorch as te
+
+    assert issubclass(mte.TELinear, te.Linear) and issubclass(mte.TEDotProductAttention,
+                                                              te.DotProductAttention)
+
+
+def check_layer_spec_builds_te_wrappers():
+    import transformer_engine.pytorch as te
+    from megatron.core.extensions.transformer_engine import (TEDotProductAttention,
+                                                             TELayerNormColumnParallelLinear,
+                                                             TERowParallelLinear)
+
+    model = worker.build_te_gpt()
+    for layer in model.decoder.layers:
+        attn, mlp = layer.self_attention, layer.mlp
+        assert type(attn.linear_qkv) is TELayerNormColumnParallelLinear
+        assert isinstance(attn.linear_qkv, te.LayerNormLinear)
+        assert attn.linear_qkv.normalization == "RMSNorm" and attn.linear_qkv.layer_norm_bias is None
+        assert type(attn.core_attention) is TEDotProductAttention
+        assert (attn.core_attention.num_attention_heads, attn.core_attention.num_gqa_groups) == (4, 2)
+        assert type(attn.linear_proj) is TERowParallelLinear and attn.linear_proj.parallel_mode == "row"
+        assert type(mlp.linear_fc1) is TELayerNormColumnParallelLinear
+        assert mlp.linear_fc1.out_features == 2 * worker.SHAPE.ffn_hidden_size  # SwiGLU gate + up
+        assert type(mlp.linear_fc2) is TERowParallelLinear
+        assert type(layer.input_layernorm).__name__ == "IdentityOp"  # the norm is fused in
+    assert type(model.decoder.final_layernorm) is te.RMSNorm  # TENorm
+    assert model.config.gated_linear_unit and model.config.activation_func is F.silu
+    assert model.position_embedding_type == "rope" and hasattr(model, "rotary_pos_emb")
+    assert model.output_layer.weight is not model.embedding.word_embeddings.weight
+    names = {n for n, _ in model.named_parameters()}
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in names
+    assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in names
+
+
+def check_te_spec_trains_like_the_local_spec():
+    """Same seed: Megatron's local-spec model and the TE-spec model over the double draw the same
+    weights and must follow the same loss curve (attention, norms and GEMMs agree)."""
+    from snip_megatron.megatron import runtime
+    from snip_megatron.megatron.model import build_gpt_model
+
+    runtime.seed_all(worker.SEED)
+    te_losses = worker.train(worker.build_te_gpt())
+    runtime.seed_all(worker.SEED)
+    local_losses = worker.train(build_gpt_model(worker.SHAPE, backend="local"))
+    assert len(te_losses) == worker.STEPS
+    for a, b in zip(te_losses, local_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (te_losses, local_losses)
+    return {"te": te_losses, "local": local_losses}
+
+
+def check_trains_at_tp1():
+    """The TP=1 references for the torchrun runs: Megatron's init and the by-name init."""
+    data = {variant: worker.run_variant(variant)["losses"] for variant in ("megatron_init", "name_init")}
+    for losses in data.values():
+        assert losses[-1] < 0.85 * losses[0], losses
+    return data
+
+
+def check_plan_reaches_te_quant_params():
+    """build_recipe(plan, backend='te', sm=100) -> quant_recipe -> finish_init -> te_quant_params."""
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
+
+    model = worker.build_te_gpt(the_plan=worker.plan())
+    modules = worker.planned_linears(model)
+    assert sorted(modules) == sorted(f"{layer}.{name}" for layer, name in worker.PLAN_TABLE)
+    for key, module in modules.items():
+        precision = worker.PLAN_TABLE[(int(key.split(".")[0]), key.split(".")[1])]
+        recipe = module.te_quant_params.training_recipe
+        assert recipe.override_quantized_autocast and recipe.override_nonquantized_autocast, key
+        want8 = Fp8Recipe.blockwise if precision == "fp8" else None
+        want4 = Fp4Recipe.nvfp4 if precision == "fp4" else None
+        assert (recipe.fp8_quantization_recipe, recipe.fp4_quantization_recipe) == (want8, want4), key
+        assert module.will_execute_quantized(False) == (precision != "bf16"), key
+
+
+def _rms(x, gamma, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()).to(x.dtype)
+
+
+def _reference(module, x, gy, fmt, generator_state):
+    """(y, dX, dW[, dgamma]) from our own quantized_linear (or the plain GEMM) on the module's
+    weights, with the RMSNorm in front for the fused LayerNorm linears."""
+    from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
+    from snip_megatron.formats import FormatSpec
+
+    x = x.clone().requires_grad_()
+    w = module.weight.detach().clone().requires_grad_()
+    leaves = [x, w]
+    h = x
+    if hasattr(module, "layer_norm_weight"):
+        gamma = module.layer_norm_weight.detach().clone().requires_grad_()
+        leaves.append(gamma)
+        h = _rms(x, gamma, module.eps)
+    if fmt == "high_precision":
+        y = F.linear(h, w)
+    else:
+        spec = FormatSpec.for_precision("fp4" if fmt == "nvfp4" else "fp8", fp8_recipe="blockwise")
+        generator = torch.Generator()
+        generator.set_state(generator_state)
+        y = quantized_linear(h, w, None, spec, QuantRuntime(generator=generator))
+    y.backward(gy)
+    return [y.detach()] + [leaf.grad for leaf in leaves]
+
+
+def check_planned_modules_compute_our_emulation_bit_exactly():
+    """Each planned TE linear (forward through Megatron's wrapper, which opens the per-module TE
+    autocast) gives exactly our quantized_linear: output, input and weight gradients."""
+    model = worker.build_te_gpt(the_plan=worker.plan())
+    g = torch.Generator().manual_seed(5)
+    report = {}
+    for key, module in worker.planned_linears(model).items():
+        precision = worker.PLAN_TABLE[(int(key.split(".")[0]), key.split(".")[1])]
+        fmt = worker.EXPECTED_LABEL[precision]
+        x = torch.randn(worker.SHAPE.seq_length, 2, module.in_features, generator=g)
+        gy = torch.randn(worker.SHAPE.seq_length, 2, module.out_features, generator=g)
+        state = module.sr_generator.get_state()
+        xg = x.clone().requires_grad_()
+        y, bias = module(xg)
+        assert bias is None
+        y.backward(gy)
+        assert module.last_run.label == fmt, (key, module.last_run)
+        got = [y.detach(), xg.grad, module.weight.grad]
+        if hasattr(module, "layer_norm_weight"):
+            got.append(module.layer_norm_weight.grad)
+        want = _reference(module, x, gy, fmt, state)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), key
+        if fmt != "high_precision":  # the comparison is not vacuous: quantized != plain
+            assert not torch.equal(got[0], _reference(module, x, gy, "high_precision", state)[0]), key
+        report[key] = fmt
+    assert sorted(set(report.values())) == ["blockwise", "high_precision", "nvfp4"]
+    return report
+
+
+def _forward_once(model):
+    from snip_megatron.megatron.batch import random_batch
+
+    batch = random_batch(2, worker.SHAPE.seq_length, worker.SHAPE.vocab_size,
+                         torch.Generator().manual_seed(9))
+    model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+
+
+def _labels(model) -> dict:
+    return {key: m.last_run.label for key, m in worker.planned_linears(model).items()}
+
+
+def _with_flag(recipe_config, flag: str, value: bool):
+    for config in recipe_config.configs.values():
+        config["training_recipe"][flag] = value
+    return recipe_config
+
+
+def check_module_recipe_nests_inside_global_autocast():
+    """Megatron's global --fp8 autocast (MXFP8 here) around each layer, TE's per-module autocast
+    inside: with override_quantized_autocast the module's own recipe wins (BF16 plans run plain),
+    without it the module follows the global recipe; with override_nonquantized_autocast off and
+    no global autocast, planned modules stay in high precision."""
+    from snip_megatron.megatron import runtime
+    from snip_megatron.megatron.model import make_transformer_config
+
+    planned = {f"{layer}.{name}": worker.EXPECTED_LABEL[p] for (layer, name), p in worker.PLAN_TABLE.items()}
+    global_fp8 = dict(fp8="e4m3", fp8_recipe="mxfp8")
+
+    def labels_for(the_plan, flag=None, **overrides):
+        runtime.seed_all(worker.SEED)
+        config = make_transformer_config(worker.SHAPE, **overrides)
+        recipe = worker.te_recipe_for(config, the_plan) if the_plan is not None else None
+        if recipe is not None and flag is not None:
+            _with_flag(recipe, flag, False)
+        model = worker.build_te_gpt(quant_recipe=recipe, **overrides)
+        _forward_once(model)
+        return _labels(model)
+
+    assert labels_for(worker.plan(), **global_fp8) == planned
+    everything_mxfp8 = {key: "mxfp8" for key in planned}
+    assert labels_for(None, **global_fp8) == everything_mxfp8
+    assert labels_for(worker.plan(), "override_quantized_autocast", **global_fp8) == everything_mxfp8
+    assert labels_for(worker.plan(), "override_nonquantized_autocast") == \
+        {key: "high_precision" for key in planned}
+
+
+def check_mixed_plan_trains_and_each_module_keeps_its_format():
+    result = worker.run_variant("plan")
+    losses = result["losses"]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.85 * losses[0], losses
+    forwards = worker.NUM_MICRO * worker.STEPS
+    for key, counts in result["runs"].items():
+        layer, name = int(key.split(".")[0]), key.split(".")[1]
+        label = worker.EXPECTED_LABEL[worker.PLAN_TABLE[(layer, name)]]
+        assert counts == {label: forwards}, (key, counts)
+    return losses
+
+
+def check_te_rng_tracker_drives_attention_dropout():
+    """model_parallel_cuda_manual_seed(te_rng_tracker=True) builds Megatron's TECudaRNGStatesTracker
+    on the double's tracker; TE attention dropout forks it (reproducible from the seed)."""
+    import transformer_engine.pytorch as te
+    from megatron.core.extensions.transformer_engine import TECudaRNGStatesTracker
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def run(attn):
+        return attn(q, kv, kv, None, AttnMaskType.causal)
+
+    def seeded_model():
+        torch.manual_seed(worker.SEED)
+        mrandom.model_parallel_cuda_manual_seed(worker.SEED, te_rng_tracker=True, force_reset_rng=True)
+        return worker.build_te_gpt(attention_dropout=0.5)
+
+    try:
+        model = seeded_model()
+        tracker = mrandom.get_cuda_rng_tracker()
+        assert isinstance(tracker, TECudaRNGStatesTracker) and isinstance(tracker, te.CudaRNGStatesTracker)
+        assert tracker.is_initialized() and "model-parallel-rng" in mrandom.get_all_rng_states()
+        attn = model.decoder.layers[0].self_attention.core_attention
+        assert attn.get_rng_state_tracker is mrandom.get_cuda_rng_tracker
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(8, 1, 4, 16, generator=g)
+        kv = torch.randn(8, 1, 2, 16, generator=g)
+        first, second = run(attn), run(attn)
+        assert not torch.equal(first, second), "dropout did not advance the tracked RNG"
+        model = seeded_model()
+        attn = model.decoder.layers[0].self_attention.core_attention
+        assert torch.equal(run(attn), first)
+        attn.eval()
+        assert torch.equal(run(attn), run(attn))
+    finally:
+        mrandom.model_parallel_cuda_manual_seed(worker.SEED, te_rng_tracker=False, force_reset_rng=True)
+
+
+if __name__ == "__main__":
+    run_checks(dict(globals()), __doc__.split("\n")[0], setup=setup)

@@ -1,0 +1,178 @@
+"""SNIP's Transformer Engine path on CPU: Megatron-Core's real TE wrappers over the TE test double.
+
+The double (tests/te_double, TE 2.14) is importable only in the subprocesses these tests start
+(Megatron caches HAVE_TE at import, so this process and the rest of the suite keep TE absent):
+- double_checks.py:   the double alone (recipes, autocast rules, numerics, refusals);
+- megatron_checks.py: one process, TP=1: import, the TE layer spec, training, the plan through
+                      quant_recipe -> finish_init -> per-module autocast, bit-exact numerics;
+- te_worker.py under torchrun: TP=2 and PP=2 training against the TP=1 losses.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+DOUBLE = ROOT / "tests" / "te_double"
+HERE = Path(__file__).resolve().parent
+REL_TOL = 1e-5
+
+DOUBLE_CHECKS = [
+    "check_version_from_metadata",
+    "check_recipe_defaults_follow_te_2_14",
+    "check_autocast_nesting_and_restore",
+    "check_linear_runs_our_emulation_per_recipe",
+    "check_unemulated_variants_are_recorded_and_refused",
+    "check_unmodelled_features_are_refused",
+    "check_same_family_switch_keeps_quantizers_and_class_change_warns",
+    "check_layernorm_linear_norms_and_returns_norm_output",
+    "check_norm_modules",
+    "check_dot_product_attention_gqa_causal",
+    "check_rng_tracker",
+]
+MEGATRON_CHECKS = [
+    "check_import_sees_te_and_its_version",
+    "check_layer_spec_builds_te_wrappers",
+    "check_te_spec_trains_like_the_local_spec",
+    "check_trains_at_tp1",
+    "check_plan_reaches_te_quant_params",
+    "check_planned_modules_compute_our_emulation_bit_exactly",
+    "check_module_recipe_nests_inside_global_autocast",
+    "check_mixed_plan_trains_and_each_module_keeps_its_format",
+    "check_te_rng_tracker_drives_attention_dropout",
+]
+# Planned precision of each "<global layer>.<linear>" and what the double must run for it
+# (mirrors te_worker.PLAN_TABLE / EXPECTED_LABEL, which this process cannot import: it imports TE).
+PLANNED_LABELS = {"1.linear_qkv": "blockwise", "1.linear_proj": "nvfp4",
+                  "1.linear_fc1": "high_precision", "1.linear_fc2": "blockwise",
+                  "2.linear_qkv": "nvfp4", "2.linear_proj": "high_precision",
+                  "2.linear_fc1": "blockwise", "2.linear_fc2": "nvfp4"}
+TE_CLASSES = {"layers.0.self_attention.linear_qkv": "TELayerNormColumnParallelLinear",
+              "layers.0.self_attention.core_attention": "TEDotProductAttention",
+              "layers.0.self_attention.linear_proj": "TERowParallelLinear",
+              "layers.0.mlp.linear_fc1": "TELayerNormColumnParallelLinear",
+              "layers.0.mlp.linear_fc2": "TERowParallelLinear"}
+
+
+def _double_env(fp32_block_scales: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(DOUBLE)]), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    if fp32_block_scales:  # the Float8BlockScaling variant our blockwise format emulates
+        env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1"
+    return env
+
+
+def _run_checks(script: str, out: Path, fp32_block_scales: bool) -> dict:
+    proc = subprocess.run([sys.executable, str(HERE / script), "--out", str(out)], cwd=ROOT,
+                          env=_double_env(fp32_block_scales), capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def _run_worker(tmp: Path, *args: str) -> list[dict]:
+    run_distributed([str(HERE / "te_worker.py"), *args, "--out", str(tmp)], nproc=2, timeout=600,
+                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(DOUBLE)]),
+                         "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"})
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def double_results(tmp_path_factory):
+    return _run_checks("double_checks.py", tmp_path_factory.mktemp("te") / "double.json",
+                       fp32_block_scales=False)
+
+
+@pytest.fixture(scope="module")
+def megatron_results(tmp_path_factory):
+    return _run_checks("megatron_checks.py", tmp_path_factory.mktemp("te") / "megatron.json",
+                       fp32_block_scales=True)
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    return _run_worker(tmp_path_factory.mktemp("tp2"), "--tp", "2",
+                       "--variants", "megatron_init,plan,sp_pair")
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    return _run_worker(tmp_path_factory.mktemp("pp2"), "--pp", "2", "--variants", "name_init,plan")
+
+
+def _close(got: list, want: list) -> bool:
+    return len(got) == len(want) > 0 and all(abs(a - b) <= REL_TOL * abs(b) for a, b in zip(got, want))
+
+
+def test_double_is_absent_from_this_process():
+    assert str(DOUBLE) not in sys.path
+    assert importlib.util.find_spec("transformer_engine") is None
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    assert HAVE_TE is False
+
+
+@pytest.mark.parametrize("name", DOUBLE_CHECKS)
+def test_double_alone(double_results, name):
+    assert double_results.get(name) == "ok", double_results.get(name, "check did not run")
+
+
+@pytest.mark.parametrize("name", MEGATRON_CHECKS)
+def test_megatron_te_wrappers(megatron_results, name):
+    assert megatron_results.get(name) == "ok", megatron_results.get(name, "check did not run")
+
+
+def test_every_check_is_listed(double_results, megatron_results):
+    assert [k for k in double_results if not k.endswith(".data")] == DOUBLE_CHECKS
+    assert [k for k in megatron_results if not k.endswith(".data")] == MEGATRON_CHECKS
+
+
+def test_tp2_trains_like_tp1(tp2, megatron_results):
+    tp1 = megatron_results["check_trains_at_tp1.data"]["megatron_init"]
+    for rank in tp2:
+        run = rank["megatron_init"]
+        assert _close(run["losses"], tp1), (run["losses"], tp1)
+        assert {k: run["classes"][k] for k in TE_CLASSES} == TE_CLASSES
+
+
+def test_tp2_plan_runs_each_planned_format(tp2):
+    for rank in tp2:
+        run = rank["plan"]
+        assert run["losses"][-1] < 0.85 * run["losses"][0], run["losses"]
+        assert {k: list(v) for k, v in run["runs"].items()} == {k: [v] for k, v in PLANNED_LABELS.items()}
+
+
+def test_tp2_sequence_parallel_collectives(tp2):
+    for rank in tp2:
+        diffs = rank["sp_pair"]
+        assert set(diffs) == {"y", "dx", "ln_out", "dw_col", "dw_row", "dgamma"}
+        assert all(d < REL_TOL for d in diffs.values()), diffs
+
+
+def test_pp2_trains_like_tp1(pp2, megatron_results):
+    tp1 = megatron_results["check_trains_at_tp1.data"]["name_init"]
+    first, last = pp2
+    assert first["name_init"]["losses"] == [] and _close(last["name_init"]["losses"], tp1)
+    assert {k: first["name_init"]["classes"][k] for k in TE_CLASSES} == TE_CLASSES
+
+
+def test_pp2_plan_reaches_each_stage_by_global_layer(pp2):
+    first, last = pp2
+    assert {k: list(v) for k, v in first["plan"]["runs"].items()} == \
+        {k: [v] for k, v in PLANNED_LABELS.items() if k.startswith("1.")}
+    assert {k: list(v) for k, v in last["plan"]["runs"].items()} == \
+        {k: [v] for k, v in PLANNED_LABELS.items() if k.startswith("2.")}
+    losses = last["plan"]["losses"]
+    assert losses[-1] < 0.85 * losses[0], losses

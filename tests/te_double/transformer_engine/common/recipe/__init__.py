@@ -1,0 +1,209 @@
+"""Test double of `transformer_engine.common.recipe` (TE 2.14): the recipe classes.
+
+Field names, defaults, equality and the environment switches read at import follow TE 2.14's
+`transformer_engine/common/recipe/__init__.py`; TE builds them with pydantic dataclasses, the double
+with stdlib ones (same fields, same value equality; no pydantic type coercion).
+
+Two TE quirks are kept on purpose, because Megatron and our tests depend on them:
+- `Float8BlockScaling` uses power-of-two block scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
+  was set when the module was imported; the per-operand `QParams` are class attributes computed
+  from that switch, so `Float8BlockScaling(use_f32_scales=True)` alone does not change them.
+- `Float8CurrentScaling` likewise reads NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES at import.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, NamedTuple, Optional
+
+
+class _FormatHelper(NamedTuple):
+    max_fwd: float
+    """Largest value of the forward-pass element format."""
+    max_bwd: float
+    """Largest value of the backward-pass (gradient) element format."""
+
+
+class Format(Enum):
+    """Element formats: E4M3 / E5M2 everywhere, HYBRID = E4M3 forward and E5M2 gradients, E2M1 FP4."""
+
+    E2M1 = _FormatHelper(max_fwd=6, max_bwd=6)
+    E4M3 = _FormatHelper(max_fwd=448, max_bwd=448)
+    E5M2 = _FormatHelper(max_fwd=57344, max_bwd=57344)
+    HYBRID = _FormatHelper(max_fwd=448, max_bwd=57344)
+
+
+@dataclass(frozen=True)
+class MMParams:
+    """GEMM options (cuBLAS fast accumulation); recorded, not modelled."""
+
+    use_split_accumulator: bool = True
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Per-operand quantization options, as TE names them."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
+
+
+class Recipe:
+    """Base class; the class predicates are what TE's modules switch on."""
+
+    @classmethod
+    def nvfp4(cls):
+        return issubclass(cls, NVFP4BlockScaling)
+
+    @classmethod
+    def mxfp8(cls):
+        return issubclass(cls, MXFP8BlockScaling)
+
+    @classmethod
+    def delayed(cls):
+        return issubclass(cls, DelayedScaling)
+
+    @classmethod
+    def float8_current_scaling(cls):
+        return issubclass(cls, Float8CurrentScaling)
+
+    @classmethod
+    def float8_per_tensor_scaling(cls):
+        return issubclass(cls, (DelayedScaling, Float8CurrentScaling))
+
+    @classmethod
+    def float8_block_scaling(cls):
+        return issubclass(cls, Float8BlockScaling)
+
+    @classmethod
+    def custom(cls):
+        return issubclass(cls, CustomRecipe)
+
+
+def _no_pure_e5m2(recipe) -> None:
+    if recipe.fp8_format == Format.E5M2:
+        raise AssertionError("Pure E5M2 training is not supported.")  # TE asserts the same
+
+
+@dataclass()
+class DelayedScaling(Recipe):
+    """Per-tensor scales from an amax history (the double accepts it; its linears refuse to run it)."""
+
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: Any = "max"
+    scaling_factor_compute_algo: Optional[Callable] = None
+    reduce_amax: bool = True
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self) -> None:
+        _no_pure_e5m2(self)
+
+
+@dataclass()
+class Float8CurrentScaling(Recipe):
+    """Per-tensor FP8 scales from the current tensor's amax."""
+
+    use_power_2_scales: bool = os.getenv("NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES", "0") == "1"
+    fp8_format: Format = Format.HYBRID
+    fp8_quant_fwd_inp = QParams(power_2_scale=use_power_2_scales)
+    fp8_quant_fwd_weight = QParams(power_2_scale=use_power_2_scales)
+    fp8_quant_bwd_grad = QParams(power_2_scale=use_power_2_scales)
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=False)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self) -> None:
+        _no_pure_e5m2(self)
+
+
+@dataclass()
+class MXFP8BlockScaling(Recipe):
+    """OCP MXFP8: 32 elements share an E8M0 (power-of-two) scale."""
+
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self) -> None:
+        _no_pure_e5m2(self)
+
+
+@dataclass()
+class Float8BlockScaling(Recipe):
+    """FP8 with 1x128 tiles (inputs, gradients) and 128x128 blocks (weights).
+
+    Scales are powers of two by default; NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 at import makes them
+    FP32 (the `fp8_quant_*` QParams below are fixed when the class is defined, as in TE).
+    """
+
+    use_f32_scales: bool = os.getenv("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp = QParams(power_2_scale=not use_f32_scales)
+    fp8_quant_fwd_weight = QParams(power_2_scale=not use_f32_scales)
+    fp8_quant_bwd_grad = QParams(power_2_scale=not use_f32_scales)
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_dgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self) -> None:
+        dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
+        if any(d not in (1, 2) for d in dims):
+            raise AssertionError("Only 1D or 2D blocks supported")
+        if sum(d == 2 for d in dims) > 1:
+            raise AssertionError("2D by 2D block gemm not supported.")
+        if self.fp8_dpa or self.fp8_mha:
+            raise AssertionError("FP8 attention is not supported for Float8BlockScaling.")
+        _no_pure_e5m2(self)
+
+
+@dataclass()
+class NVFP4BlockScaling(Recipe):
+    """NVFP4: E2M1 values, an E4M3 scale per 16 elements, an FP32 per-tensor scale.
+
+    Defaults: 16x16 weight blocks, stochastic rounding of gradients, a random Hadamard transform
+    on the wgrad operands (TE applies it to the column-wise copies only); each can be switched
+    off by an NVTE_NVFP4_DISABLE_* variable at import, or by the field.
+    """
+
+    disable_rht: bool = os.getenv("NVTE_NVFP4_DISABLE_RHT", "0") == "1"
+    disable_stochastic_rounding: bool = os.getenv("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", "0") == "1"
+    disable_2d_quantization: bool = os.getenv("NVTE_NVFP4_DISABLE_2D_QUANTIZATION", "0") == "1"
+    fp4_format: Format = Format.E2M1
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fp4_format != Format.E2M1:
+            raise AssertionError("Only E2M1 is supported for NVFP4 scaling")
+        if self.fp8_format != Format.E4M3:
+            raise AssertionError("Only E4M3 is supported for NVFP4 scaling")
+        self.fp4_quant_fwd_inp = QParams(random_hadamard_transform=not self.disable_rht)
+        self.fp4_quant_fwd_weight = QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+        self.fp4_quant_bwd_grad = QParams(random_hadamard_transform=not self.disable_rht,
+                                          stochastic_rounding=not self.disable_stochastic_rounding)
+
+
+@dataclass()
+class CustomRecipe(Recipe):
+    """Quantizers from a user factory `qfactory(role)` (the double's linears refuse to run it)."""
+
+    qfactory: Callable[..., Any]
+    fp8_dpa: bool = False
+    fp8_mha: bool = False

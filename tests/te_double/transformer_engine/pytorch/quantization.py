@@ -1,0 +1,220 @@
+"""Test double of `transformer_engine.pytorch.quantization` (TE 2.14): the global autocast state.
+
+Follows TE 2.14's `FP8GlobalStateManager`, `autocast` / `fp8_autocast` and `quantized_model_init`
+/ `fp8_model_init`:
+- `autocast(enabled, recipe, amax_reduction_group)` saves the whole state, sets its own (so an
+  inner context overrides an outer one, and `enabled=False` turns quantization off inside), and
+  restores the saved state on exit, however the block ends;
+- a recipe of None means the default recipe; the double's default is `DelayedScaling()` (TE's on
+  Hopper; TE picks MXFP8 on Blackwell), which the double's linears refuse to run;
+- hardware support checks always pass: the double emulates every recipe on the CPU;
+- `quantized_model_init(enabled=True)` (FP8/FP4 weight storage) is recorded in the state and
+  refused by the double's modules at construction; `enabled=False` is what Megatron opens around
+  every TE linear it builds.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Optional
+
+import torch
+
+from transformer_engine.common.recipe import DelayedScaling, Format, Recipe
+
+__all__ = [
+    "autocast", "quantized_model_init", "is_fp8_available", "is_mxfp8_available",
+    "is_fp8_block_scaling_available", "is_nvfp4_available", "get_default_recipe",
+]
+
+
+def get_default_fp8_recipe() -> Recipe:
+    return DelayedScaling()
+
+
+def get_default_recipe() -> Recipe:
+    return get_default_fp8_recipe()
+
+
+def _available(return_reason: bool = False):
+    return (True, "") if return_reason else True
+
+
+is_fp8_available = is_mxfp8_available = is_fp8_block_scaling_available = is_nvfp4_available = _available
+
+
+def check_recipe_support(recipe: Optional[Recipe]) -> None:
+    """TE checks the GPU's compute capability here; the double emulates every recipe."""
+
+
+def get_fp8_torch_dtype(fp8_recipe: Recipe, fprop_tensor: bool = True) -> torch.dtype:
+    fmt = fp8_recipe.fp8_format
+    if fmt == Format.E4M3 or (fmt == Format.HYBRID and fprop_tensor):
+        return torch.float8_e4m3fn
+    return torch.float8_e5m2
+
+
+class FP8GlobalStateManager:
+    """Process-wide quantization state read by every module's forward."""
+
+    FP8_ENABLED = False
+    FP8_CALIBRATION = False
+    FP8_RECIPE: Optional[Recipe] = None
+    FP8_DISTRIBUTED_GROUP = None
+    FP8_PARAMETERS = False
+    HIGH_PRECISION_INIT_VAL = False
+    IS_FIRST_FP8_MODULE = False
+    FP8_GRAPH_CAPTURING = False
+    AUTOCAST_DEPTH = 0
+    skip_fp8_weight_update_tensor = None
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.FP8_ENABLED = cls.FP8_CALIBRATION = cls.FP8_PARAMETERS = False
+        cls.HIGH_PRECISION_INIT_VAL = cls.IS_FIRST_FP8_MODULE = cls.FP8_GRAPH_CAPTURING = False
+        cls.FP8_RECIPE = cls.FP8_DISTRIBUTED_GROUP = cls.skip_fp8_weight_update_tensor = None
+        cls.AUTOCAST_DEPTH = 0
+
+    @classmethod
+    def is_fp8_available(cls):
+        return True, ""
+
+    is_mxfp8_available = is_fp8_block_scaling_available = is_nvfp4_available = is_fp8_available
+
+    @classmethod
+    def is_fp8_enabled(cls) -> bool:
+        return cls.FP8_ENABLED
+
+    @classmethod
+    def is_fp8_calibration(cls) -> bool:
+        return cls.FP8_CALIBRATION
+
+    @classmethod
+    def with_fp8_parameters(cls) -> bool:
+        return cls.FP8_PARAMETERS
+
+    @classmethod
+    def with_high_precision_init_val(cls) -> bool:
+        return cls.HIGH_PRECISION_INIT_VAL
+
+    @classmethod
+    def fp8_graph_capturing(cls) -> bool:
+        return cls.FP8_GRAPH_CAPTURING
+
+    @classmethod
+    def is_first_fp8_module(cls) -> bool:
+        """True for the first caller inside the outermost autocast, then False."""
+        first, cls.IS_FIRST_FP8_MODULE = cls.IS_FIRST_FP8_MODULE, False
+        return first
+
+    @classmethod
+    def get_fp8_recipe(cls) -> Recipe:
+        return cls.FP8_RECIPE if cls.FP8_RECIPE is not None else get_default_fp8_recipe()
+
+    @classmethod
+    def get_fp8_group(cls):
+        return cls.FP8_DISTRIBUTED_GROUP
+
+    @classmethod
+    def get_autocast_state(cls) -> tuple:
+        return (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
+                cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING)
+
+    @classmethod
+    def set_autocast_state(cls, state: tuple) -> None:
+        (cls.FP8_ENABLED, cls.FP8_CALIBRATION, cls.FP8_RECIPE, cls.FP8_DISTRIBUTED_GROUP,
+         cls.IS_FIRST_FP8_MODULE, cls.FP8_GRAPH_CAPTURING) = state
+
+    @classmethod
+    def set_skip_fp8_weight_update_tensor(cls, skip: bool) -> None:
+        cls.skip_fp8_weight_update_tensor = torch.tensor([float(skip)])
+
+    @classmethod
+    def get_skip_fp8_weight_update_tensor(cls):
+        return cls.skip_fp8_weight_update_tensor
+
+    @classmethod
+    def add_fp8_tensors_to_global_buffer(cls, fp8_meta) -> None:
+        """Delayed scaling's amax buffers: not modelled (the double never runs delayed scaling)."""
+
+    @classmethod
+    def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
+        """Delayed scaling's amax reduction at the outermost exit: nothing to reduce here."""
+
+    @classmethod
+    def autocast_enter(cls, enabled: bool = False, calibrating: bool = False,
+                       fp8_recipe: Optional[Recipe] = None, fp8_group=None,
+                       _graph: bool = False) -> None:
+        cls.FP8_ENABLED = enabled
+        cls.FP8_CALIBRATION = calibrating
+        cls.FP8_RECIPE = get_default_fp8_recipe() if fp8_recipe is None else fp8_recipe
+        cls.FP8_DISTRIBUTED_GROUP = fp8_group
+        cls.FP8_GRAPH_CAPTURING = _graph
+        if cls.AUTOCAST_DEPTH == 0:
+            cls.IS_FIRST_FP8_MODULE = True
+        cls.AUTOCAST_DEPTH += 1
+
+    @classmethod
+    def autocast_exit(cls, enabled: bool, _graph: bool) -> None:
+        cls.AUTOCAST_DEPTH -= 1
+        if enabled and cls.AUTOCAST_DEPTH == 0 and not _graph and torch.is_grad_enabled():
+            cls.reduce_and_update_fp8_tensors(forward=True)
+
+
+@contextmanager
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+             amax_reduction_group=None, _graph: bool = False):
+    """Quantize the GEMMs of the TE modules run inside with `recipe` (FP8 or FP4)."""
+    if enabled:
+        check_recipe_support(recipe)
+    saved = FP8GlobalStateManager.get_autocast_state()
+    FP8GlobalStateManager.autocast_enter(enabled=enabled, calibrating=calibrating,
+                                         fp8_recipe=recipe, fp8_group=amax_reduction_group,
+                                         _graph=_graph)
+    try:
+        yield
+    finally:
+        FP8GlobalStateManager.set_autocast_state(saved)
+        FP8GlobalStateManager.autocast_exit(enabled, _graph=_graph)
+
+
+@contextmanager
+def fp8_autocast(enabled: bool = True, calibrating: bool = False,
+                 fp8_recipe: Optional[Recipe] = None, fp8_group=None, _graph: bool = False):
+    """TE 2.14's deprecated name for `autocast` (what Megatron 0.16/0.19 call)."""
+    warnings.warn("fp8_autocast is deprecated and will be removed in a future release. "
+                  "Use autocast(enabled=..., calibrating=..., recipe=..., group=..., _graph=...) "
+                  "instead.", category=DeprecationWarning, stacklevel=3)
+    with autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe,
+                  amax_reduction_group=fp8_group, _graph=_graph):
+        yield
+
+
+@contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False):
+    """Modules built inside with `enabled=True` would store quantized weights (refused by the double)."""
+    saved = (FP8GlobalStateManager.FP8_PARAMETERS, FP8GlobalStateManager.FP8_RECIPE,
+             FP8GlobalStateManager.HIGH_PRECISION_INIT_VAL)
+    FP8GlobalStateManager.FP8_PARAMETERS = enabled
+    FP8GlobalStateManager.FP8_RECIPE = get_default_fp8_recipe() if recipe is None else recipe
+    FP8GlobalStateManager.HIGH_PRECISION_INIT_VAL = preserve_high_precision_init_val
+    try:
+        yield
+    finally:
+        (FP8GlobalStateManager.FP8_PARAMETERS, FP8GlobalStateManager.FP8_RECIPE,
+         FP8GlobalStateManager.HIGH_PRECISION_INIT_VAL) = saved
+
+
+@contextmanager
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                   preserve_high_precision_init_val: bool = False):
+    """TE 2.14's deprecated name for `quantized_model_init`."""
+    warnings.warn("fp8_model_init is deprecated and will be removed in a future release. "
+                  "Use quantized_model_init(enabled=..., recipe=..., "
+                  "preserve_high_precision_init_val=...) instead.",
+                  category=DeprecationWarning, stacklevel=3)
+    with quantized_model_init(enabled=enabled, recipe=recipe,
+                              preserve_high_precision_init_val=preserve_high_precision_init_val):
+        yield
