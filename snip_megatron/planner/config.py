@@ -51,9 +51,10 @@ class PlannerConfig:
     every layer's cheapest choice)."""
     aggregate_layers: bool = True
     """Give CBC one integer per class of layers with equal budget weights (every layer of one
-    shape) and choice: how many of them take it; the layers' own choices are continuous. Exact (see
-    planner/ilp.py), and CBC no longer searches the equally good ways of spreading upgrades over a
-    class. False: one binary per layer and choice (the earlier model, kept for comparison)."""
+    shape) and choice: how many of them sit at that choice or above; the layers' own variables are
+    continuous (exact, see planner/ilp.py), CBC's cuts are off and its cutoff increment tiny. CBC
+    then no longer searches the equally good ways of spreading upgrades over a class. False: one
+    binary per layer and choice with CBC's defaults (the earlier model, kept for comparison)."""
     threads: int | None = None
     """CBC threads; None lets CBC choose."""
     cbc_path: str | None = None
