@@ -108,7 +108,8 @@ def main() -> None:
         plain_s, plain_status = float("nan"), "-"
         if not args.no_plain:
             plain = solve_plan(costs, flops, replace(config, aggregate_layers=False), stages=stages)
-            plain_s, plain_status = plain.seconds, plain.status if plain.solver == "cbc" else "fallback"
+            plain_s = plain.seconds
+            plain_status = plain.status if plain.solver == "cbc" else "fallback"
             plain_max = max(plain_max, plain_s)
         stage_fp4 = min((a.fp4_fraction for a in ilp.per_stage.values()), default=float("nan"))
         print(f"{label:38s} {ilp.solver:6s} {ilp.status:8s} {seconds:7.3f} {cbc_cpu:7.3f} {plain_s:7.3f} "

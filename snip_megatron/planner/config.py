@@ -91,7 +91,8 @@ class PlannerConfig:
         if not isinstance(self.gap_rel, (int, float)) or not 0.0 <= self.gap_rel < 1.0:
             raise ValueError(f"PlannerConfig.gap_rel={self.gap_rel!r} must be in [0, 1)")
         if not isinstance(self.aggregate_layers, bool):
-            raise ValueError(f"PlannerConfig.aggregate_layers={self.aggregate_layers!r} must be True or False")
+            raise ValueError(f"PlannerConfig.aggregate_layers={self.aggregate_layers!r} must be True or "
+                             "False")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"PlannerConfig.threads={self.threads!r} must be None or a positive integer")
         if not isinstance(self.exact_max_states, int) or self.exact_max_states < 16:
