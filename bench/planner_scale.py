@@ -2,11 +2,15 @@
 
 Synthetic but shaped costs (FP4 harm ~10x FP8 harm, edge layers more sensitive, lognormal spread);
 real FLOP tables. Every case is solved by CBC (through solve_plan, model building and the CBC
-subprocess included) and by the exact fallback; the relative gap is CBC's objective over the exact
-one. cbc_s is the median wall time of solve_plan (what the controller waits for), cbc_cpu the CBC
-processes' CPU time per solve. Run: python bench/planner_scale.py [--repeats 3]. Last line:
+subprocess included), by CBC on the plain model without the ordering rows between same-shape layers
+(PlannerConfig.aggregate_layers=False, the model before them; once, side by side) and by the exact
+fallback; the relative gap is CBC's objective over the exact one. cbc_s is the median wall time of
+solve_plan (what the controller waits for), cbc_cpu the CBC processes' CPU time per solve; a status
+other than "optimal", or "exact" as solver, means CBC did not prove its answer in its time limit.
+Run: python bench/planner_scale.py [--repeats 3] [--no-plain]. Last line:
 RESULT solve_s_70b=<max over the 70B cases> solve_s_405b=<max over the 405B cases> max_rel_gap=<x>
-(target: solve_s_70b < 1.0).
+max_solve_s=<max over all cases> all_optimal=<1 if CBC proved every case> plain_max_s=<the plain
+model's max> (targets: solve_s_70b < 1.0, max_solve_s < 2.0, all_optimal=1, max_rel_gap=0).
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="CBC solves per case (median reported)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CBC time limit, seconds")
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain model (one binary per layer and choice)")
     args = parser.parse_args()
     if not cbc_available():
         raise SystemExit("CBC is not available (PuLP >= 4: pip install 'pulp[cbc]'); nothing to time")
@@ -81,9 +86,10 @@ def main() -> None:
 
     worst = {"70b": 0.0, "405b": 0.0}
     worst_cpu = {"70b": 0.0, "405b": 0.0}  # model building + CBC, CPU seconds per solve
-    max_gap = 0.0
-    print(f"{'case':38s} {'solver':6s} {'status':8s} {'cbc_s':>7s} {'cbc_cpu':>7s} {'exact_s':>8s} {'objective':>12s} "
-          f"{'rel_gap':>9s} {'fp4':>6s} {'min_stage_fp4':>13s} {'speedup':>7s}")
+    max_gap, plain_max, all_optimal = 0.0, 0.0, True
+    print(f"{'case':38s} {'solver':6s} {'status':8s} {'cbc_s':>7s} {'cbc_cpu':>7s} {'plain_s':>7s} "
+          f"{'plain':8s} {'exact_s':>8s} {'objective':>12s} {'rel_gap':>9s} {'fp4':>6s} "
+          f"{'min_stage_fp4':>13s} {'speedup':>7s}")
     for group, label, shape, costs, config, stages in cases(args.seed):
         flops = flop_table(shape)
         config = replace(config, time_limit_s=args.time_limit)
@@ -98,14 +104,23 @@ def main() -> None:
         gap = (ilp.objective - exact.objective) / max(abs(exact.objective), 1e-12)
         worst[group] = max(worst[group], seconds)
         max_gap = max(max_gap, abs(gap))
+        all_optimal &= all(r.solver == "cbc" and r.status == "optimal" for r in runs)
+        plain_s, plain_status = float("nan"), "-"
+        if not args.no_plain:
+            plain = solve_plan(costs, flops, replace(config, aggregate_layers=False), stages=stages)
+            plain_s = plain.seconds
+            plain_status = plain.status if plain.solver == "cbc" else "fallback"
+            plain_max = max(plain_max, plain_s)
         stage_fp4 = min((a.fp4_fraction for a in ilp.per_stage.values()), default=float("nan"))
-        print(f"{label:38s} {ilp.solver:6s} {ilp.status:8s} {seconds:7.3f} {cbc_cpu:7.3f} {exact.seconds:8.3f} "
-              f"{ilp.objective:12.6f} {gap:9.2e} {ilp.achieved.fp4_fraction:6.3f} {stage_fp4:13.3f} "
-              f"{ilp.achieved.speedup:7.3f}" + (f"  [{ilp.fallback_reason}]" if ilp.fallback_reason else ""))
+        print(f"{label:38s} {ilp.solver:6s} {ilp.status:8s} {seconds:7.3f} {cbc_cpu:7.3f} {plain_s:7.3f} "
+              f"{plain_status:8s} {exact.seconds:8.3f} {ilp.objective:12.6f} {gap:9.2e} "
+              f"{ilp.achieved.fp4_fraction:6.3f} {stage_fp4:13.3f} {ilp.achieved.speedup:7.3f}"
+              + (f"  [{ilp.fallback_reason}]" if ilp.fallback_reason else ""))
     print(f"CPU solve_cpu_s_70b={worst_cpu['70b']:.3f} solve_cpu_s_405b={worst_cpu['405b']:.3f} "
           f"(wall/CPU differ when the machine is shared; load average {os.getloadavg()[0]:.1f})")
-    print(f"RESULT solve_s_70b={worst['70b']:.3f} solve_s_405b={worst['405b']:.3f} max_rel_gap={max_gap:.2e}")
-
+    plain = "" if args.no_plain else f" plain_max_s={plain_max:.3f}"
+    print(f"RESULT solve_s_70b={worst['70b']:.3f} solve_s_405b={worst['405b']:.3f} max_rel_gap={max_gap:.2e} "
+          f"max_solve_s={max(worst.values()):.3f} all_optimal={int(all_optimal)}{plain}")
 
 if __name__ == "__main__":
     main()

@@ -53,6 +53,12 @@ class PlannerConfig:
     gap_rel: float = 1e-6
     """Relative optimality gap at which CBC may stop (CBC's own measure: relative to the cost above
     every layer's cheapest choice). In a run, SnipConfig.solver_gap sets this."""
+    aggregate_layers: bool = True
+    """Give CBC one integer per class of layers with equal budget weights (every layer of one
+    shape) and choice: how many of them sit at that choice or above; the layers' own variables are
+    continuous (exact, see planner/ilp.py), CBC's cuts are off and its cutoff increment tiny. CBC
+    then no longer searches the equally good ways of spreading upgrades over a class. False: one
+    binary per layer and choice with CBC's defaults (the earlier model, kept for comparison)."""
     threads: int | None = None
     """CBC threads; None lets CBC choose."""
     cbc_path: str | None = None
@@ -88,6 +94,9 @@ class PlannerConfig:
             raise ValueError(f"PlannerConfig.time_limit_s={self.time_limit_s!r} must be > 0")
         if not isinstance(self.gap_rel, (int, float)) or not 0.0 <= self.gap_rel < 1.0:
             raise ValueError(f"PlannerConfig.gap_rel={self.gap_rel!r} must be in [0, 1)")
+        if not isinstance(self.aggregate_layers, bool):
+            raise ValueError(f"PlannerConfig.aggregate_layers={self.aggregate_layers!r} must be True or "
+                             "False")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"PlannerConfig.threads={self.threads!r} must be None or a positive integer")
         if not isinstance(self.exact_max_states, int) or self.exact_max_states < 16:

@@ -15,6 +15,7 @@ def test_defaults_follow_the_paper():
     ("budget", "flops"), ("rho", 1.5), ("rho", -0.1), ("speedup", 0.0), ("allowed", ()),
     ("allowed", ("fp8", "fp8")), ("allowed", ("fp6",)), ("switch_penalty", -1.0), ("solver", "gurobi"),
     ("time_limit_s", 0), ("gap_rel", 1.0), ("threads", 0), ("exact_max_states", 4),
+    ("aggregate_layers", 1),
     ("gemm_cost", {"bf16": 1.0, "fp8": 0.5}), ("gemm_cost", {"bf16": 1.0, "fp8": 0.5, "fp4": -1}),
 ])
 def test_bad_fields_name_themselves(field, value):
