@@ -15,6 +15,7 @@ import re
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 
 from snip_megatron.planner.config import PlannerConfig
 from snip_megatron.planner.exact import integer_units
@@ -62,14 +63,21 @@ def cbc_available(config: PlannerConfig | None = None) -> bool:
 
 
 def describe_cbc(config: PlannerConfig | None = None) -> str | None:
-    """"CBC <version> at <path> (PuLP <version>)" for the binary solve_ilp would run; None without one."""
+    """"CBC <version> at <path> (PuLP <version>[, cbcbox <version>])" for the binary solve_ilp
+    would run; None without one."""
     cmd = _cbc_command(config or PlannerConfig())
     if cmd is None:
         return None
     import pulp
 
     path = os.path.normpath(cmd.path)
-    return f"CBC {_cbc_version(path)} at {path} (PuLP {pulp.__version__})"
+    packages = [f"PuLP {pulp.__version__}"]
+    if f"{os.sep}cbcbox{os.sep}" in path:  # PuLP >= 4's CBC comes from the cbcbox wheel
+        try:
+            packages.append(f"cbcbox {metadata.version('cbcbox')}")
+        except Exception:
+            pass
+    return f"CBC {_cbc_version(path)} at {path} ({', '.join(packages)})"
 
 
 @functools.lru_cache(maxsize=8)
