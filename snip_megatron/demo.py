@@ -15,6 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
+from snip_megatron.megatron.startup import quiet_startup; quiet_startup()  # before megatron.core loads
 from snip_megatron.config import SnipConfig
 from snip_megatron.controller import SnipController
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig

@@ -697,6 +697,7 @@ def main(argv: list[str] | None = None, controller=None) -> int:
     `controller`: an object with the SnipHooks methods (default: SnipController when SNIP
     measures or runs a baseline).
     """
+    from snip_megatron.megatron.startup import quiet_startup; quiet_startup()  # before megatron.core loads
     require_megatron_training()
     import torch
 

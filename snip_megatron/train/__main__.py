@@ -14,6 +14,7 @@ import sys
 
 from pathlib import Path
 
+from snip_megatron.megatron.startup import quiet_startup; quiet_startup()  # before megatron.core loads
 from snip_megatron.config import SnipConfig
 from snip_megatron.controller import SnipController
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
