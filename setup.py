@@ -9,9 +9,15 @@ setup(
     packages=find_packages(include=["snip_megatron", "snip_megatron.*"]),
     python_requires=">=3.11",
     install_requires=[
-        "torch>=2.13",
+        # Tested: 2.13.0 and 2.14.1. Written with "a0" so NGC's pre-release builds
+        # (2.13.0a0+<commit>.nv26.06) qualify: under PEP 440 2.13.0a0 < 2.13, and a specifier
+        # without a pre-release admits none.
+        "torch>=2.13.0a0",
         "megatron-core>=0.16.1",
-        "pulp>=3.3.2",
+        # The planner's ILP solver. PuLP >= 4 (Python >= 3.12) ships CBC only in its `cbc` extra
+        # (the cbcbox wheel); PuLP 3.x (the line Python 3.11 gets) bundles the CBC binary.
+        'pulp[cbc]>=4.2; python_version >= "3.12"',
+        'pulp>=3.3.2,<4; python_version < "3.12"',
         "hydra-core>=1.3",
         "omegaconf>=2.3",
         "numpy",
@@ -22,8 +28,12 @@ setup(
         "psutil",  # Megatron's checkpoint writer logs process memory with it
     ],
     extras_require={
-        # GPU only: never install these on a CPU machine (a half-installed TE breaks megatron.core).
-        "gpu": ["transformer-engine[pytorch]", "apex"],
+        # GPU only: never install this on a CPU machine (a half-installed TE breaks megatron.core).
+        # TE's PyTorch extension as TE publishes it (an sdist built against the local torch and
+        # CUDA; TE recommends `pip install --no-build-isolation`); 2.9 brought the NVFP4 recipe.
+        # NVIDIA apex is not here: it is not on PyPI (the PyPI `apex` is an unrelated project);
+        # the NGC PyTorch image ships it, and SNIP does not need it (README, Environments).
+        "gpu": ["transformer-engine[pytorch]>=2.9"],
         "test": ["pytest", "pytest-timeout", "torchao==0.18.0"],
     },
     entry_points={"console_scripts": [

@@ -15,7 +15,11 @@ import argparse
 import time
 from pathlib import Path
 
-from snip_megatron.config import SnipConfig
+from snip_megatron.megatron.startup import quiet_startup
+
+quiet_startup()  # before anything imports megatron.core: one line per expected absence
+
+from snip_megatron.config import SnipConfig  # noqa: E402
 from snip_megatron.controller import SnipController
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
 from snip_megatron.report import make_report

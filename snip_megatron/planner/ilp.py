@@ -20,10 +20,14 @@ cumulative form branches better than the one-hot one (3-4x less CBC time on the 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 
 from snip_megatron.planner.config import PlannerConfig
 from snip_megatron.planner.exact import integer_units
@@ -34,6 +38,7 @@ from snip_megatron.planner.problem import Knapsack
 INTEGRAL_TOL = 1e-6
 # CBC's cutoff increment for the counted model, in normalised cost units (see _cbc_command).
 CUTOFF_INCREMENT = 1e-9
+CBC_MISSING = "CBC not found (PuLP >= 4 needs `pip install pulp[cbc]`, or set PlannerConfig.cbc_path)"
 
 
 class SolverUnavailable(RuntimeError):
@@ -81,14 +86,47 @@ def cbc_available(config: PlannerConfig | None = None) -> bool:
     return _cbc_command(config or PlannerConfig()) is not None
 
 
+def describe_cbc(config: PlannerConfig | None = None) -> str | None:
+    """"CBC <version> at <path> (PuLP <version>[, cbcbox <version>])" for the binary solve_ilp
+    would run; None without one."""
+    cmd = _cbc_command(config or PlannerConfig())
+    if cmd is None:
+        return None
+    import pulp
+
+    path = os.path.normpath(cmd.path)
+    packages = [f"PuLP {pulp.__version__}"]
+    if f"{os.sep}cbcbox{os.sep}" in path:  # PuLP >= 4's CBC comes from the cbcbox wheel
+        try:
+            packages.append(f"cbcbox {metadata.version('cbcbox')}")
+        except Exception:
+            pass
+    return f"CBC {_cbc_version(path)} at {path} ({', '.join(packages)})"
+
+
+@functools.lru_cache(maxsize=8)
+def _cbc_version(path: str) -> str:
+    try:
+        banner = subprocess.run([path, "-quit"], capture_output=True, text=True, timeout=10).stdout
+    except Exception:
+        return "(version unknown)"
+    return cbc_banner_version(banner)
+
+
+def cbc_banner_version(banner: str) -> str:
+    """The version in what `cbc -quit` prints: "Version: 2.10.3" (the binary PuLP 3 bundles) or a
+    first line "CBC devel (git:146ce89) — COIN-OR Branch and Cut" (cbcbox's build)."""
+    found = re.search(r"Version:\s*(\S+)", banner) or re.match(r"\s*CBC\s+(.+?)\s+\W\s+COIN-OR", banner)
+    return found.group(1) if found else "(version unknown)"
+
+
 def solve_ilp(ks: Knapsack, config: PlannerConfig) -> tuple[list[int], str]:
     """Choice indices (one per free layer) and status "optimal" or "feasible (...)" (a group stopped
     early with an incumbent). Raises SolverUnavailable or SolverFailed, nothing else."""
     if not ks.free:
         return [], "optimal"
     if _cbc_command(config) is None:
-        raise SolverUnavailable("CBC not found (PuLP >= 4 needs `pip install pulp[cbc]`, or set "
-                                "PlannerConfig.cbc_path)")
+        raise SolverUnavailable(CBC_MISSING)
     deadline = time.monotonic() + config.time_limit_s
     groups = [[j for j, gj in enumerate(ks.group) if gj == g] for g in range(len(ks.need))]
 

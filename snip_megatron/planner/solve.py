@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -11,7 +13,7 @@ from snip_megatron.plan import Plan, parse_key
 from snip_megatron.planner.config import PlannerConfig
 from snip_megatron.planner.costs import CostTable
 from snip_megatron.planner.exact import solve_exact
-from snip_megatron.planner.ilp import SolverFailed, SolverUnavailable, solve_ilp
+from snip_megatron.planner.ilp import CBC_MISSING, SolverFailed, SolverUnavailable, describe_cbc, solve_ilp
 from snip_megatron.planner.problem import Achieved, build_knapsack, measure, measure_stages
 
 
@@ -42,6 +44,41 @@ class PlanResult:
     """The solver's own word when the status is "feasible" (e.g. "cbc: feasible (TimeLimit)")."""
 
 
+def solver_notice(config: PlannerConfig | None = None) -> str:
+    """One line: the solver solve_plan runs with `config` (CBC's version and path), or that the
+    exact fallback does, and why. Per-solve fallbacks (a crash, a timeout) are in each PlanResult."""
+    config = config or PlannerConfig()
+    if config.solver == "exact":
+        return "exact solver (PlannerConfig.solver='exact')"
+    cbc = describe_cbc(config)
+    if cbc is not None:
+        return cbc
+    try:
+        import pulp  # noqa: F401
+    except Exception as exc:
+        return f"exact solver: PuLP cannot be imported ({type(exc).__name__}: {exc}); pip install pulp[cbc]"
+    if config.cbc_path is not None:
+        return f"exact solver: PlannerConfig.cbc_path={config.cbc_path!r} is not a runnable CBC"
+    return f"exact solver: {CBC_MISSING}"
+
+
+_announce_lock = threading.Lock()
+_announced = False
+
+
+def _announce_solver(config: PlannerConfig) -> None:
+    """Print solver_notice once per process, at the first solve (on rank 0 in training)."""
+    global _announced
+    with _announce_lock:
+        if _announced:
+            return
+        _announced = True
+    try:
+        print(f"[snip] planner: {solver_notice(config)}", file=sys.stderr, flush=True)
+    except Exception:  # a notice that cannot be written must not stop a solve
+        pass
+
+
 def solve_plan(costs: Mapping, flops: Mapping, config: PlannerConfig | None = None, *,
                previous: Mapping | None = None, stages: Mapping | None = None,
                pinned: Mapping | None = None) -> PlanResult:
@@ -54,6 +91,7 @@ def solve_plan(costs: Mapping, flops: Mapping, config: PlannerConfig | None = No
     failing or timing out hands the problem to the exact fallback, and the result says so.
     """
     config = config or PlannerConfig()
+    _announce_solver(config)
     start = time.perf_counter()
     table = CostTable.of(costs)
     ks, flop_of = build_knapsack(table, flops, config, previous=previous, stages=stages, pinned=pinned)

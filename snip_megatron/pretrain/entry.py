@@ -45,6 +45,9 @@ def add_extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def main(argv: "list[str] | None" = None, controller=None) -> int:
     """Parse Megatron + SNIP arguments, set SNIP up and run `megatron.training.pretrain`.
     `controller`: a stand-in for SnipController (tests)."""
+    from snip_megatron.megatron.startup import quiet_startup
+
+    quiet_startup()  # before anything imports megatron.core: one line per expected absence
     require_megatron_training()
     import torch
 
