@@ -1,22 +1,25 @@
-# snip-megatron: `make demo` runs the quickstart, `make test` runs the suite in both lanes.
+# snip-megatron: `make demo` runs the quickstart, `make test` runs the suite in every lane.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-LANES := prod compat
+LANES := prod compat bridge
 PYTEST_ARGS ?=
 
-.PHONY: help demo test test-prod test-compat env env-prod env-compat clean
+.PHONY: help demo test test-prod test-compat test-bridge env env-prod env-compat env-bridge clean
 
 help:
 	@echo "make demo        tiny Llama-like pretraining with SNIP on CPU, on real text"
-	@echo "make test        create both environments if missing, run the tests in both lanes"
+	@echo "make test        create the environments if missing, run each lane's tests"
 	@echo "make env-prod    Python 3.12, torch 2.14.1, megatron-core 0.19.2 (.venv-prod)"
 	@echo "make env-compat  Python 3.11, torch 2.13.0 CPU, megatron-core 0.16.1 (.venv-compat)"
+	@echo "make env-bridge  Python 3.12, torch 2.14.1, megatron-core 0.19.2, megatron-bridge 0.6.2 (.venv-bridge)"
 
-env: env-prod env-compat
+env: env-prod env-compat env-bridge
 env-prod:
 	@scripts/make_env.sh prod
 env-compat:
 	@scripts/make_env.sh compat
+env-bridge:
+	@scripts/make_env.sh bridge
 
 demo: env-prod
 	.venv-prod/bin/python -m snip_megatron.demo
@@ -28,6 +31,8 @@ test-prod: env-prod
 	@scripts/run_tests.sh prod -- $(PYTEST_ARGS)
 test-compat: env-compat
 	@scripts/run_tests.sh compat -- $(PYTEST_ARGS)
+test-bridge: env-bridge
+	@scripts/run_tests.sh bridge -- $(PYTEST_ARGS)
 
 clean:
-	rm -rf .venv-prod .venv-compat .pytest_cache
+	rm -rf .venv-prod .venv-compat .venv-bridge .pytest_cache
