@@ -147,8 +147,8 @@ class SnipController(StepHook):
 
     def on_train_start(self, ctx: StepContext) -> None:
         """After set-up and any resume: check the loop runs SNIP's formats, apply the plan."""
-        theirs = getattr(ctx, "formats", None)
-        if theirs is not None and theirs != self.config.formats:
+        theirs = ctx.formats
+        if theirs != self.config.formats:
             raise ValueError(f"SNIP measures {self.config.formats.short_str()} but the training loop's "
                              f"planned linears run {theirs.short_str()}: give both the same formats "
                              "(TrainConfig.formats = SnipConfig.formats)")

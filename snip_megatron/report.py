@@ -40,12 +40,12 @@ class PlanLog:
     def record(self, step: int, plan: Plan, previous: "Plan | None", info: dict) -> dict:
         """Log one applied plan; `info` holds the solver's result, costs and timings, if any."""
         from snip_megatron.planner.config import DEFAULT_GEMM_COST
-        from snip_megatron.planner.problem import measure
+        from snip_megatron.planner.problem import achieved
 
-        achieved = measure(plan, self.flops, DEFAULT_GEMM_COST)  # the planner's own models
-        fp4 = achieved.fp4_fraction
+        met = achieved(plan, self.flops, DEFAULT_GEMM_COST)  # the planner's own models
+        fp4 = met.fp4_fraction
         row = {"step": step, "plan": {str(k): p.value for k, p in plan.items()},
-               "digest": plan.digest(), "fp4_fraction": fp4, "speedup": achieved.speedup}
+               "digest": plan.digest(), "fp4_fraction": fp4, "speedup": met.speedup}
         result = info.get("result")
         if result is not None:
             row.update(solver=result.solver, status=result.status, objective=result.objective,

@@ -87,3 +87,37 @@ def test_dict_round_trip_and_unknown_keys():
     assert SnipConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown SnipConfig field.*fp4budget"):
         SnipConfig.from_dict({"fp4budget": 0.5})
+
+
+def test_snipconfig_builds_every_component_config_from_its_own_fields():
+    cfg = SnipConfig(enabled=True, fp4_budget=0.6, precisions="bf16,fp8,fp4", per_stage_budget=True,
+                     switch_penalty=0.1, solver_time_limit_s=7.0, solver_gap=1e-3, noise_scale=0.03, seed=5,
+                     lambda_wd=0.7, fp8_recipe="mxfp8", fp4_recipe="mxfp4")
+    m, e, p = cfg.measure_config(), cfg.estimate_config(), cfg.planner_config()
+    assert (m.noise_frac, m.seed, m.formats) == (0.03, 5, cfg.formats)
+    assert cfg.formats.fp8_recipe == "mxfp8" and cfg.formats.fp4_recipe == "mxfp4"
+    assert e.lam == 0.7
+    assert (p.rho, [x.value for x in p.allowed_precisions()], p.per_stage, p.switch_penalty,
+            p.time_limit_s, p.gap_rel) == (0.6, ["bf16", "fp8", "fp4"], True, 0.1, 7.0, 1e-3)
+
+
+def test_component_defaults_equal_snipconfigs_or_say_that_snipconfig_sets_them():
+    """A component config used outside a run keeps its own default; where that differs from what
+    SnipConfig gives it in a run, the field's docstring must say so (no silent second default)."""
+    from dataclasses import fields
+
+    from snip_megatron.estimate.config import EstimateConfig
+    from snip_megatron.flags import field_docs
+    from snip_megatron.planner.config import PlannerConfig
+    from snip_megatron.stats.config import MeasureConfig
+
+    snip = SnipConfig(enabled=True)
+    checked = 0
+    for cls, built in ((MeasureConfig, snip.measure_config()), (EstimateConfig, snip.estimate_config()),
+                       (PlannerConfig, snip.planner_config())):
+        default, docs = cls(), field_docs(cls)
+        for f in fields(cls):
+            if getattr(built, f.name) != getattr(default, f.name):
+                checked += 1
+                assert "SnipConfig." in docs.get(f.name, ""), f"{cls.__name__}.{f.name}"
+    assert checked >= 4  # noise, seed, per-stage budget, solver limit and gap differ today

@@ -1,13 +1,13 @@
 """Loss and weight divergence: pure functions from a statistics table to a cost table.
 
     from snip_megatron.estimate import cost_table, EstimateConfig
-    costs = cost_table(stats_table, EstimateConfig(lam=0.3))   # CostTable
+    costs = cost_table(stats_table, EstimateConfig(lam=0.3))   # CostEstimate
     costs.costs[LayerKey(3, "linear_fc1")][Precision.FP4]
 
 No torch modules and no collectives here (docs/method.md derives the formulas).
 """
 
 from snip_megatron.estimate.config import EstimateConfig
-from snip_megatron.estimate.cost import CostTable, cost_table, proxy_table
+from snip_megatron.estimate.cost import CostEstimate, cost_table, proxy_table
 
-__all__ = ["EstimateConfig", "CostTable", "cost_table", "proxy_table"]
+__all__ = ["EstimateConfig", "CostEstimate", "cost_table", "proxy_table"]

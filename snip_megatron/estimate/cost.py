@@ -17,7 +17,7 @@ Table = dict  # dict[LayerKey, dict[Precision, float]]
 
 
 @dataclass
-class CostTable:
+class CostEstimate:
     """Q_l(p) per planned linear and precision, with its parts for reporting.
 
     NaN costs mark layers whose statistics were not finite (`nonfinite`); the planner keeps the
@@ -59,7 +59,7 @@ class CostTable:
         return "\n".join(lines)
 
 
-def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> CostTable:
+def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> CostEstimate:
     """The cost of running each planned linear in each candidate precision (BF16 costs 0)."""
     loss = stats.globals_.get("loss", 0.0)
     if not (math.isfinite(loss) and loss > 0):
@@ -86,7 +86,7 @@ def cost_table(stats: StatsTable, config: EstimateConfig = EstimateConfig()) -> 
             ldiv[k][p] = math.nan if nan else float(dl[i])
             wdiv[k][p] = math.nan if nan else float(wd[i])
             costs[k][p] = math.nan if nan else float(q[i])
-    return CostTable(costs=costs, loss_div=ldiv, weight_div=wdiv,
+    return CostEstimate(costs=costs, loss_div=ldiv, weight_div=wdiv,
                      kappa={k: float(v) for k, v in zip(keys, kappa)},
                      gain={k: float(v) for k, v in zip(keys, gain)}, nonfinite=bad)
 

@@ -22,7 +22,7 @@ from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan, forward_order, pars
 from snip_megatron.planner.config import DEFAULT_GEMM_COST
 from snip_megatron.planner.costs import CostTable
 from snip_megatron.planner.flops import validate_flops
-from snip_megatron.planner.problem import BUDGET_RTOL, measure, measure_stages
+from snip_megatron.planner.problem import BUDGET_RTOL, achieved, achieved_by_stage
 from snip_megatron.planner.solve import PlanResult
 
 BASELINES = ("uniform_bf16", "uniform_fp8", "uniform_fp4", "first_last_k", "last_fraction",
@@ -85,8 +85,8 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
         solver=name,
         status="rule",
         objective=_objective(assignment, costs),
-        achieved=measure(assignment, flop_of, gemm),
-        per_stage=measure_stages(assignment, flop_of, gemm, stage_of) if stage_of else {},
+        achieved=achieved(assignment, flop_of, gemm),
+        per_stage=achieved_by_stage(assignment, flop_of, gemm, stage_of) if stage_of else {},
         seconds=time.perf_counter() - start,
     )
 

@@ -33,7 +33,7 @@ class Achieved:
     """Modelled linear-GEMM speed-up over all-BF16 (sum F c_bf16 / sum F c_p)."""
 
 
-def measure(assignment: Mapping, flops: Mapping, gemm_cost: Mapping) -> Achieved:
+def achieved(assignment: Mapping, flops: Mapping, gemm_cost: Mapping) -> Achieved:
     """FP4 FLOP fraction and modelled speed-up of `assignment` (LayerKey -> Precision)."""
     total = fp4 = time = 0.0
     c_bf16 = gemm_cost[Precision.BF16]
@@ -47,13 +47,13 @@ def measure(assignment: Mapping, flops: Mapping, gemm_cost: Mapping) -> Achieved
     return Achieved(fp4_fraction=fp4 / total, speedup=total * c_bf16 / time)
 
 
-def measure_stages(assignment: Mapping, flops: Mapping, gemm_cost: Mapping,
+def achieved_by_stage(assignment: Mapping, flops: Mapping, gemm_cost: Mapping,
                    stages: Mapping) -> dict[int, Achieved]:
-    """`measure` per pipeline stage (stages: LayerKey -> stage)."""
+    """`achieved` per pipeline stage (stages: LayerKey -> stage)."""
     by_stage: dict[int, dict] = {}
     for key, p in assignment.items():
         by_stage.setdefault(stages[key], {})[key] = p
-    return {s: measure(a, flops, gemm_cost) for s, a in sorted(by_stage.items())}
+    return {s: achieved(a, flops, gemm_cost) for s, a in sorted(by_stage.items())}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from snip_megatron.planner.config import PlannerConfig
 from snip_megatron.planner.costs import CostTable
 from snip_megatron.planner.exact import solve_exact
 from snip_megatron.planner.ilp import CBC_MISSING, SolverFailed, SolverUnavailable, describe_cbc, solve_ilp
-from snip_megatron.planner.problem import Achieved, build_knapsack, measure, measure_stages
+from snip_megatron.planner.problem import Achieved, achieved, achieved_by_stage, build_knapsack
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def solve_plan(costs: Mapping, flops: Mapping, config: PlannerConfig | None = No
         solver=solver,
         status=status,
         objective=ks.objective(picks),
-        achieved=measure(assignment, flop_of, gemm),
+        achieved=achieved(assignment, flop_of, gemm),
         per_stage=_per_stage(assignment, flop_of, gemm, stages),
         seconds=time.perf_counter() - start,
         switches=sum(1 for k, p in assignment.items() if k in prev and prev[k] != p),
@@ -137,4 +137,4 @@ def _per_stage(assignment, flops, gemm, stages) -> dict:
     if stages is None:
         return {}
     stage_of = {parse_key(k): s for k, s in stages.items()}
-    return measure_stages(assignment, flops, gemm, stage_of)
+    return achieved_by_stage(assignment, flops, gemm, stage_of)

@@ -13,7 +13,7 @@ import argparse
 from functools import partial
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
-BACKENDS = ("auto", "emulated", "te")
+BACKEND_CHOICES = ("auto", "emulated", "te")
 """--snip-backend: auto picks te with --transformer-impl transformer_engine, else emulated."""
 
 
@@ -28,7 +28,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--corpus-tokenizer", default=None, metavar="PATH",
                    help="tokenizers JSON file for --corpus or --data-path; default: train one of "
                         "--vocab-size tokens on the corpus.")
-    g.add_argument("--snip-backend", choices=BACKENDS, default="auto",
+    g.add_argument("--snip-backend", choices=BACKEND_CHOICES, default="auto",
                    help="Planned linears: emulated (SNIP's fake-quantized linears in Megatron's local "
                         "spec, any device) or te (Megatron's Transformer Engine linears, planned through "
                         "quant_recipe); auto: te with --transformer-impl transformer_engine, else emulated.")
