@@ -112,5 +112,18 @@ def test_kill_after_plan_change_and_resume(start, tmp_path):
         assert abs(a - b) <= 1e-6 * abs(a), (step, a, b)
 
 
+def test_a_plan_change_failing_on_one_rank_is_undone_on_every_rank(start, tmp_path):
+    root, cache, ckpt = start
+    out = run_distributed([WORKER, "--out", str(tmp_path), "--data-cache", str(cache), "--steps", "9",
+                           "--interval", "3", "--fail-apply-rank", "1"], nproc=2, timeout=600).stdout
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert "rank 1: applying the plan at step 5 failed: RuntimeError: injected apply failure" in out
+    assert "applying the plan at step 5 failed on another rank; skipping this update" in out
+    for rank in ranks:
+        assert [s for s, _ in rank["applied"]] == [0, 8]  # both ranks kept the initial plan at 5
+        assert sorted(map(int, rank["losses"])) == list(range(1, 10))
+    assert _plans(ranks[0]) == _plans(ranks[1])
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -70,7 +70,10 @@ def quiet_startup(stream=None) -> list[str]:
         notices.append(absence.notice)
         if say:
             print(f"[snip] {absence.notice}", file=stream, flush=True)
-    logging.getLogger(CUDA_LOGGER).addFilter(_NoCudaRuntime(stream if say else None))
+    cuda_logger = logging.getLogger(CUDA_LOGGER)
+    for old in [f for f in cuda_logger.filters if isinstance(f, _NoCudaRuntime)]:
+        cuda_logger.removeFilter(old)  # one notice filter, however often the state was reset
+    cuda_logger.addFilter(_NoCudaRuntime(stream if say else None))
     return notices
 
 

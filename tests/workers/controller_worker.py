@@ -67,6 +67,26 @@ class CountingController(SnipController):
             self._counting = False
 
 
+def inject_failures(ctrl, measure_rank, apply_rank):
+    """Make one rank's first measurement, or first plan change, raise."""
+    measure, apply = ctrl._measure, ctrl._apply
+    state = {"measured": False, "applied": 0}
+
+    def failing_measure(ctx, step):
+        if dist.get_rank() == measure_rank and not state["measured"]:
+            state["measured"] = True
+            raise RuntimeError(f"injected measurement failure at step {step}")
+        return measure(ctx, step)
+
+    def failing_apply(ctx, plan):
+        state["applied"] += 1
+        if dist.get_rank() == apply_rank and state["applied"] == 2:  # 1 is the initial plan
+            raise RuntimeError("injected apply failure")
+        return apply(ctx, plan)
+
+    ctrl._measure, ctrl._apply = failing_measure, failing_apply
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -83,6 +103,10 @@ def main():
     p.add_argument("--interval", type=int, default=100)
     p.add_argument("--lag", type=int, default=1)
     p.add_argument("--initial", default="fp8", help="precision before the first plan")
+    p.add_argument("--fail-measure-rank", type=int, default=None,
+                   help="this rank's first measurement raises (a failure injected for the test)")
+    p.add_argument("--fail-apply-rank", type=int, default=None,
+                   help="this rank's first plan change after the initial plan raises")
     args = p.parse_args()
 
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
@@ -99,6 +123,7 @@ def main():
                           lag=args.lag, solver_time_limit_s=60, initial_precision=args.initial)
         ctrl = CountingController(snip, SHAPE, total_steps=args.steps, log=print,
                                   tokens_per_step=train.seq_len * 4)
+        inject_failures(ctrl, args.fail_measure_rank, args.fail_apply_rank)
         hooks.append(ctrl)
     trainer = Trainer(train, hooks=hooks)
     history = trainer.fit()
