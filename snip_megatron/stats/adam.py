@@ -6,8 +6,8 @@ DP, see reduce.py) and ChainedOptimizer; and the state as Transformer Engine's F
 the step count in the param group (`group["step"]`, an int or a tensor) instead of each
 parameter's state, and, with Megatron's `--use-precision-aware-optimizer`, moments stored as
 BF16, FP16 with a per-tensor scale, or FP8 (a Float8Tensor), on the model's BF16 shard (the
-optimizer holds the master weights). Such moments are dequantized through FusedAdam's own
-`get_unscaled_state` before use; plain FP32 moments are read as they are.
+optimizer holds the master weights). Scaled FP16 and FP8 moments are dequantized through
+FusedAdam's own `get_unscaled_state` before use; FP32 and BF16 ones are read as stored.
 
 Everything stays on the device: the sums go into the caller's accumulator as 0-dim tensors and
 the step count enters the bias corrections as a tensor, so reading the statistics never waits
@@ -72,12 +72,12 @@ def _step(state: dict, group: dict):
 
 
 def moment(inner, param, state: dict, name: str) -> torch.Tensor:
-    """A moment as real numbers: FusedAdam's stored BF16/FP16/FP8 moments dequantized."""
+    """A moment as real numbers: FusedAdam's scaled FP16 and FP8 moments dequantized (a float32
+    copy); FP32 and BF16 ones are read as stored (and converted a block at a time)."""
     stored = state[name]
-    dtypes = getattr(inner, "name_to_dtype_map", None)
-    quantized = (dtypes is not None and dtypes.get(name, torch.float32) != torch.float32) or \
-        type(stored) is not torch.Tensor and not isinstance(stored, torch.nn.Parameter)
-    if quantized and hasattr(inner, "get_unscaled_state"):
+    plain = type(stored) in (torch.Tensor, torch.nn.Parameter) and stored.dtype in (torch.float32, torch.bfloat16,
+                                                                                     torch.float64)
+    if not plain and hasattr(inner, "get_unscaled_state"):
         return inner.get_unscaled_state(param, name)
     return stored
 

@@ -154,7 +154,7 @@ class LinearProbe:
     def _noise_dot(self, field: noise.NoiseField, g: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=g.device)
         for rows, z in field.chunks(g.device):
-            total = total + (z * g[rows].float()).sum()
+            total = total + torch.dot(z.reshape(-1), g[rows].reshape(-1).float())
         return total
 
     @staticmethod
@@ -163,7 +163,7 @@ class LinearProbe:
         z = torch.empty_like(t)
         for rows, part in field.chunks(t.device):
             z[rows] = part.to(t.dtype)
-        return t + (scale * z)
+        return z.mul_(scale).add_(t)  # in place: one tensor the size of t
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module, args):
@@ -263,6 +263,7 @@ class LinearProbe:
                     dist.all_reduce(dy, group=c.tp_group)
                 self._add("dy_sq", fwd.scale * tokens.sum_sq(dy), p)
                 along[p] += (gs[:, rows] * dy).sum(1)  # <G_Y,t, dY_t> per sampled token
+                del dy  # before the next precision's
             del gw_blk, errs
         for p in c.precisions:
             if self.column and c.tp_size > 1:  # G_Y and dY are column shards

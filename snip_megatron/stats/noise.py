@@ -22,7 +22,7 @@ from snip_megatron.plan import LINEAR_NAMES, LayerKey
 
 FORWARD, BACKWARD = 0, 1
 WORD_BITS = 32
-CHUNK_ELEMS = 1 << 22  # rows are unpacked this many elements at a time (a few int32 temporaries each)
+CHUNK_ELEMS = 1 << 22  # rows are unpacked this many elements at a time (4 bytes each)
 
 
 def noise_seed(seed: int, key: LayerKey, microbatch: int, stream: int) -> int:
@@ -68,8 +68,10 @@ def _signs(words: torch.Tensor) -> torch.Tensor:
     32 i + b. The low 32 bits go through int32 (the same bit pattern), so the unpacking costs 4
     bytes per entry, not 8."""
     w32 = words.to(torch.int32)
-    bits = (w32.unsqueeze(-1) >> torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)) & 1
-    return ((bits << 31) | _ONE).view(torch.float32).reshape(*words.shape[:-1], -1)
+    bits = w32.unsqueeze(-1) >> torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)
+    del w32
+    bits.bitwise_and_(1).bitwise_left_shift_(31).bitwise_or_(_ONE)  # in place: one int32 per entry
+    return bits.view(torch.float32).reshape(*words.shape[:-1], -1)
 
 
 def rademacher(shape, generator: torch.Generator) -> torch.Tensor:

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 import torch
 
 TOKEN_CHUNK = 16
-ROW_BLOCK = 4096  # rows converted to float32 at a time (Grams, squared norms of low-precision tensors)
+BLOCK_ELEMS = 1 << 22  # elements converted to float32 at a time (norms, Grams): 16 MiB temporaries
+
+
+def _block(t2: torch.Tensor, multiple: int = 1) -> int:
+    """Rows per block of a [rows, d] tensor (a multiple of `multiple`)."""
+    return max(multiple, BLOCK_ELEMS // max(t2.shape[1], 1) // multiple * multiple)
 
 
 @dataclass(frozen=True)
@@ -84,27 +89,28 @@ def _rows2(t: torch.Tensor) -> torch.Tensor:
 
 
 def sum_sq(t: torch.Tensor) -> torch.Tensor:
-    """Sum of squares as a float32 0-dim tensor, converting at most ROW_BLOCK rows at a time."""
+    """Sum of squares as a float32 0-dim tensor, BLOCK_ELEMS at a time."""
     t2 = _rows2(t)
-    if t2.dtype == torch.float32 or t2.shape[0] <= ROW_BLOCK:
+    b = _block(t2)
+    if t2.shape[0] <= b:
         return t2.float().pow(2).sum()
-    return sum(t2[r:r + ROW_BLOCK].float().pow(2).sum() for r in range(0, t2.shape[0], ROW_BLOCK))
+    return sum(t2[r:r + b].float().pow(2).sum() for r in range(0, t2.shape[0], b))
 
 
 def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """<a, b> as a float32 0-dim tensor (row blocks, as sum_sq)."""
+    """<a, b> as a float32 0-dim tensor (blocks, as sum_sq)."""
     a2, b2 = _rows2(a), _rows2(b)
-    if (a2.dtype == torch.float32 and b2.dtype == torch.float32) or a2.shape[0] <= ROW_BLOCK:
+    blk = _block(a2)
+    if a2.shape[0] <= blk:
         return (a2.float() * b2.float()).sum()
-    return sum((a2[r:r + ROW_BLOCK].float() * b2[r:r + ROW_BLOCK].float()).sum()
-               for r in range(0, a2.shape[0], ROW_BLOCK))
+    return sum((a2[r:r + blk].float() * b2[r:r + blk].float()).sum() for r in range(0, a2.shape[0], blk))
 
 
 def chunk_grams(t2: torch.Tensor) -> torch.Tensor:
     """[C, 16, 16] Gram matrices T_c T_c^T of the row chunks (the last one zero-padded), float32."""
     n, d = t2.shape
     out = torch.empty(-(-n // TOKEN_CHUNK), TOKEN_CHUNK, TOKEN_CHUNK, dtype=torch.float32, device=t2.device)
-    block = max(TOKEN_CHUNK, ROW_BLOCK // TOKEN_CHUNK * TOKEN_CHUNK)
+    block = _block(t2, TOKEN_CHUNK)
     for r0 in range(0, n, block):
         part = t2[r0:r0 + block].float()
         pad = -part.shape[0] % TOKEN_CHUNK
