@@ -12,6 +12,12 @@ frozen during the passes (no gradient reaches param.grad or DDP's main_grad buff
 finalize_model_grads is switched off, planned linears run in BF16 and get their precision back,
 and the global and Megatron RNG states are restored (noise and stochastic rounding use dedicated
 generators).
+
+The passes run MeasureConfig.micro_batches of the step's micro-batches (stats/microbatches.py),
+and their sums are scaled up to the step. Statistics stay on the device; the table reaches the
+host once, after the last reduction. Activation recompute (full or selective), sequence and
+context parallelism, virtual pipelining and the distributed / precision-aware optimizer are
+handled (docs/method.md, section 10).
 """
 
 from __future__ import annotations
@@ -226,7 +232,10 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
     cp = ps.get_context_parallel_world_size()
     linears = planned_linears(chunks)
     error_fn = error_fn or formats_error_fn(config.fp8_recipe, config.fp4_recipe, config.seed)
-    picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches)
+    # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
+    group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
+        if len(chunks) > 1 else 1
+    picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
     measured = [batches[i] for i in picked]
     per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
     loss_factor = 1.0 if per_token else len(measured) / len(batches)

@@ -27,16 +27,27 @@ NOT_SUMMED = {"w_sq", "k", "m", "noise_scale", "present", "ew", "ew_d",
               "adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel"}
 
 
-def sample_microbatches(num_local: int, dp_rank: int, dp_size: int, k: "int | None") -> tuple[list[int], int]:
+def _share(d: int, num_local: int, dp_size: int, k: int, multiple: int) -> int:
+    mine = (d + 1) * k // dp_size - d * k // dp_size
+    if mine and multiple > 1:  # e.g. the interleaved schedule runs whole groups of micro-batches
+        mine = min(num_local, -(-mine // multiple) * multiple)
+    return mine
+
+
+def sample_microbatches(num_local: int, dp_rank: int, dp_size: int, k: "int | None",
+                        multiple: int = 1) -> tuple[list[int], int]:
     """(indices of this replica's sampled micro-batches among its `num_local`, K measured in all).
-    k None or 0, or k >= dp * num_local: every micro-batch."""
+    k None or 0, or k >= dp * num_local: every micro-batch. `multiple`: a replica that measures
+    any measures a multiple of it (or all), e.g. the interleaved pipeline schedule's group of
+    micro-batches per virtual stage; K counts what is measured."""
     if num_local < 1:
         raise ValueError(f"a measured step needs at least one micro-batch, got {num_local}")
     total = num_local * dp_size
     if not k or k >= total:
         return list(range(num_local)), total
-    mine = (dp_rank + 1) * k // dp_size - dp_rank * k // dp_size
-    return [((2 * i + 1) * num_local) // (2 * mine) for i in range(mine)], k
+    mine = _share(dp_rank, num_local, dp_size, k, multiple)
+    measured = sum(_share(d, num_local, dp_size, k, multiple) for d in range(dp_size))
+    return [((2 * i + 1) * num_local) // (2 * mine) for i in range(mine)], measured
 
 
 def summed_mask(table: StatsTable) -> np.ndarray:

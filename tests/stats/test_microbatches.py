@@ -37,3 +37,11 @@ def test_summed_fields_and_bad_k():
             MeasureConfig(micro_batches=bad)
     with pytest.raises(ValueError, match="at least one"):
         sample_microbatches(0, 0, 1, 8)
+
+
+def test_whole_groups_for_the_interleaved_schedule():
+    picks = [sample_microbatches(16, d, 4, 8, multiple=4) for d in range(4)]
+    assert [len(p) for p, _ in picks] == [4, 4, 4, 4] and {k for _, k in picks} == {16}
+    assert sample_microbatches(3, 0, 2, 2, multiple=4) == ([0, 1, 2], 6)  # capped at the replica's all
+    assert sample_microbatches(64, 0, 16, 8, multiple=8) == ([], 64)  # replicas without a share stay at 0
+    assert len(sample_microbatches(64, 1, 16, 8, multiple=8)[0]) == 8
