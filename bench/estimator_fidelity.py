@@ -24,7 +24,10 @@ saved statistics with the current estimator; `--cache-dir DIR` keeps the trained
 point for later runs with the same training arguments (e.g. the other FP4 recipe). More data orders
 for the long-horizon truth come from a second run: `--long-orders 8 --long-skip 2 --truths long`
 draws the same first two orders (their BF16 continuations identify them) and runs orders 2-7;
-`--rescore FIRST --long-from SECOND` joins them.
+`--rescore FIRST --long-from SECOND` joins them. `--sample-k 1,2,4,8` measures `--sample-repeats`
+further steps of `--sample-mb` micro-batches with each K of MeasureConfig.micro_batches and all of
+them, and scores each K against all and against the one-step truth (the noise micro-batch
+sampling adds); with `--remeasure` it reuses a saved run's truths.
 
     python bench/estimator_fidelity.py --fp4-recipe nvfp4 --points later --num-mb 4 --long-num-mb 1 \
         --pred-batches 2 --long-precisions fp4 --cache-dir runs/cache --out runs/fidelity/nv5.json
@@ -169,6 +172,29 @@ class Harness:
                "extra_stats": [t.to_array().tolist() for t in tables[1:]],
                "extra_pred": [predictions(t, args.lambdas)["pred"] for t in tables[1:]]}
         return out, batches[0]
+
+    def sampling_study(self) -> dict:
+        """The estimator's noise from measuring K of a step's micro-batches (MeasureConfig.
+        micro_batches): steps of `--sample-mb` micro-batches, each measured with every K of
+        `--sample-k` (0: all of them), on `--sample-repeats` steps of fresh data."""
+        from snip_megatron.config import SnipConfig
+        from snip_megatron.stats import measure_step
+
+        args, tr = self.args, self.tr
+        self.set_only()
+        base = SnipConfig(fp4_recipe=args.fp4_recipe).measure_config()
+        runs = []
+        for _ in range(args.sample_repeats):
+            tr.current_batch = tr.reader.take(args.sample_mb)
+            run = {}
+            for k in args.sample_k:
+                t0 = time.perf_counter()
+                table = measure_step(tr, dataclasses.replace(base, micro_batches=k or None))
+                run[str(k)] = {"seconds": time.perf_counter() - t0,
+                               "pred": predictions(table, [EstimateConfig().lam])["pred"]}
+            runs.append(run)
+        tr.current_batch = None
+        return {"k": list(args.sample_k), "num_mb": args.sample_mb, "runs": runs}
 
     def output_errors(self, x: torch.Tensor, w: torch.Tensor, p) -> torch.Tensor:
         """dY = Q(X) Q(W)^T - X W^T, the error of the layer's forward GEMM (fprop operands)."""
@@ -493,6 +519,30 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
             v["long"] = long[name]
     h.restore(snap)
     h.set_only()
+    if args.sample_k:  # last: it reads fresh data, which must not shift the truths' data
+        out["sampling"] = h.sampling_study()
+        log("  micro-batch sampling study done")
+    return out
+
+
+def sampling_scores(r: dict) -> dict:
+    """Per K: Spearman of the K-micro-batch prediction (dL FP4, WD FP4) against the all-micro-batch
+    one of the same step, and of dL FP4 against the one-step truth; mean and spread over steps."""
+    study = r.get("sampling")
+    if not study:
+        return {}
+    harm = np.array(r["harm"]["fp4"]).mean(1) if r.get("harm") else None
+    out = {}
+    for k in study["k"]:
+        rows = {"vs_all": [], "wd_vs_all": [], "vs_truth": [], "seconds": []}
+        for run in study["runs"]:
+            pk, pall = run[str(k)]["pred"]["fp4"], run["0"]["pred"]["fp4"]
+            rows["vs_all"].append(spearman(pk["dL"], pall["dL"]))
+            rows["wd_vs_all"].append(spearman(pk["WD"], pall["WD"]))
+            if harm is not None:
+                rows["vs_truth"].append(spearman(pk["dL"], harm))
+            rows["seconds"].append(run[str(k)]["seconds"])
+        out[k] = {name: (float(np.mean(v)), float(np.std(v))) for name, v in rows.items() if v}
     return out
 
 
@@ -645,11 +695,17 @@ def main(argv=None) -> None:
     ap.add_argument("--remeasure", default=None, help="redo the measurement (the prediction) of a saved "
                     "--out JSON with the current default on the model kept in --cache-dir, keep its truths, "
                     "and score it (a change to the measurement without recomputing the truths)")
+    ap.add_argument("--sample-k", default="", help="micro-batch sampling study: comma-separated K of "
+                    "MeasureConfig.micro_batches (0 = all; it is added), each measured on the same steps")
+    ap.add_argument("--sample-mb", type=int, default=16, help="micro-batches per step of the sampling study")
+    ap.add_argument("--sample-repeats", type=int, default=3, help="steps of the sampling study")
     ap.add_argument("--out", default=None, help="write all raw numbers as JSON")
     args = ap.parse_args(argv)
     args.lambdas = [float(x) for x in args.lambdas.split(",")]
     args.long_precisions = [Precision.parse(p) for p in args.long_precisions.split(",") if p]
     args.eval_sets = [n for n in args.eval_sets.split(",") if n]
+    args.sample_k = sorted({int(k) for k in args.sample_k.split(",") if k} | {0}, key=lambda k: k or 1 << 30) \
+        if args.sample_k else []
     if args.long_from and not args.rescore:
         ap.error("--long-from joins long-horizon orders into a saved run: it needs --rescore FILE")
     if not 0 <= args.long_skip < args.long_orders:
@@ -707,6 +763,8 @@ def remeasure(args) -> None:
     h.load(cached)
     r = saved["results"]["later"]
     r.update(h.predict()[0])
+    if args.sample_k:
+        r["sampling"] = h.sampling_study()
     if args.out:
         Path(args.out).write_text(json.dumps(saved))
     print(f"remeasured {args.remeasure} with {r['measure_config']}")
@@ -787,6 +845,13 @@ def report(keys, results: dict, args) -> None:
                   f"spearman_long={s.get('long', math.nan):.3f} spearman_proxy={s['proxy_fp4']:.3f} "
                   f"ceiling_split={s['ceiling_split']:.3f} ceiling_second_order={s.get('ceiling_second_order', math.nan):.3f} "
                   f"fp4_second_order={s.get('fp4_second_order', math.nan):.3f}")
+    for n, r in results.items():
+        for k, sc in sampling_scores(r).items():
+            truth = sc.get("vs_truth")
+            print(f"sampling {n}: K={k or 'all'} of {r['sampling']['num_mb']} micro-batches "
+                  f"({sc['seconds'][0]:.1f}s): dL FP4 vs all {sc['vs_all'][0]:.3f} +- {sc['vs_all'][1]:.3f}, "
+                  f"WD FP4 vs all {sc['wd_vs_all'][0]:.3f} +- {sc['wd_vs_all'][1]:.3f}"
+                  + (f", dL FP4 vs one-step truth {truth[0]:.3f} +- {truth[1]:.3f}" if truth else ""))
     print(f"RESULT spearman_fp4={later['fp4']:.3f} spearman_marginal={later['marginal']:.3f} "
           f"spearman_long={later.get('long', math.nan):.3f} spearman_wd={later['wd']:.3f} "
           f"spearman_proxy={later['proxy_fp4']:.3f} ceiling_split={later['ceiling_split']:.3f} "

@@ -54,8 +54,13 @@ def megatron_args(recipe: RunRecipe) -> list[str]:
         args += ["--num-layers-per-virtual-pipeline-stage", str(m.num_layers // (par.pp * par.vpp))]
     if par.sequence_parallel:
         args.append("--sequence-parallel")
+    if par.recompute == "full":
+        args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    elif par.recompute == "selective":
+        args += ["--recompute-granularity", "selective"]
     if par.distributed_optimizer:
         args.append("--use-distributed-optimizer")
+    args += ["--transformer-impl", t.transformer_impl]
     # Schedule: TrainingSchedule's fields under Megatron-LM's names.
     args += [
         "--micro-batch-size", str(t.micro_batch_size),
@@ -109,9 +114,10 @@ def compact_args(recipe: RunRecipe) -> list[str]:
         if getattr(m, f) != getattr(preset, f):
             raise ValueError(f"train.entry=compact runs preset shapes: model.{f}={getattr(m, f)} differs "
                              f"from {m.name}'s {getattr(preset, f)}; use train.entry=megatron")
-    if par.vpp is not None or par.sequence_parallel:
-        raise ValueError("train.entry=compact has no virtual pipeline or sequence parallelism: unset "
-                         "parallel.vpp / parallel.sequence_parallel, or use train.entry=megatron")
+    if par.vpp is not None or par.sequence_parallel or par.recompute or t.transformer_impl != "local":
+        raise ValueError("train.entry=compact has no virtual pipeline, sequence parallelism, recompute or "
+                         "Transformer Engine spec: unset parallel.vpp / parallel.sequence_parallel / "
+                         "parallel.recompute, set train.transformer_impl=local, or use train.entry=megatron")
     if d.kind == "mock":
         raise ValueError("train.entry=compact trains on real text: use data=stdlib (or data=indexed), "
                          "or train.entry=megatron for mock data")

@@ -18,6 +18,8 @@ from snip_megatron.shapes import PRESETS, ModelShape
 from snip_megatron.train.config import TrainingSchedule
 
 ENTRIES = ("auto", "compact", "megatron")
+RECOMPUTE = (None, "full", "selective")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 DATA_KINDS = ("mock", "corpus", "indexed")
 CONFIG_DIR_ENV = "SNIP_CONFIG_DIR"
 
@@ -65,6 +67,9 @@ class ParallelRecipe:
     """Data-parallel size; None: whatever the world leaves (world / (tp x pp))."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
+    recompute: Optional[str] = None
+    """Activation recompute: "full" (every layer, uniform, one layer a chunk), "selective" (the
+    attention core) or None."""
     distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks."""
     nnodes: int = 1
@@ -117,9 +122,15 @@ class TrainRecipe(TrainingSchedule):
     """Checkpoint folder to resume from (None: `run_dir` when it holds a checkpoint)."""
     cpu: Optional[bool] = None
     """Force the CPU path (gloo, CPU shim); None: CPU when there is no GPU."""
+    transformer_impl: str = "local"
+    """Megatron's --transformer-impl: "local" (SNIP's emulated linears in the local spec, any
+    device) or "transformer_engine" (Megatron's TE spec, SNIP planning TE's linears; GPU)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"train.transformer_impl={self.transformer_impl!r} is not valid; choose one "
+                             f"of: {', '.join(TRANSFORMER_IMPLS)}")
         if self.entry not in ENTRIES:
             raise ValueError(f"train.entry={self.entry!r} is not valid; choose one of: {', '.join(ENTRIES)}")
 
@@ -194,6 +205,9 @@ def validate_layout(recipe: RunRecipe) -> None:
                          + (f" x parallel.vpp = {par.pp} x {par.vpp}" if par.vpp else f"={par.pp}"))
     if par.sequence_parallel and par.tp < 2:
         raise ValueError("parallel.sequence_parallel needs parallel.tp > 1")
+    if par.recompute not in RECOMPUTE:
+        raise ValueError(f"parallel.recompute={par.recompute!r} is not valid; choose one of: "
+                         f"{', '.join(str(r) for r in RECOMPUTE)}")
     dp = par.data_parallel_size
     if train.global_batch_size is not None and train.global_batch_size % (train.micro_batch_size * dp):
         raise ValueError(f"train.global_batch_size={train.global_batch_size} is not divisible by "
@@ -209,11 +223,6 @@ def validate(recipe: RunRecipe) -> RunRecipe:
         raise ValueError("data.kind=indexed needs data.path (the .bin/.idx prefix)")
     if recipe.data.kind == "indexed" and not recipe.data.tokenizer:
         raise ValueError("data.kind=indexed needs data.tokenizer (its tokenizers JSON file)")
-    snip = recipe.snip
-    if recipe.parallel.sequence_parallel and (snip.measures or snip.baseline == "min_rel_error"):
-        raise ValueError("parallel.sequence_parallel=true is not supported while SNIP measures "
-                         "(snip.enabled with no snip.baseline and no snip.pin_plan): set "
-                         "parallel.sequence_parallel=false, or use snip=off, a baseline or a pinned plan")
     if recipe.snip.enabled and recipe.snip.warmup < 1:
         recipe.snip.warmup_steps(recipe.train.steps)
     return recipe

@@ -81,14 +81,6 @@ def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
     refuse(getattr(args, "delay_wgrad_compute", False), "--delay-wgrad-compute: SNIP's measurement reads "
            "each weight gradient in its own backward; drop it")
     refuse(getattr(args, "use_legacy_models", False), "--use-legacy-models: SNIP plans Megatron-Core models")
-    measures = snip.measures or snip.baseline == "min_rel_error"
-    refuse(measures and args.sequence_parallel, "--sequence-parallel: SNIP's measurement does not "
-           "support it yet; drop it, or pin a plan (--snip-plan PATH --snip-pin-plan)")
-    refuse(measures and getattr(args, "context_parallel_size", 1) > 1, "--context-parallel-size > 1: SNIP's "
-           "measurement does not support it yet; use 1, or pin a plan (--snip-plan PATH --snip-pin-plan)")
-    refuse(measures and getattr(args, "recompute_granularity", None), f"--recompute-granularity "
-           f"{getattr(args, 'recompute_granularity', None)}: SNIP's measurement does not support activation "
-           "recompute yet; drop it, or pin a plan (--snip-plan PATH --snip-pin-plan)")
     return out
 
 

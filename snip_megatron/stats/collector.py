@@ -1,7 +1,6 @@
 """Hooks on the planned linears that collect the statistics of one pass.
 
-A pass is the forward and backward of every micro-batch of the measured step, in one of four
-modes:
+A pass is the forward and backward of every measured micro-batch, in one of four modes:
   clean      norms of X, W, Y, G_Y, G_X, G_W, quantization errors per precision and role, the
              first-order inner products, the output error dY of the quantized forward GEMM and its
              per-token projection on G_Y, and <z, G_Y> for the curvature (on the micro-batches
@@ -11,38 +10,45 @@ modes:
              gradient, so every G_Y is exactly the propagated noise; ||G_Y^T X||^2 and ||eta||^2;
   noise      both noise passes in one: fwd_noise on even micro-batches, bwd_noise on odd ones
              (micro-batches are independent, so one pass does the work of two on half the data).
-Parameters never get gradients here: measure.py freezes them and makes layer inputs leaves.
+Parameters never get gradients here: measure.py freezes them and makes the decoder input require
+grad, so every layer input carries a gradient.
+
+What it costs at scale (docs/method.md, "The measurement at scale"):
+- Nothing is kept from a micro-batch's forward to its backward but the layer input X, which a
+  training step saves for its wgrad anyway: everything that needs X and G_Y together (the X-side
+  errors, dY, G_W) is computed in the backward hook on the token sample, and the noise is
+  regenerated from its seed where it is needed. So the buffers per linear do not grow with the
+  micro-batches in flight.
+- Weight errors are computed a block of rows at a time (stats/weights.py), consumed and freed.
+- G_W is formed on the sampled tokens only; ||G_W||^2 adds the exact per-chunk terms of every
+  token (stats/tokens.py).
+- Every statistic is a 0-dim device tensor added into the pass's Accumulator: no host sync.
+- Activation recompute: the first (no-grad) forward of a checkpointed layer only injects the
+  forward noise (so the saved activations carry it); the recompute registers the hooks. A
+  linear's micro-batch index comes from its own forward count, so a recomputed forward gets the
+  index of the oldest micro-batch still waiting for its backward (Megatron's schedules run
+  backwards in forward order).
+- Sequence parallelism: a token-sharded operand (a column-parallel X, a row-parallel G_Y) is
+  gathered over TP in the backward hook before the token sample is taken, so errors, dY and G_W
+  see every token as one process does; norms of the local shard are summed over TP (reduce.py).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import torch
+import torch.distributed as dist
 
 from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import LayerKey
-from snip_megatron.stats import noise
+from snip_megatron.stats import noise, tokens, weights
+from snip_megatron.stats.accumulator import Accumulator
 from snip_megatron.stats.quant_error import ErrorFn
 from snip_megatron.stats.reduce import COLUMN_PARALLEL
-from snip_megatron.stats.table import StatsTable, precision_field
 
 MODES = ("clean", "fwd_noise", "bwd_noise", "noise")
-
-
-TOKEN_CHUNK = 16  # error subsampling keeps whole chunks of consecutive tokens, so NVFP4 blocks and
-# its 16-point Hadamard along tokens see their real neighbours; small chunks spread the sample over
-# all sequence positions (a position-clustered sample is biased: early positions differ)
-
-
-def _token_subsample(t2: torch.Tensor, stride: int) -> tuple[torch.Tensor, float]:
-    """Every stride-th chunk of TOKEN_CHUNK rows, and the factor that scales its sums back up."""
-    n = t2.shape[0]
-    if stride == 1 or n < stride * TOKEN_CHUNK:
-        return t2, 1.0
-    keep = torch.arange(n, device=t2.device)
-    keep = keep[(keep // TOKEN_CHUNK) % stride == 0]
-    return t2.index_select(0, keep), n / keep.numel()
 
 
 def _plain(fn):
@@ -58,12 +64,30 @@ def _plain(fn):
     return run
 
 
-def _sq(t: torch.Tensor) -> float:
-    return float(t.float().pow(2).sum())
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
-def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() * b.float()).sum())
+class _MicrobatchIds:
+    """Micro-batch index of each forward of one linear, recompute-aware: a no-grad forward is the
+    first forward of a checkpointed layer (its index waits for the recompute); a grad forward while
+    some wait is that recompute (oldest first); any other forward is a new micro-batch."""
+
+    def __init__(self):
+        self.next = 0
+        self.waiting = collections.deque()
+
+    def forward(self) -> tuple[int, bool]:
+        if not torch.is_grad_enabled():
+            mb = self.next
+            self.next += 1
+            self.waiting.append(mb)
+            return mb, False
+        if self.waiting:
+            return self.waiting.popleft(), True
+        mb = self.next
+        self.next += 1
+        return mb, True
 
 
 class LinearProbe:
@@ -77,10 +101,10 @@ class LinearProbe:
         self.stride = int(getattr(w, "partition_stride", 1) or 1)
         self.k = w.shape[1] * (1 if self.column else tp)
         self.m = w.shape[0] * (tp if self.column else 1)
-        self.calls = 0
-        self.w_errors: dict = {}
-        self.w_quantized: dict = {}  # precision -> Q(W) = W + E_W, for dY of every micro-batch
-        self.pending_dy: dict = {}  # micro-batch -> {precision: dY on the token sample}, until its backward
+        # sequence parallelism: which operand is token-sharded
+        self.x_local = collector.sequence_parallel and self.column
+        self.y_local = collector.sequence_parallel and not self.column
+        self.reset()
         self.handles = [module.register_forward_pre_hook(_plain(self._pre)),
                         module.register_forward_hook(_plain(self._post))]
 
@@ -89,135 +113,212 @@ class LinearProbe:
             h.remove()
 
     def reset(self) -> None:
-        self.calls = 0
-        self.w_errors = {}
-        self.w_quantized = {}
-        self.pending_dy = {}
+        self.ids = _MicrobatchIds()
+        self.current = (0, True)
+        self.weights_done = False
+        self.pending_ex = None  # (sample, {p: E_X}) of the clean micro-batch between its G_Y and G_X hooks
 
     # -- helpers -------------------------------------------------------------------------------
-    def _add(self, name: str, value: float, p: "Precision | None" = None) -> None:
-        self.c.table.add(self.key, precision_field(name, p) if p is not None else name, value)
-
-    def _noise(self, shape, mb: int, stream: int, sharded: bool, stride: int, like: torch.Tensor):
-        return noise.layer_noise(shape, seed=self.c.seed, key=self.key, microbatch=mb, stream=stream,
-                                 tp_rank=self.c.tp_rank, tp_size=self.c.tp_size, sharded=sharded,
-                                 stride=stride, device=like.device)
+    def _add(self, name: str, value, p: "Precision | None" = None) -> None:
+        acc = self.c.acc
+        acc.add(acc.row(self.key), acc.col(f"{name}.{p.value}" if p is not None else name), value)
 
     def _err(self, t: torch.Tensor, p: Precision, role: str, sharded: bool) -> torch.Tensor:
         group = self.c.tp_group if sharded and self.c.tp_size > 1 else None
         return self.c.error_fn(t, p, role, group=group)
 
-    def _output_error(self, xs: torch.Tensor, ex: torch.Tensor, p: Precision) -> torch.Tensor:
-        """dY = Q(X) Q(W)^T - X W^T on the token sample; a row-parallel layer's partial products
-        are summed over TP, as its output is."""
-        dy = ex @ self.w_quantized[p].t() + xs @ self.w_errors[p].t()
-        if not self.column and self.c.tp_size > 1:
-            torch.distributed.all_reduce(dy, group=self.c.tp_group)
-        return dy
+    def _field(self, shape, mb: int, stream: int, side: str, device) -> noise.NoiseField:
+        """The noise of this rank's part of the layer's X (side "x") or Y (side "y")."""
+        c = self.c
+        features = (side == "y") == self.column  # column: Y's features sharded; row: X's
+        local = self.x_local if side == "x" else self.y_local
+        positions = noise.token_positions(shape[0], sp_rank=c.tp_rank if local else 0,
+                                          sp_size=c.tp_size if local else 1, cp_rank=c.cp_rank,
+                                          cp_size=c.cp_size, device=device)
+        full_len = shape[0] * (c.tp_size if local else 1) * c.cp_size
+        return noise.NoiseField(seed=c.seed, key=self.key, microbatch=mb, stream=stream,
+                                local_shape=tuple(int(d) for d in shape), tp_rank=c.tp_rank,
+                                tp_size=c.tp_size, sharded=features,
+                                stride=self.stride if side == "y" else 1,
+                                positions=positions, full_len=full_len)
 
-    def _weight_stats(self) -> None:
-        w = self.module.weight.detach().float()
-        self._add("w_sq", _sq(w))
-        for p in self.c.precisions:
-            e = self._err(w, p, "fprop_weight", True)
-            self._add("ew", _sq(e), p)
-            self._add("ew_d", _sq(self._err(w, p, "dgrad_weight", True)), p)
-            self.w_errors[p] = e
-            self.w_quantized[p] = w + e
+    def _gather(self, t2: torch.Tensor) -> torch.Tensor:
+        """Rows of every TP rank, in rank order (= token order under sequence parallelism)."""
+        c = self.c
+        if c.tp_size == 1:
+            return t2
+        out = t2.new_empty((t2.shape[0] * c.tp_size, t2.shape[1]))
+        dist.all_gather_into_tensor(out, t2.contiguous(), group=c.tp_group)
+        return out
+
+    def _noise_dot(self, field: noise.NoiseField, g: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=g.device)
+        for rows, z in field.chunks(g.device):
+            total = total + torch.dot(z.reshape(-1), g[rows].reshape(-1).float())
+        return total
+
+    @staticmethod
+    def _plus_noise(t: torch.Tensor, field: noise.NoiseField, scale: torch.Tensor) -> torch.Tensor:
+        """t + scale * noise, the noise assembled block by block in t's dtype (+-1 is exact)."""
+        z = torch.empty_like(t)
+        for rows, part in field.chunks(t.device):
+            z[rows] = part.to(t.dtype)
+        return z.mul_(scale).add_(t)  # in place: one tensor the size of t
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre(self, module, args):
-        if self.c.mode is None:
+        c = self.c
+        if c.mode is None:
+            return None
+        self.current = mb, grad = self.ids.forward()
+        if not grad:  # first forward of a checkpointed layer: statistics come from its recompute
             return None
         x = args[0]
         if not x.requires_grad:  # parameters are frozen: make the input a leaf so gradients flow
             x = x.detach().requires_grad_(True)
-        mb = self.calls
-        self.calls += 1
-        mode = self.c.mode_of(mb)
+        mode = c.mode_of(mb)
         if mode == "clean":
-            x2 = x.detach().reshape(-1, x.shape[-1]).float()
-            if mb == 0:
-                self._weight_stats()
-            self._add("x_sq", _sq(x2))
-            self._add("n", float(x2.shape[0]))
-            stride = self.c.token_stride
-            xs, scale = _token_subsample(x2, stride)
-            xb, scale_b = _token_subsample(x2, self.c.grad_token_stride)
-            e_fprop, dys = {}, {}
-            for p in self.c.precisions:
-                e = self._err(xs, p, "fprop_input", not self.column)
-                self._add("ex", scale * _sq(e), p)
-                self._add("ex_w", scale_b * _sq(self._err(xb, p, "wgrad_input", not self.column)), p)
-                if self.c.first_order:
-                    e_fprop[p] = e
-                dys[p] = self._output_error(xs, e, p)
-                self._add("dy_sq", scale * _sq(dys[p]), p)
-            self.pending_dy[mb] = dys
-
-            def on_gx(g):
-                self._add("gx_sq", _sq(g))
-                gs, _ = _token_subsample(g.reshape(-1, g.shape[-1]), stride)
-                for p, e in e_fprop.items():
-                    self._add("gx_ex", scale * _dot(gs, e), p)
-
-            x.register_hook(_plain(on_gx))
+            self._add("x_sq", tokens.sum_sq(x.detach()))
+            self._add("n", float(_rows(x).shape[0]))
+            x.register_hook(_plain(functools.partial(self._on_gx_clean, mb)))
         elif mode == "bwd_noise":
-            t = self.c.scales[self.key][1]
-            eta = self._noise(x.shape, mb, noise.BACKWARD, not self.column, 1, x) * t
-            self._add("bwd_eta_sq", _sq(eta))
-            x.register_hook(lambda g: g + eta.to(g.dtype))
+            t = c.scales[c.acc.row(self.key), 1]
+            self._add("bwd_eta_sq", t * t * float(x.numel()))  # +-1 entries: ||t eta||^2 = t^2 numel
+            field = self._field(x.shape, mb, noise.BACKWARD, "x", x.device)
+            x.register_hook(_plain(lambda g: self._plus_noise(g, field, t)))
         return (x,) + tuple(args[1:])
 
     def _post(self, module, args, output):
-        if self.c.mode is None:
+        c = self.c
+        if c.mode is None:
             return None
         y, rest = (output[0], tuple(output[1:])) if isinstance(output, tuple) else (output, None)
-        x = args[0]
-        mb = self.calls - 1
-        mode = self.c.mode_of(mb)
-        if mode == "clean":
-            self._add("y_sq", _sq(y.detach()))
-
-            def on_gy(g):
-                g2 = g.reshape(-1, g.shape[-1]).float()
-                x2 = x.detach().reshape(-1, x.shape[-1]).float()
-                self._add("gy_sq", _sq(g2))
-                gs, scale = _token_subsample(g2, self.c.token_stride)
-                for p, dy in self.pending_dy.pop(mb, {}).items():
-                    along = (gs * dy).sum(1)  # <G_Y,t, dY_t> per sampled token
-                    if self.column and self.c.tp_size > 1:  # G_Y and dY are column shards
-                        torch.distributed.all_reduce(along, group=self.c.tp_group)
-                    self._add("gdy_sq", scale * _sq(along), p)
-                gb, scale_b = _token_subsample(g2, self.c.grad_token_stride)
-                for p in self.c.precisions:
-                    self._add("egy_d", scale_b * _sq(self._err(gb, p, "dgrad_grad_output", self.column)), p)
-                    self._add("egy_w", scale_b * _sq(self._err(gb, p, "wgrad_grad_output", self.column)), p)
-                gw = g2.t() @ x2  # wgrad: G_W = G_Y^T X
-                self._add("gw_sq", _sq(gw))
-                for p, e in self.w_errors.items():
-                    self._add("gw_ew", _dot(gw, e), p)
-                if self.c.gets_forward_noise(mb):
-                    gz, zmb = self.c.forward_noise_part(g, mb)
-                    z = self._noise(gz.shape, zmb, noise.FORWARD, self.column, self.stride, g)
-                    self._add("fwd_zg_clean", _dot(z, gz))
-
-            y.register_hook(_plain(on_gy))
-            return None
-        if mode == "fwd_noise":
-            z = self._noise(y.shape, mb, noise.FORWARD, self.column, self.stride, y)
-            self._add("fwd_z_sq", _sq(z))
-            y = y + (self.c.scales[self.key][0] * z).to(y.dtype)
-            y.register_hook(_plain(lambda g: self._add("fwd_zg_noisy", _dot(z, g))))
+        mb, grad = self.current
+        mode = c.mode_of(mb)
+        if mode == "fwd_noise":  # in both forwards of a checkpointed layer, so the recompute matches
+            field = self._field(y.shape, mb, noise.FORWARD, "y", y.device)
+            y = self._plus_noise(y, field, c.scales[c.acc.row(self.key), 0])
+            if grad:
+                self._add("fwd_z_sq", float(y.numel()))
+                y.register_hook(_plain(lambda g: self._add("fwd_zg_noisy", self._noise_dot(field, g))))
             return (y,) + rest if rest is not None else y
-        # bwd_noise: G_Y is the propagated noise only (zero loss gradient)
-
-        def on_dgy(g):
-            g2 = g.reshape(-1, g.shape[-1]).float()
-            self._add("bwd_dgw_sq", _sq(g2.t() @ x.detach().reshape(-1, x.shape[-1]).float()))
-
-        y.register_hook(_plain(on_dgy))
+        if not grad:
+            return None
+        x = args[0]
+        if mode == "clean":
+            self._add("y_sq", tokens.sum_sq(y.detach()))
+            y.register_hook(_plain(functools.partial(self._on_gy_clean, mb, x)))
+        else:  # bwd_noise: G_Y is the propagated noise only (zero loss gradient)
+            y.register_hook(_plain(functools.partial(self._on_gy_bwd_noise, x)))
         return None
+
+    # -- backward: the clean pass --------------------------------------------------------------
+    def _full_tokens(self, x, g):
+        """X and G_Y as [tokens, features] rows over every token of the micro-batch."""
+        x2, g2 = _rows(x.detach()), _rows(g)
+        return (self._gather(x2) if self.x_local else x2), (self._gather(g2) if self.y_local else g2)
+
+    def _on_gy_clean(self, mb: int, x: torch.Tensor, g: torch.Tensor) -> None:
+        c = self.c
+        self._add("gy_sq", tokens.sum_sq(g))
+        if c.gets_forward_noise(mb):
+            gz, zmb = c.forward_noise_part(g, mb)
+            self._add("fwd_zg_clean", self._noise_dot(self._field(gz.shape, zmb, noise.FORWARD, "y", g.device), gz))
+        x2, g2 = self._full_tokens(x, g)
+        n, dev = x2.shape[0], x2.device
+        fwd = tokens.sample_rows(n, c.token_stride, dev)
+        bwd = tokens.sample_rows(n, c.grad_token_stride, dev)
+        xs, gs = fwd.take(x2), fwd.take(g2)
+        xb, gb = bwd.take(x2), bwd.take(g2)
+        ex = {}
+        for p in c.precisions:
+            ex[p] = self._err(xs, p, "fprop_input", not self.column)
+            self._add("ex", fwd.scale * tokens.sum_sq(ex[p]), p)
+            self._add("ex_w", bwd.scale * tokens.sum_sq(self._err(xb, p, "wgrad_input", not self.column)), p)
+            self._add("egy_d", bwd.scale * tokens.sum_sq(self._err(gb, p, "dgrad_grad_output", self.column)), p)
+            self._add("egy_w", bwd.scale * tokens.sum_sq(self._err(gb, p, "wgrad_grad_output", self.column)), p)
+        del xb, gb
+        self.pending_ex = (fwd, ex) if c.first_order else None
+        # G_W on a token sample of at least two chunks (the estimate's cross term needs them)
+        gw_sample = fwd if fwd.rows is None or fwd.picked >= 2 else tokens.sample_rows(n, 1, dev)
+        gw_norm = tokens.WgradNormEstimate(g2, x2, gw_sample)
+        gws_x, gws_g = (xs, gs) if gw_sample is fwd else (gw_sample.take(x2), gw_sample.take(g2))
+        along = {p: torch.zeros(xs.shape[0], dtype=torch.float32, device=dev) for p in c.precisions}
+        gw_sampled_sq = torch.zeros((), dtype=torch.float32, device=dev)
+        first = not self.weights_done
+        self.weights_done = True
+        roles = {p: ("fprop_weight", "dgrad_weight") if first else ("fprop_weight",) for p in c.precisions}
+        for rows, w_blk, errs in weights.error_blocks(self.module.weight, c.error_fn, roles,
+                                                      group=c.tp_group if c.tp_size > 1 else None):
+            if first:
+                self._weight_norms(w_blk, errs)
+            gw_blk = gws_g[:, rows].t() @ gws_x  # wgrad G_W = G_Y^T X, on the sample, these rows
+            gw_sampled_sq = gw_sampled_sq + tokens.sum_sq(gw_blk)
+            for p in c.precisions:
+                e = errs[p]["fprop_weight"]
+                self._add("gw_ew", gw_sample.scale * tokens.dot(gw_blk, e), p)
+                # dY = Q(X) Q(W)^T - X W^T on the token sample, these output features
+                dy = ex[p] @ (w_blk + e).t() + xs @ e.t()
+                if not self.column and c.tp_size > 1:  # a row-parallel layer's partial products
+                    dist.all_reduce(dy, group=c.tp_group)
+                self._add("dy_sq", fwd.scale * tokens.sum_sq(dy), p)
+                along[p] += (gs[:, rows] * dy).sum(1)  # <G_Y,t, dY_t> per sampled token
+                del dy  # before the next precision's
+            del gw_blk, errs
+        for p in c.precisions:
+            if self.column and c.tp_size > 1:  # G_Y and dY are column shards
+                dist.all_reduce(along[p], group=c.tp_group)
+            self._add("gdy_sq", fwd.scale * tokens.sum_sq(along[p]), p)
+        self._add("gw_sq", gw_norm.value(gw_sampled_sq))
+
+    def _weight_norms(self, w_blk: torch.Tensor, errs: dict) -> None:
+        self._add("w_sq", tokens.sum_sq(w_blk))
+        for p, e in errs.items():
+            self._add("ew", tokens.sum_sq(e["fprop_weight"]), p)
+            self._add("ew_d", tokens.sum_sq(e["dgrad_weight"]), p)
+
+    def weight_stats(self) -> None:
+        """||W||^2 and its errors, on a rank whose replica measured no micro-batch (a measured
+        one takes them in its first backward hook)."""
+        if self.weights_done:
+            return
+        self.weights_done = True
+        roles = {p: ("fprop_weight", "dgrad_weight") for p in self.c.precisions}
+        group = self.c.tp_group if self.c.tp_size > 1 else None
+        for _, w_blk, errs in weights.error_blocks(self.module.weight, self.c.error_fn, roles, group=group):
+            self._weight_norms(w_blk, errs)
+
+    def _on_gx_clean(self, mb: int, g: torch.Tensor) -> None:
+        self._add("gx_sq", tokens.sum_sq(g))
+        if self.pending_ex is None:
+            return
+        sample, ex = self.pending_ex
+        self.pending_ex = None
+        g2 = _rows(g)
+        if self.x_local:  # this rank's tokens are rows [off, off + n) of the gathered sample
+            off = self.c.tp_rank * g2.shape[0]
+            j0, j1 = sample.count_below(off), sample.count_below(off + g2.shape[0])
+            idx = None if sample.rows is None else sample.rows[j0:j1] - off
+            ex = {p: e[j0:j1] for p, e in ex.items()}
+        else:
+            idx = sample.rows
+        gs = (g2 if idx is None else g2.index_select(0, idx)).float()
+        for p, e in ex.items():
+            self._add("gx_ex", sample.scale * tokens.dot(gs, e), p)
+
+    # -- backward: the backward-noise pass -----------------------------------------------------
+    def _on_gy_bwd_noise(self, x: torch.Tensor, g: torch.Tensor) -> None:
+        x2, g2 = self._full_tokens(x, g)
+        n, dev = x2.shape[0], x2.device
+        sample = tokens.sample_rows(n, self.c.token_stride, dev, min_chunks=2)
+        estimate = tokens.WgradNormEstimate(g2, x2, sample)
+        xs, gs = sample.take(x2), sample.take(g2)
+        sampled_sq = torch.zeros((), dtype=torch.float32, device=dev)
+        m_rows = gs.shape[1]
+        step = weights.block_rows(m_rows, xs.shape[1])
+        for r0 in range(0, m_rows, step):
+            sampled_sq = sampled_sq + tokens.sum_sq(gs[:, r0:r0 + step].t() @ xs)
+        self._add("bwd_dgw_sq", estimate.value(sampled_sq))
 
 
 class Collector:
@@ -226,8 +327,8 @@ class Collector:
     def __init__(self, linears: list, *, num_layers: int, error_fn: ErrorFn, precisions=None,
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, token_stride: int = 1, grad_token_stride: int = 1,
-                 interleave_noise: bool = False,
-                 noise_on_halves: bool = False):
+                 interleave_noise: bool = False, noise_on_halves: bool = False,
+                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, device=None):
         from snip_megatron.plan import all_keys
         from snip_megatron.stats.table import CANDIDATES
 
@@ -235,36 +336,41 @@ class Collector:
         self.keys = all_keys(num_layers)
         self.error_fn, self.seed, self.first_order = error_fn, seed, first_order
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self.token_stride, self.grad_token_stride = token_stride, grad_token_stride
         self.interleaved = interleave_noise  # the noise passes run as one "noise" pass
         # ... on micro-batches cut in two along the batch dim (the clean pass keeps them whole)
         self.halves = noise_on_halves
         if noise_on_halves and not interleave_noise:
             raise ValueError("noise_on_halves needs interleave_noise")
+        if device is None:
+            device = linears[0][1].weight.device if linears else torch.device("cpu")
+        self.device = torch.device(device)
         self.mode = None
-        self.scales: dict = {}
-        self.table = StatsTable(keys=self.keys, precisions=self.precisions)
+        self.scales = None  # [rows + 1, 2] device tensor: s (forward), t (backward) per layer row
+        self.acc = Accumulator(self.keys, self.precisions, self.device)
         self.probes = [LinearProbe(LayerKey(*k), m, self) for k, m in linears]
 
-    def begin(self, mode: str, table: "StatsTable | None" = None) -> StatsTable:
-        """Start a pass; statistics accumulate into `table` (a fresh one by default)."""
+    def begin(self, mode: str, acc: "Accumulator | None" = None) -> Accumulator:
+        """Start a pass; statistics accumulate into `acc` (a fresh one by default)."""
         if mode not in MODES:
             raise ValueError(f"unknown collector mode {mode!r}; valid: {', '.join(MODES)}")
         if mode != "clean" and (mode == "noise") != self.interleaved:
             raise ValueError(f"noise pass {mode!r} does not match this collector: interleave_noise="
                              f"{self.interleaved} runs " + ("one 'noise' pass" if self.interleaved
                                                            else "'fwd_noise' and 'bwd_noise'"))
-        missing = [p.key for p in self.probes if mode != "clean" and p.key not in self.scales]
-        if missing:
-            raise ValueError(f"noise pass {mode} needs noise scales from a clean pass for {missing[:3]}")
-        self.table = table if table is not None else StatsTable(keys=self.keys, precisions=self.precisions)
+        if mode != "clean" and self.scales is None:
+            raise ValueError(f"noise pass {mode} needs noise scales from a clean pass (set_scales)")
+        self.acc = acc if acc is not None else Accumulator(self.keys, self.precisions, self.device)
         for p in self.probes:
             p.reset()
-            self.table.set(p.key, "present", 1.0)
-            self.table.set(p.key, "k", float(p.k))
-            self.table.set(p.key, "m", float(p.m))
+            row = self.acc.row(p.key)
+            self.acc.set_host(row, self.acc.col("present"), 1.0)
+            self.acc.set_host(row, self.acc.col("k"), float(p.k))
+            self.acc.set_host(row, self.acc.col("m"), float(p.m))
         self.mode = mode
-        return self.table
+        return self.acc
 
     def mode_of(self, mb: int) -> str:
         """The mode of micro-batch `mb` in the current pass."""
@@ -288,19 +394,21 @@ class Collector:
                              f"batch >= 2, got shape {tuple(g.shape)}; set MeasureConfig(interleave_noise=False)")
         return g[:, : g.shape[1] // 2], 2 * mb
 
-    def end(self) -> StatsTable:
+    def end(self) -> Accumulator:
         self.mode = None
         for p in self.probes:
             p.reset()
-        return self.table
+        return self.acc
 
-    def set_scales(self, reduced_clean: StatsTable, noise_frac: float, bwd_noise_frac: float) -> None:
-        """Noise scales from the TP/DP-reduced clean statistics: s = frac * rms(Y), t = frac * rms(G_X)."""
-        for p in self.probes:
-            r = reduced_clean.row(p.key)
-            s = noise_frac * (r["y_sq"] / max(r["n"] * r["m"], 1.0)) ** 0.5
-            t = bwd_noise_frac * (r["gx_sq"] / max(r["n"] * r["k"], 1.0)) ** 0.5
-            self.scales[p.key] = (s, t)
+    def set_scales(self, reduced_clean: torch.Tensor, noise_frac: float, bwd_noise_frac: float) -> None:
+        """Noise scales from the TP/DP-reduced clean statistics (a table tensor, on the device):
+        s = frac * rms(Y), t = frac * rms(G_X)."""
+        col = self.acc.col
+        r = reduced_clean
+        n = r[:, col("n")]
+        s = noise_frac * (r[:, col("y_sq")] / (n * r[:, col("m")]).clamp(min=1.0)).sqrt()
+        t = bwd_noise_frac * (r[:, col("gx_sq")] / (n * r[:, col("k")]).clamp(min=1.0)).sqrt()
+        self.scales = torch.stack([s, t], 1)
 
     def remove(self) -> None:
         for p in self.probes:

@@ -40,6 +40,12 @@ class MeasureConfig:
     """The same for the backward-GEMM roles (X for wgrad, G_Y for dgrad and wgrad), which only
     feed the weight divergence: sums of squared errors, spread evenly over tokens, so a sparser
     sample serves them (the forward roles also feed dY and its per-token projections)."""
+    micro_batches: "int | None" = 8
+    """K: micro-batches of the step measured, spread over the global batch and the data-parallel
+    replicas (stats/microbatches.py: each replica measures its share at evenly spaced positions;
+    deterministic). Their sums are scaled up to the whole step, so the table estimates the same
+    fields as measuring every micro-batch. None or 0: every micro-batch. In a run,
+    SnipConfig.measure_micro_batches sets this."""
     formats: Formats = Formats()
     """The FP8/FP4 formats whose quantization errors are measured. In a run, SnipConfig.formats
     sets this (the formats the planned linears run)."""
@@ -55,6 +61,10 @@ class MeasureConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"MeasureConfig.{name} must be a positive integer, got {v!r}")
+        k = self.micro_batches
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+            raise ValueError(f"MeasureConfig.micro_batches must be None, 0 (every micro-batch) or a "
+                             f"positive integer, got {k!r}")
         ps = tuple(Precision.parse(p) for p in self.precisions)
         if not ps or Precision.BF16 in ps:
             raise ValueError(f"MeasureConfig.precisions must list fp8 and/or fp4, got {self.precisions!r}")

@@ -12,6 +12,12 @@ frozen during the passes (no gradient reaches param.grad or DDP's main_grad buff
 finalize_model_grads is switched off, planned linears run in BF16 and get their precision back,
 and the global and Megatron RNG states are restored (noise and stochastic rounding use dedicated
 generators).
+
+The passes run MeasureConfig.micro_batches of the step's micro-batches (stats/microbatches.py),
+and their sums are scaled up to the step. Statistics stay on the device; the table reaches the
+host once, after the last reduction. Activation recompute (full or selective), sequence and
+context parallelism, virtual pipelining and the distributed / precision-aware optimizer are
+handled (docs/method.md, section 10).
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import torch
 
 from snip_megatron.formats.precision import Precision
 from snip_megatron.stats import adam
+from snip_megatron.stats.accumulator import to_table
 from snip_megatron.stats.collector import Collector
 from snip_megatron.stats.config import MeasureConfig
-from snip_megatron.stats.discover import planned_linears
+from snip_megatron.stats.discover import _unwrap, planned_linears
+from snip_megatron.stats.microbatches import sample_microbatches, summed_mask
 from snip_megatron.stats.quant_error import ErrorFn, formats_error_fn
-from snip_megatron.stats.reduce import gather_pp, reduce_tp_dp
-from snip_megatron.stats.table import StatsTable
+from snip_megatron.stats.reduce import (ADAM_FIELDS, gather_pp_tensor, megatron_groups, reduce_tp_dp_tensor,
+                                        tp_sharded_mask)
+from snip_megatron.stats.table import GLOBAL_FIELDS, StatsTable
 
 NOISE_FIELDS = ("fwd_zg_noisy", "fwd_z_sq", "bwd_dgw_sq", "bwd_eta_sq")
 
@@ -57,15 +66,36 @@ def _set_precision(module, precision) -> None:
         module.precision = precision
 
 
+def _input_requires_grad(module, args, kwargs):
+    """Forward pre-hook of a TransformerBlock: the first stage's decoder input (the embedding
+    output, which needs no gradient once parameters are frozen) requires grad, so gradients reach
+    every layer, also through activation checkpoints (which run no backward for inputs without)."""
+    if not torch.is_grad_enabled():
+        return None
+    if "hidden_states" in kwargs:
+        hs = kwargs["hidden_states"]
+        if isinstance(hs, torch.Tensor) and not hs.requires_grad:
+            return args, {**kwargs, "hidden_states": hs.detach().requires_grad_(True)}
+    elif args and isinstance(args[0], torch.Tensor) and not args[0].requires_grad:
+        return (args[0].detach().requires_grad_(True),) + tuple(args[1:]), kwargs
+    return None
+
+
 @contextlib.contextmanager
 def measurement_mode(model_chunks, linears, config):
-    """Parameters frozen, planned linears in BF16, no gradient finalisation; all undone after."""
+    """Parameters frozen, planned linears in BF16, no gradient finalisation, gradients from the
+    decoder input on; all undone after."""
     params = [p for c in model_chunks for p in c.parameters()]
     requires = [p.requires_grad for p in params]
     precisions = [(m, m.precision, getattr(m, "format_spec", None)) for _, m in linears
                   if hasattr(m, "precision")]
     saved_finalize = getattr(config, "finalize_model_grads_func", None)
+    handles = []
     try:
+        for chunk in model_chunks:
+            decoder = getattr(_unwrap(chunk), "decoder", None)
+            if decoder is not None:
+                handles.append(decoder.register_forward_pre_hook(_input_requires_grad, with_kwargs=True))
         for p in params:
             p.requires_grad_(False)
         for m, _, _ in precisions:
@@ -73,6 +103,8 @@ def measurement_mode(model_chunks, linears, config):
         config.finalize_model_grads_func = None
         yield
     finally:
+        for h in handles:
+            h.remove()
         config.finalize_model_grads_func = saved_finalize
         for m, prev, spec in precisions:
             _set_precision(m, prev)
@@ -82,9 +114,11 @@ def measurement_mode(model_chunks, linears, config):
             p.requires_grad_(r)
 
 
-def _wrap_forward_step(forward_step_func, losses: list, zero_loss):
-    """Record each micro-batch's loss (before the schedule scales it in place); zero_loss (a bool,
-    or a predicate on the micro-batch index) makes the loss gradient zero while keeping the graph."""
+def _wrap_forward_step(forward_step_func, losses: list, zero_loss, loss_factor: float = 1.0):
+    """Record each micro-batch's loss (before the schedule scales it in place) as a device tensor;
+    zero_loss (a bool, or a predicate on the micro-batch index) makes the loss gradient zero while
+    keeping the graph; loss_factor scales the loss the schedule backpropagates (a sampled
+    micro-batch keeps the gradient scale it has in the whole step)."""
 
     def forward_step(data_iterator, model):
         output, loss_func = forward_step_func(data_iterator, model)
@@ -96,9 +130,11 @@ def _wrap_forward_step(forward_step_func, losses: list, zero_loss):
             per = loss.detach().float().clone()
             if len(result) == 3:  # (loss sum, num tokens, logs): per-token loss mode
                 per = per / result[1].float().clamp(min=1)
-            losses.append(float(per))
+            losses.append(per)
             if zero_loss(mb) if callable(zero_loss) else zero_loss:
                 result = (loss * 0.0,) + tuple(result[1:])
+            elif loss_factor != 1.0:
+                result = (loss * loss_factor,) + tuple(result[1:])
             return result
 
         return output, wrapped_loss
@@ -106,14 +142,17 @@ def _wrap_forward_step(forward_step_func, losses: list, zero_loss):
     return forward_step
 
 
-def _run_pass(chunks, forward_step_func, batches, *, seq_length, micro_batch_size, zero_loss=False):
+def _run_pass(chunks, forward_step_func, batches, *, seq_length, micro_batch_size, zero_loss=False,
+              loss_factor: float = 1.0):
+    """Run the micro-batches through Megatron's schedule; the per-micro-batch losses (device
+    tensors, last stage only)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     losses: list = []
     data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
     get_forward_backward_func()(
-        forward_step_func=_wrap_forward_step(forward_step_func, losses, zero_loss), data_iterator=data,
-        model=list(chunks), num_microbatches=len(batches), seq_length=seq_length,
+        forward_step_func=_wrap_forward_step(forward_step_func, losses, zero_loss, loss_factor),
+        data_iterator=data, model=list(chunks), num_microbatches=len(batches), seq_length=seq_length,
         micro_batch_size=micro_batch_size, forward_only=False)
     return losses
 
@@ -156,78 +195,113 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                    pp_to_all: bool = False) -> StatsTable:
     """Statistics of every planned linear for the step made of `batches` (micro-batches).
 
-    Returns the table reduced over TP and DP and gathered over PP onto the first stage (global
-    rank 0 holds all rows; every stage with `pp_to_all`). `reduce=False` returns this rank's raw
-    local table (for tests)."""
+    Measures `config.micro_batches` of them (stats/microbatches.py), scaled up to the step.
+    Returns the table reduced over TP and DP x CP and gathered over PP onto the first stage
+    (global rank 0 holds all rows; every stage with `pp_to_all`). `reduce=False` returns this
+    rank's local table, unreduced (for tests). Statistics stay on the device until the one
+    transfer at the end."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     mconfig = _model_config(chunks[0])
-    if getattr(mconfig, "sequence_parallel", False):
-        raise ValueError("measure() does not support sequence_parallel=True yet; measure with it off")
     if not batches:
         raise ValueError("measure() needs the micro-batches of the step, got an empty list")
+    tp = ps.get_tensor_model_parallel_world_size()
+    sp = bool(getattr(mconfig, "sequence_parallel", False)) and tp > 1
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    cp = ps.get_context_parallel_world_size()
     linears = planned_linears(chunks)
     error_fn = error_fn or formats_error_fn(config.formats, config.seed)
+    # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
+    group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
+        if len(chunks) > 1 else 1
+    picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
+    measured = [batches[i] for i in picked]
+    per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
+    loss_factor = 1.0 if per_token else len(measured) / len(batches)
+    step_factor = dp * len(batches) / k_total  # sums over the sample -> a replica's whole step
     # the noise pass: alternate micro-batches, or the two halves of a lone one
-    noise_batches, noise_mbs = batches, micro_batch_size
-    interleave, halves = config.interleave_noise and len(batches) >= 2, False
-    if config.interleave_noise and len(batches) == 1:
-        cut = _halves(batches, micro_batch_size)
+    noise_batches, noise_mbs = measured, micro_batch_size
+    interleave, halves = config.interleave_noise and len(measured) >= 2, False
+    if config.interleave_noise and len(measured) == 1:
+        cut = _halves(measured, micro_batch_size)
         if cut is not None:
             noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
+    device = next(iter(chunks[0].parameters())).device
     collector = Collector(linears, num_layers=mconfig.num_layers, error_fn=error_fn,
                           precisions=config.precisions, seed=config.seed, first_order=config.first_order,
-                          tp_rank=ps.get_tensor_model_parallel_rank(),
-                          tp_size=ps.get_tensor_model_parallel_world_size(),
+                          tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
                           tp_group=ps.get_tensor_model_parallel_group(),
                           token_stride=config.error_token_stride,
                           grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
-                          noise_on_halves=halves)
-    run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size)
+                          noise_on_halves=halves, sequence_parallel=sp,
+                          cp_rank=ps.get_context_parallel_rank(), cp_size=cp, device=device)
+    layout = collector.acc.layout
+    reducing = reduce and dist.is_initialized()
+    if reducing:
+        tp_group, dp_group, pp_group = megatron_groups()
+        tp_mask = torch.from_numpy(tp_sharded_mask(layout, sp)).to(device)
+        adam_cols = [layout.col(f) for f in ADAM_FIELDS]
+    summed = torch.from_numpy(summed_mask(layout)).to(device)
+
+    def finish(t: torch.Tensor, adam_dp_sharded: bool = False) -> torch.Tensor:
+        """A pass's local sums -> estimates for the step, reduced over TP and DP x CP."""
+        t = torch.where(summed, t * step_factor, t)
+        if not reducing:
+            return t
+        return reduce_tp_dp_tensor(t, tp_mask, adam_cols, tp_group=tp_group, dp_group=dp_group,
+                                   adam_dp_sharded=adam_dp_sharded)
+
+    run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, loss_factor=loss_factor)
     snap = _rng_snapshot()
     try:
         with measurement_mode(chunks, linears, mconfig):
             # 1. the BF16 statistics pass
             clean = collector.begin("clean")
-            losses = _run_pass(chunks, forward_step_func, batches, **run)
+            losses = _run_pass(chunks, forward_step_func, measured, **run) if measured else []
+            for probe in collector.probes:  # a replica that measured nothing still has weights
+                probe.weight_stats()
             collector.end()
             _rng_restore(snap)
-            for key, fields in adam.adam_statistics(optimizer, {k: m.weight for k, m in linears}).items():
-                for f, v in fields.items():
-                    clean.set(key, f, v)
+            adam.adam_statistics(optimizer, {k: m.weight for k, m in linears},
+                                 add=lambda key, f, v: clean.add(clean.row(key), clean.col(f), v))
             if ps.is_pipeline_last_stage(ignore_virtual=True):
-                clean.globals_.update(loss=sum(losses) / len(losses), num_microbatches=len(batches),
-                                      dp_size=ps.get_data_parallel_world_size())
+                g = len(layout.keys)
+                if losses:  # the mean over every replica's sample, after the DP mean
+                    clean.add(g, GLOBAL_FIELDS.index("loss"), torch.stack(losses).sum() * (dp / k_total))
+                clean.set_host(g, GLOBAL_FIELDS.index("num_microbatches"), float(len(batches)))
+                clean.set_host(g, GLOBAL_FIELDS.index("dp_size"), float(dp * cp))
             dp_sharded = adam.is_dp_sharded(optimizer) if optimizer is not None else False
-            reduced = reduce_tp_dp(clean, adam_dp_sharded=dp_sharded) if reduce else clean
+            reduced = finish(clean.tensor(), dp_sharded)
             collector.set_scales(reduced, config.noise_frac, config.bwd_noise_frac)
             # 2. forward noise into every layer output at once; 3. backward noise into every input
             # gradient (zero loss gradient): one pass on alternate micro-batches, or two passes
             if interleave:
                 noisy = collector.begin("noise")
                 _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
-                          micro_batch_size=noise_mbs,
+                          micro_batch_size=noise_mbs, loss_factor=loss_factor,
                           zero_loss=lambda mb: collector.mode_of(mb) == "bwd_noise")
             else:
                 noisy = collector.begin("fwd_noise")
-                _run_pass(chunks, forward_step_func, batches, **run)
-                _rng_restore(snap)
-                collector.begin("bwd_noise", table=noisy)
-                _run_pass(chunks, forward_step_func, batches, zero_loss=True, **run)
+                if measured:
+                    _run_pass(chunks, forward_step_func, measured, **run)
+                    _rng_restore(snap)
+                collector.begin("bwd_noise", acc=noisy)
+                if measured:
+                    _run_pass(chunks, forward_step_func, measured, zero_loss=True, **run)
             collector.end()
     finally:
         collector.remove()
         _rng_restore(snap)
-    for k in noisy.keys:  # noise rows carry only the noise fields; "present" etc. come from clean
-        noisy.set(k, "present", 0.0)
-        noisy.set(k, "k", 0.0)
-        noisy.set(k, "m", 0.0)
-    if reduce:
-        noisy = reduce_tp_dp(noisy)
-    out = reduced.copy()
-    for f in NOISE_FIELDS:
-        out.column(f)[:] += noisy.column(f)
-    for p in collector.probes:
-        out.set(p.key, "noise_scale", collector.scales[p.key][0])
-    return gather_pp(out, to_all=pp_to_all) if reduce else out
+    noise_cols = [layout.col(f) for f in NOISE_FIELDS]
+    noisy_t = finish(noisy.tensor())  # only its noise fields are used ("present" etc. come from clean)
+    out = reduced.clone()
+    out[:, noise_cols] += noisy_t[:, noise_cols]
+    rows = [layout.row_index(p.key) for p in collector.probes]
+    if rows:
+        idx = torch.tensor(rows, device=device)
+        out[idx, layout.col("noise_scale")] = collector.scales[idx, 0]
+    if reducing:
+        out = gather_pp_tensor(out, pp_group=pp_group, to_all=pp_to_all)
+    return to_table(out, layout)

@@ -39,13 +39,13 @@ def _layout_free(cast) -> bool:
 
 def formats_error_fn(formats: Formats = Formats(), seed: int = 0) -> ErrorFn:
     """E = Q(T) - T with the project's fake quantizers; stochastic rounding draws from a dedicated
-    generator (seeded once), never from the global RNG. The error of the last tensor under a
+    generator on the tensor's device (seeded once per device), never from the global RNG. The error of the last tensor under a
     layout-free cast is kept, so a weight's dgrad error is not recomputed when it equals fprop's."""
     from snip_megatron.formats.quantize import quantize_for_role as quantize
     from snip_megatron.formats.spec import Role
 
     specs = {p: formats.spec(p) for p in (Precision.FP8, Precision.FP4)}
-    generator = torch.Generator().manual_seed(seed)
+    generators: dict = {}  # one per device: stochastic rounding draws where the tensor is (no host copy)
     last: list = []  # [tensor, version, cast, group, error]: the tensor is held, so `is` is safe
 
     def error(t: torch.Tensor, precision: Precision, role: str, group=None) -> torch.Tensor:
@@ -56,6 +56,9 @@ def formats_error_fn(formats: Formats = Formats(), seed: int = 0) -> ErrorFn:
         if reuse and last and last[0] is t and last[1] == t._version and last[2] == cast and last[3] is group:
             return last[4]
         tf = t.float()
+        generator = generators.get(tf.device)
+        if generator is None:
+            generator = generators[tf.device] = torch.Generator(device=tf.device).manual_seed(seed)
         e = quantize(tf, spec, role, out_dtype=torch.float32, generator=generator, amax_group=group) - tf
         last[:] = [t, t._version, cast, group, e] if reuse else []
         return e

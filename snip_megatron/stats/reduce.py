@@ -1,10 +1,19 @@
 """Reduce a statistics table across ranks: one fixed-size collective per parallel dimension.
 
 - TP: squared norms (and inner products) of sharded tensors are summed over the TP group;
-  replicated ones are counted once (zeroed on TP ranks > 0 before the sum, NaN-safely).
-- DP: replicas are averaged (AdamW state of a distributed optimizer is sharded over DP: summed).
+  replicated ones are counted once (zeroed on TP ranks > 0 before the sum, NaN-safely). With
+  sequence parallelism the token dim is sharded too: statistics of a column-parallel layer's
+  input side (X, G_X: [s/tp, b, k]) and of a row-parallel layer's output side (Y, G_Y) are sums
+  over TP as well; statistics the hooks compute on tokens gathered over TP stay replicated.
+- DP and CP: replicas are averaged over the data-parallel group with context parallelism (CP
+  ranks hold different tokens of the same sequences and are reduced like DP replicas, as
+  Megatron reduces gradients over DP x CP). AdamW state of a distributed optimizer is sharded
+  over that group: summed.
 - PP: every stage fills its own rows; a sum over the PP group gathers them on the first stage
   (or on every stage with `pp_to_all`). Global rank 0 then holds the whole table.
+
+The `*_tensor` functions work on the table as a device tensor (`StatsTable.to_array` layout), so
+a measurement moves its statistics to the host once, after the last reduction.
 """
 
 from __future__ import annotations
@@ -25,21 +34,28 @@ _SHARDED_ALWAYS = {"w_sq", "gw_sq", "bwd_dgw_sq", "adam_du_sq", "adam_dv_sq", "a
                    "ew", "ew_d", "gw_ew"}
 _SHARDED_COLUMN = {"y_sq", "gy_sq", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq", "egy_d", "egy_w", "dy_sq"}
 _SHARDED_ROW = {"x_sq", "gx_sq", "bwd_eta_sq", "ex", "ex_w", "gx_ex"}
+# Sequence parallelism: statistics the hooks take on this rank's tokens of a token-sharded tensor
+# (the errors, dY and G_W are computed on tokens gathered over TP and keep the rules above).
+_TOKEN_SHARDED_COLUMN = {"x_sq", "n", "gx_sq", "gx_ex", "bwd_eta_sq"}
+_TOKEN_SHARDED_ROW = {"y_sq", "gy_sq", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq"}
 ADAM_FIELDS = ("adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel")
 
 
-def tp_sharded(field: str, linear_name: str) -> bool:
+def tp_sharded(field: str, linear_name: str, sequence_parallel: bool = False) -> bool:
     """Is `field` of a `linear_name` layer a sum over TP shards (True) or replicated (False)?"""
     base = field.split(".", 1)[0]
-    sharded = _SHARDED_ALWAYS | (_SHARDED_COLUMN if linear_name in COLUMN_PARALLEL else _SHARDED_ROW)
+    column = linear_name in COLUMN_PARALLEL
+    sharded = _SHARDED_ALWAYS | (_SHARDED_COLUMN if column else _SHARDED_ROW)
+    if sequence_parallel:
+        sharded = sharded | (_TOKEN_SHARDED_COLUMN if column else _TOKEN_SHARDED_ROW)
     return base in sharded
 
 
-def tp_sharded_mask(table: StatsTable) -> np.ndarray:
+def tp_sharded_mask(table: StatsTable, sequence_parallel: bool = False) -> np.ndarray:
     """Bool mask over `table.to_array()`; the run-level row counts as replicated."""
     mask = np.zeros((len(table.keys) + 1, len(table.fields)), dtype=bool)
     for i, k in enumerate(table.keys):
-        mask[i] = [tp_sharded(f, k.name) for f in table.fields]
+        mask[i] = [tp_sharded(f, k.name, sequence_parallel) for f in table.fields]
     return mask
 
 
@@ -49,34 +65,56 @@ def _device():
     return torch.device("cpu")
 
 
-def _groups():
+def megatron_groups():
+    """(TP group, data-parallel group with CP, PP group) of Megatron's parallel state."""
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+    return (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True),
             ps.get_pipeline_model_parallel_group())
 
 
-def reduce_tp_dp(table: StatsTable, *, tp_group=None, dp_group=None, adam_dp_sharded: bool = False,
-                 use_megatron_groups: bool = True) -> StatsTable:
-    """TP sum (replicated counted once), then DP mean. Every rank gets the values of its rows."""
-    if not dist.is_initialized():
-        return table.copy()
-    if use_megatron_groups and tp_group is None and dp_group is None:
-        tp_group, dp_group, _ = _groups()
-    arr = table.to_array()
-    tp_rank = dist.get_rank(tp_group)
-    if tp_rank > 0:
-        arr = np.where(tp_sharded_mask(table), arr, 0.0)  # where(), not *0: NaN must survive
-    t = torch.from_numpy(arr).to(_device())
+def reduce_tp_dp_tensor(t: torch.Tensor, tp_mask: torch.Tensor, adam_cols: list, *, tp_group, dp_group,
+                        adam_dp_sharded: bool = False) -> torch.Tensor:
+    """TP sum (replicated fields counted once), then the DP x CP mean, of a table tensor."""
+    if dist.get_rank(tp_group) > 0:
+        t = torch.where(tp_mask, t, torch.zeros_like(t))  # where(), not *0: NaN must survive
+    else:
+        t = t.clone()
     if dist.get_world_size(tp_group) > 1:
         dist.all_reduce(t, group=tp_group)
     dp = dist.get_world_size(dp_group)
     if dp > 1:
         if adam_dp_sharded:  # shards of the optimizer state: the mean of dp * shard sums = the sum
-            for f in ADAM_FIELDS:
-                t[:-1, table.col(f)] *= dp
+            t[:-1, adam_cols] *= dp
         dist.all_reduce(t, group=dp_group)
         t /= dp
+    return t
+
+
+def gather_pp_tensor(t: torch.Tensor, *, pp_group, to_all: bool = False) -> torch.Tensor:
+    """Sum the stages' rows over the PP group onto its first stage (every stage with to_all)."""
+    if dist.get_world_size(pp_group) == 1:
+        return t
+    t = t.clone()
+    if to_all:
+        dist.all_reduce(t, group=pp_group)
+    else:
+        dist.reduce(t, dst=dist.get_global_rank(pp_group, 0), group=pp_group)
+    return t
+
+
+def reduce_tp_dp(table: StatsTable, *, tp_group=None, dp_group=None, adam_dp_sharded: bool = False,
+                 use_megatron_groups: bool = True, sequence_parallel: bool = False) -> StatsTable:
+    """TP sum (replicated counted once), then DP mean. Every rank gets the values of its rows."""
+    if not dist.is_initialized():
+        return table.copy()
+    if use_megatron_groups and tp_group is None and dp_group is None:
+        tp_group, dp_group, _ = megatron_groups()
+    dev = _device()
+    mask = torch.from_numpy(tp_sharded_mask(table, sequence_parallel)).to(dev)
+    t = reduce_tp_dp_tensor(torch.from_numpy(table.to_array()).to(dev), mask,
+                            [table.col(f) for f in ADAM_FIELDS], tp_group=tp_group, dp_group=dp_group,
+                            adam_dp_sharded=adam_dp_sharded)
     return StatsTable.from_array(table.keys, t.cpu().numpy(), table.precisions)
 
 
@@ -86,19 +124,13 @@ def gather_pp(table: StatsTable, *, pp_group=None, to_all: bool = False,
     if not dist.is_initialized():
         return table.copy()
     if use_megatron_groups and pp_group is None:
-        pp_group = _groups()[2]
-    if dist.get_world_size(pp_group) == 1:
-        return table.copy()
-    t = torch.from_numpy(table.to_array()).to(_device())
-    if to_all:
-        dist.all_reduce(t, group=pp_group)
-    else:
-        dst = dist.get_global_rank(pp_group, 0) if hasattr(dist, "get_global_rank") else 0
-        dist.reduce(t, dst=dst, group=pp_group)
+        pp_group = megatron_groups()[2]
+    t = gather_pp_tensor(torch.from_numpy(table.to_array()).to(_device()), pp_group=pp_group, to_all=to_all)
     return StatsTable.from_array(table.keys, t.cpu().numpy(), table.precisions)
 
 
-def reduce_stats(table: StatsTable, *, adam_dp_sharded: bool = False, pp_to_all: bool = False) -> StatsTable:
-    """The full reduction with Megatron's groups: TP, DP, then PP onto global rank 0."""
-    return gather_pp(reduce_tp_dp(table, adam_dp_sharded=adam_dp_sharded), to_all=pp_to_all)
-
+def reduce_stats(table: StatsTable, *, adam_dp_sharded: bool = False, pp_to_all: bool = False,
+                 sequence_parallel: bool = False) -> StatsTable:
+    """The full reduction with Megatron's groups: TP, DP x CP, then PP onto global rank 0."""
+    return gather_pp(reduce_tp_dp(table, adam_dp_sharded=adam_dp_sharded, sequence_parallel=sequence_parallel),
+                     to_all=pp_to_all)

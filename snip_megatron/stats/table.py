@@ -5,8 +5,10 @@ float64 scalar, so the whole table packs into one fixed-size tensor for collecti
 (`to_array` / `from_array`). NaN/Inf are kept as they are and reported per layer
 (`nonfinite`), never replaced by finite numbers.
 
-Field meanings (sums run over the micro-batches of the measured step, one data-parallel replica):
-  x_sq, w_sq, y_sq, gy_sq, gx_sq, gw_sq  squared Frobenius norms of X, W, Y, G_Y, G_X, G_W
+Field meanings (sums run over the micro-batches of the measured step, one data-parallel replica;
+a measurement of K sampled micro-batches scales its sums up to the step, stats/microbatches.py):
+  x_sq, w_sq, y_sq, gy_sq, gx_sq, gw_sq  squared Frobenius norms of X, W, Y, G_Y, G_X, G_W (G_W's
+                     from the token sample, stats/tokens.py, as bwd_dgw_sq's)
   n, k, m            tokens (summed over micro-batches), in features, out features (unsharded)
   fwd_zg_clean       <z, G_Y> of the clean pass, z the forward-noise direction (+-1 entries)
   fwd_zg_noisy       <z, G~_Y> of the forward-noise pass (noise s*z added to every Y at once)
@@ -29,8 +31,8 @@ Per candidate precision p (field name "<field>.<p>"):
   dy_sq              ||dY||^2, dY = Q(X) Q(W)^T - X W^T: the output error itself, measured
   gdy_sq             sum over tokens t of <G_Y,t, dY_t>^2: the error along the loss gradient, per
                      token (n * gdy_sq is dY's quadratic form in the empirical Fisher)
-Run-level scalars (the extra row): loss (mean training loss of the measured batch),
-num_microbatches, dp_size.
+Run-level scalars (the extra row): loss (mean training loss of the measured micro-batches),
+num_microbatches (of the step, per replica), dp_size (data-parallel x context-parallel ranks).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ reduced table (global rank 0) as .npy. Used by tests/stats/test_measure_parallel
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import numpy as np
 import torch
@@ -26,12 +27,61 @@ def batches(num=2, mbs=2, seed=7):
     return [random_batch(mbs, SHAPE.seq_length, SHAPE.vocab_size, g) for _ in range(num)]
 
 
-def build(tp=1, pp=1, seed=1234, reinit=True):
+FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+LAYOUTS = {  # name -> (tp, pp, keep Megatron's own init, TransformerConfig overrides, micro-batches measured)
+    "single": (1, 1, False, {}, None), "single_megatron": (1, 1, True, {}, None),
+    "tp2": (2, 1, True, {}, None), "pp2": (1, 2, False, {}, None), "dp2": (1, 1, False, {}, None),
+    # the layouts of a 70B run: activation recompute, sequence parallelism, and both
+    "full_recompute": (1, 1, False, FULL_RECOMPUTE, None),
+    "selective_attn": (1, 1, False, dict(recompute_granularity="selective", recompute_modules=["core_attn"]), None),
+    "selective_mlp": (1, 1, False, dict(recompute_granularity="selective", recompute_modules=["mlp"]), None),
+    "tp2_sp": (2, 1, True, dict(sequence_parallel=True), None),
+    "tp2_sp_full": (2, 1, True, dict(sequence_parallel=True, **FULL_RECOMPUTE), None),
+    "pp2_full": (1, 2, False, FULL_RECOMPUTE, None),
+    # micro-batch sampling: one of two micro-batches in one process, one per replica of two
+    "single_k1": (1, 1, False, {}, 1), "dp2_k2": (1, 1, False, {}, 2),
+}
+
+
+@contextlib.contextmanager
+def sp_tolerant_norms():
+    """Test double for Transformer Engine's norms: Megatron's torch norm refuses sequence
+    parallelism (its weight gradient would need the all-reduce TE's norms get); a measurement
+    freezes the parameters and a norm is per token, so torch's RMSNorm stands in."""
+    from megatron.core.transformer import torch_norm
+
+    saved = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, **_):
+        return torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+    try:
+        yield
+    finally:
+        torch_norm.WrappedTorchNorm.__new__ = saved
+
+
+@contextlib.contextmanager
+def cpu_current_device():
+    """Sequence parallelism's reduce-scatter allocates with device=torch.cuda.current_device() in
+    the backward, where the CPU shim's TorchFunctionMode (which maps the shim's 0 to the CPU) is
+    not active: report the CPU device itself while an SP layout runs."""
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+def build(tp=1, pp=1, seed=1234, reinit=True, **overrides):
     from snip_megatron.megatron.model import build_model_chunks
 
     runtime.initialize_model_parallel(tp=tp, pp=pp, seed=seed)
     runtime.seed_all(seed)
-    chunks = build_model_chunks(SHAPE, backend="local")
+    with sp_tolerant_norms() if overrides.get("sequence_parallel") else contextlib.nullcontext():
+        chunks = build_model_chunks(SHAPE, backend="local", **overrides)
     if tp == 1 and reinit:
         # Pipeline stages initialise their layers from different RNG states: give every matrix
         # weights that depend only on its global name, as a single process would have.
@@ -45,12 +95,6 @@ def build(tp=1, pp=1, seed=1234, reinit=True):
                     with torch.no_grad():
                         p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return chunks
-
-
-LAYOUTS = {  # name -> (tp, pp, keep Megatron's own init)
-    "single": (1, 1, False), "single_megatron": (1, 1, True),
-    "tp2": (2, 1, True), "pp2": (1, 2, False), "dp2": (1, 1, False),
-}
 
 
 def main():
@@ -77,13 +121,14 @@ def measure_layout(name: str):
 
     # "<layout>_lone": a step of one micro-batch of 4, whose noise pass runs its two halves
     base, lone = (name[:-5], True) if name.endswith("_lone") else (name, False)
-    tp, pp, megatron_init = LAYOUTS[base]
-    chunks = build(tp, pp, reinit=not megatron_init)
+    tp, pp, megatron_init, overrides, k = LAYOUTS[base]
+    chunks = build(tp, pp, reinit=not megatron_init, **overrides)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
     try:
-        return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
-                       micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05),
-                       error_fn=blockwise_error_fn())
+        with cpu_current_device() if overrides.get("sequence_parallel") else contextlib.nullcontext():
+            return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
+                                  micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05, micro_batches=k),
+                                  error_fn=blockwise_error_fn())
     finally:
         runtime.destroy()
 

@@ -1,4 +1,6 @@
-"""Statistics of TP=2, PP=2 and DP=2 runs equal the single-process ones (same weights and data)."""
+"""Statistics of TP=2, PP=2 and DP=2 runs, with activation recompute (full, selective) and
+sequence parallelism, equal the single-process ones (same weights and data); a DP=2 run that
+measures one micro-batch per replica equals one process measuring the same one."""
 
 from pathlib import Path
 
@@ -39,22 +41,31 @@ def tables(tmp_path_factory):
     from tests.stats.measure_worker import measure_layout
 
     d = tmp_path_factory.mktemp("stats")
-    run_distributed([WORKER, "--layouts", "tp2,pp2,dp2,tp2_lone,pp2_lone", "--out", str(d)], nproc=2, timeout=900)
+    run_distributed([WORKER, "--layouts", ",".join(DISTRIBUTED), "--out", str(d)], nproc=2, timeout=1500)
     out = {p.stem: _table(p) for p in d.glob("*.npy")}
-    runtime.init_process_group()  # the single-process references run here
-    for name in ("single", "single_megatron", "single_lone", "single_megatron_lone"):
+    runtime.init_process_group()  # the single-process references (and one-process layouts) run here
+    for name in ("single", "single_megatron", "single_lone", "single_megatron_lone", "single_k1",
+                 "full_recompute", "selective_attn", "selective_mlp"):
         out[name] = measure_layout(name)
     return out
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2", "tp2_lone", "pp2_lone"])
+DISTRIBUTED = ["tp2", "pp2", "dp2", "tp2_lone", "pp2_lone", "tp2_sp", "tp2_sp_lone", "tp2_sp_full", "pp2_full",
+               "dp2_k2"]
+REFERENCE = {"dp2_k2": "single_k1"}  # one micro-batch of two measured, in one process
+
+
+@pytest.mark.parametrize("layout", DISTRIBUTED + ["full_recompute", "selective_attn", "selective_mlp"])
 def test_parallel_statistics_equal_single_process(tables, layout):
-    """_lone: a step of one micro-batch, whose noise pass runs its two halves."""
+    """_lone: a step of one micro-batch, whose noise pass runs its two halves; _sp: sequence
+    parallelism; _full / full_recompute: full activation recompute (every layer checkpointed);
+    selective_*: selective recompute of the attention core or the MLP (fc1 and fc2 inside the
+    checkpoint)."""
     lone = "_lone" if layout.endswith("_lone") else ""
-    reference = tables[("single_megatron" if layout.startswith("tp2") else "single") + lone]
+    reference = tables[REFERENCE.get(layout) or ("single_megatron" if layout.startswith("tp2") else "single") + lone]
     table = tables[layout]
     assert_same(reference, table)
-    assert table.globals_["dp_size"] == (2 if layout == "dp2" else 1)
+    assert table.globals_["dp_size"] == (2 if layout.startswith("dp2") else 1)
     # every statistic the estimator needs is there and non-trivial
     for f in ("x_sq", "w_sq", "y_sq", "gy_sq", "gx_sq", "gw_sq", "fwd_z_sq", "ex.fp4", "egy_w.fp4"):
         assert (table.column(f) > 0).all(), f

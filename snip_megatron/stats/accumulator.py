@@ -1,0 +1,49 @@
+"""The sums of one pass, kept on the device until the measurement ends.
+
+One float64 tensor in the StatsTable layout ([rows + 1, fields], the run-level scalars in the last
+row) on the model's device receives every statistic as a 0-dim tensor, so no hook waits for the
+GPU; values the host already knows (token counts, shapes) go into a host array of the same
+layout, added in once by `tensor()`. A measurement moves its statistics to the host once, after
+the last reduction (`to_table`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from snip_megatron.stats.table import StatsTable
+
+
+class Accumulator:
+    def __init__(self, keys, precisions, device):
+        self.layout = StatsTable(keys=keys, precisions=precisions)  # names -> columns, keys -> rows
+        self.device = torch.device(device)
+        shape = (len(self.layout.keys) + 1, len(self.layout.fields))
+        self.values = torch.zeros(shape, dtype=torch.float64, device=self.device)
+        self.host = np.zeros(shape)
+
+    def row(self, key) -> int:
+        return self.layout.row_index(key)
+
+    def col(self, name: str) -> int:
+        return self.layout.col(name)
+
+    def add(self, row: int, col: int, value) -> None:
+        """Add a 0-dim tensor (stays on the device) or a host number."""
+        if isinstance(value, torch.Tensor):
+            self.values[row, col] += value
+        else:
+            self.host[row, col] += value
+
+    def set_host(self, row: int, col: int, value: float) -> None:
+        self.host[row, col] = value
+
+    def tensor(self) -> torch.Tensor:
+        """Device and host parts together, on the device."""
+        return self.values + torch.from_numpy(self.host).to(self.device)
+
+
+def to_table(t: torch.Tensor, layout: StatsTable) -> StatsTable:
+    """The one device-to-host transfer of a measurement."""
+    return StatsTable.from_array(layout.keys, t.cpu().numpy(), layout.precisions)

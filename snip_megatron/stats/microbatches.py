@@ -1,0 +1,58 @@
+"""Which micro-batches of a step a measurement runs, and how their sums stand for the whole step.
+
+A step has M micro-batches on each of the dp data-parallel replicas: dp * M in all (Megatron's
+global batch / micro-batch size). A measurement of K of them (MeasureConfig.micro_batches) spreads
+K over the replicas as evenly as integers allow (replica d measures floor((d+1) K / dp) -
+floor(d K / dp), so with K < dp every other replica, or fewer, measures one), and each replica
+takes its share at evenly spaced positions of its M (the centres of equal slices). The sample
+depends only on (M, dp, K), so every rank of a replica (its TP, CP and PP ranks) picks the same
+micro-batches, and a measurement is reproducible.
+
+Each sampled micro-batch keeps the gradient scale it has in the full step (its loss is multiplied
+by K_d / M, as the schedule divides by the K_d micro-batches it runs instead of M), and every sum
+over micro-batches is multiplied by dp * M / K before the data-parallel mean: the reduced table
+then estimates exactly the fields of a full measurement (sums over the M micro-batches of one
+replica, averaged over replicas). Fields of the weights and the optimizer are not sums over
+micro-batches and are not scaled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from snip_megatron.stats.table import StatsTable
+
+# Fields that are not sums over micro-batches (everything else in a layer row is).
+NOT_SUMMED = {"w_sq", "k", "m", "noise_scale", "present", "ew", "ew_d",
+              "adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel"}
+
+
+def _share(d: int, num_local: int, dp_size: int, k: int, multiple: int) -> int:
+    mine = (d + 1) * k // dp_size - d * k // dp_size
+    if mine and multiple > 1:  # e.g. the interleaved schedule runs whole groups of micro-batches
+        mine = min(num_local, -(-mine // multiple) * multiple)
+    return mine
+
+
+def sample_microbatches(num_local: int, dp_rank: int, dp_size: int, k: "int | None",
+                        multiple: int = 1) -> tuple[list[int], int]:
+    """(indices of this replica's sampled micro-batches among its `num_local`, K measured in all).
+    k None or 0, or k >= dp * num_local: every micro-batch. `multiple`: a replica that measures
+    any measures a multiple of it (or all), e.g. the interleaved pipeline schedule's group of
+    micro-batches per virtual stage; K counts what is measured."""
+    if num_local < 1:
+        raise ValueError(f"a measured step needs at least one micro-batch, got {num_local}")
+    total = num_local * dp_size
+    if not k or k >= total:
+        return list(range(num_local)), total
+    mine = _share(dp_rank, num_local, dp_size, k, multiple)
+    measured = sum(_share(d, num_local, dp_size, k, multiple) for d in range(dp_size))
+    return [((2 * i + 1) * num_local) // (2 * mine) for i in range(mine)], measured
+
+
+def summed_mask(table: StatsTable) -> np.ndarray:
+    """Bool mask over `table.to_array()`: the fields that are sums over micro-batches (the
+    run-level row is not)."""
+    mask = np.zeros((len(table.keys) + 1, len(table.fields)), dtype=bool)
+    mask[:-1] = [f.split(".", 1)[0] not in NOT_SUMMED for f in table.fields]
+    return mask

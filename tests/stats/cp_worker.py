@@ -1,0 +1,46 @@
+"""Context parallelism on its own (Megatron-Core's CP attention needs Transformer Engine, so no
+model runs CP on a CPU): two CP ranks reduce their statistics as data-parallel replicas, over
+Megatron's data-parallel group with CP. Used by tests/stats/test_reduce_cp.py.
+
+    torchrun --nproc_per_node 2 tests/stats/cp_worker.py --out FILE.npy
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from snip_megatron.megatron import cpu_shim, runtime
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    runtime.init_process_group()
+    from megatron.core import parallel_state as ps
+
+    cpu_shim.install()
+    ps.initialize_model_parallel(context_parallel_size=2)
+    from snip_megatron.plan import all_keys
+    from snip_megatron.stats.reduce import ADAM_FIELDS, megatron_groups, reduce_tp_dp_tensor, tp_sharded_mask
+    from snip_megatron.stats.table import StatsTable
+
+    tp_group, dp_group, _ = megatron_groups()
+    layout = StatsTable(keys=all_keys(1))
+    rank = dist.get_rank()
+    t = torch.full((len(layout.keys) + 1, len(layout.fields)), float(rank + 1), dtype=torch.float64)
+    out = reduce_tp_dp_tensor(t, torch.from_numpy(tp_sharded_mask(layout)), [layout.col(f) for f in ADAM_FIELDS],
+                              tp_group=tp_group, dp_group=dp_group, adam_dp_sharded=True)
+    if rank == 0:
+        np.save(args.out, np.stack([out.numpy(), np.full(out.shape, float(dist.get_world_size(dp_group))),
+                                    np.full(out.shape, float(ps.get_context_parallel_world_size()))]))
+    dist.barrier()
+    runtime.destroy(process_group=True)
+
+
+if __name__ == "__main__":
+    main()
