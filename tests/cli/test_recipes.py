@@ -102,8 +102,8 @@ def test_overrides_reach_the_recipe():
     (["parallel=dp2", "parallel.nproc_per_node=3", "parallel.tp=2"], r"world size 3 .* not divisible"),
     (["parallel.vpp=2"], r"parallel\.vpp=2 needs parallel\.pp > 1"),
     (["parallel.sequence_parallel=true"], r"parallel\.sequence_parallel needs parallel\.tp > 1"),
-    (["model=llama_7b", "parallel=tp4_pp2", "train=pretrain", "parallel.sequence_parallel=true"],
-     r"parallel\.sequence_parallel=true is not supported while SNIP measures"),
+    (["parallel.recompute=some"], r"parallel\.recompute='some' is not valid"),
+    (["train.transformer_impl=te"], r"train\.transformer_impl='te' is not valid"),
     (["parallel=dp2", "train.global_batch_size=6"], r"train\.global_batch_size=6 is not divisible"),
     (["model.num_query_groups=3"], r"model\.num_attention_heads=4 is not divisible by num_query_groups=3"),
     (["snip.fp4_budget=1.5"], r"snip\.fp4_budget must be a fraction in \[0, 1\]"),
@@ -209,7 +209,7 @@ def test_compact_loop_parses_its_arguments():
     (["model.num_layers=4"], "model.num_layers=4 differs from llama_tiny's 6"),
     (["model=llama_1b", "train.entry=compact", "model.name=mine"], "model.name='mine' is not one"),
     (["parallel=tp2", "parallel.sequence_parallel=true", "snip=off"],
-     "no virtual pipeline or sequence parallelism"),
+     "no virtual pipeline, sequence parallelism, recompute or Transformer Engine spec"),
 ])
 def test_compact_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -33,9 +33,6 @@ def megatron_args(*argv):
     (["--cuda-graph-impl", "local"], "CUDA graphs"),
     (["--tp-comm-overlap"], "--tp-comm-overlap"),
     (["--delay-wgrad-compute"], "--delay-wgrad-compute"),
-    (["--sequence-parallel"], "--sequence-parallel: SNIP's measurement"),
-    (["--context-parallel-size", "2"], "--context-parallel-size > 1"),
-    (["--recompute-granularity", "full"], "--recompute-granularity full"),
     (["--transformer-impl", "transformer_engine", "--snip-backend", "emulated"],
      "--snip-backend emulated needs Megatron's local layer spec"),
     (["--snip-backend", "te"], "--snip-backend te needs --transformer-impl transformer_engine"),
@@ -48,9 +45,9 @@ def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
         check_run(args)
 
 
-def test_a_pinned_plan_may_use_the_layouts_the_measurement_cannot():
-    args = megatron_args("--snip", "--snip-plan", "p.json", "--snip-pin-plan", "--sequence-parallel",
-                         "--recompute-granularity", "full")
+def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
+    args = megatron_args("--snip", "--sequence-parallel", "--recompute-granularity", "full",
+                         "--context-parallel-size", "2", "--use-distributed-optimizer")
     assert refusals(args, snip_config_from_args(args), "emulated") == []
 
 
