@@ -189,9 +189,15 @@ class SnipController(StepHook):
         start = time.perf_counter()
         stats = None
         if self.config.measures or self.config.baseline == "min_rel_error":
+            from snip_megatron.stats.measure import MeasurementFailed
+
             error = None
             try:
                 stats = self._measure(self.ctx, step)
+            except MeasurementFailed as exc:  # every rank raised it together: agreed already
+                self._log(f"[snip] rank {self.rank}: measurement at step {step} failed ({exc}); "
+                          "skipping this update, training continues with the current plan")
+                return
             except Exception as exc:  # noqa: BLE001 - a failed measurement never stops training
                 error = f"{type(exc).__name__}: {exc}"
             if self._any_rank(error is not None, f"measurement at step {step}", error):

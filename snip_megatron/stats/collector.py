@@ -51,15 +51,25 @@ from snip_megatron.stats.reduce import COLUMN_PARALLEL
 MODES = ("clean", "fwd_noise", "bwd_noise", "noise")
 
 
-def _plain(fn):
+def _plain(fn, errors: "list | None" = None, where: str = ""):
     """Run a hook without the CPU shim's TorchFunctionMode (megatron/cpu_shim.py): the statistics
-    create no CUDA tensors, and the mode's per-op Python dispatch is a large part of their cost."""
+    create no CUDA tensors, and the mode's per-op Python dispatch is a large part of their cost.
+
+    With `errors`, an exception in the hook is recorded there (and the hook leaves the pass as if it
+    were absent), so this rank runs the rest of the pass, and its collectives, like every other; the
+    measurement then agrees across ranks to skip the update (measure.py)."""
     from snip_megatron.megatron import cpu_shim
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         with cpu_shim.suspended():
-            return fn(*args, **kwargs)
+            if errors is None:
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - a failed statistic never stops training
+                errors.append(f"{where}: {type(exc).__name__}: {exc}")
+                return None
 
     return run
 
@@ -105,8 +115,8 @@ class LinearProbe:
         self.x_local = collector.sequence_parallel and self.column
         self.y_local = collector.sequence_parallel and not self.column
         self.reset()
-        self.handles = [module.register_forward_pre_hook(_plain(self._pre)),
-                        module.register_forward_hook(_plain(self._post))]
+        self.handles = [module.register_forward_pre_hook(self._hook(self._pre)),
+                        module.register_forward_hook(self._hook(self._post))]
 
     def remove(self) -> None:
         for h in self.handles:
@@ -119,6 +129,9 @@ class LinearProbe:
         self.pending_ex = None  # (sample, {p: E_X}) of the clean micro-batch between its G_Y and G_X hooks
 
     # -- helpers -------------------------------------------------------------------------------
+    def _hook(self, fn):
+        return _plain(fn, self.c.errors, str(self.key))
+
     def _add(self, name: str, value, p: "Precision | None" = None) -> None:
         acc = self.c.acc
         acc.add(acc.row(self.key), acc.col(f"{name}.{p.value}" if p is not None else name), value)
@@ -180,12 +193,12 @@ class LinearProbe:
         if mode == "clean":
             self._add("x_sq", tokens.sum_sq(x.detach()))
             self._add("n", float(_rows(x).shape[0]))
-            x.register_hook(_plain(functools.partial(self._on_gx_clean, mb)))
+            x.register_hook(self._hook(functools.partial(self._on_gx_clean, mb)))
         elif mode == "bwd_noise":
             t = c.scales[c.acc.row(self.key), 1]
             self._add("bwd_eta_sq", t * t * float(x.numel()))  # +-1 entries: ||t eta||^2 = t^2 numel
             field = self._field(x.shape, mb, noise.BACKWARD, "x", x.device)
-            x.register_hook(_plain(lambda g: self._plus_noise(g, field, t)))
+            x.register_hook(self._hook(lambda g: self._plus_noise(g, field, t)))
         return (x,) + tuple(args[1:])
 
     def _post(self, module, args, output):
@@ -200,16 +213,16 @@ class LinearProbe:
             y = self._plus_noise(y, field, c.scales[c.acc.row(self.key), 0])
             if grad:
                 self._add("fwd_z_sq", float(y.numel()))
-                y.register_hook(_plain(lambda g: self._add("fwd_zg_noisy", self._noise_dot(field, g))))
+                y.register_hook(self._hook(lambda g: self._add("fwd_zg_noisy", self._noise_dot(field, g))))
             return (y,) + rest if rest is not None else y
         if not grad:
             return None
         x = args[0]
         if mode == "clean":
             self._add("y_sq", tokens.sum_sq(y.detach()))
-            y.register_hook(_plain(functools.partial(self._on_gy_clean, mb, x)))
+            y.register_hook(self._hook(functools.partial(self._on_gy_clean, mb, x)))
         else:  # bwd_noise: G_Y is the propagated noise only (zero loss gradient)
-            y.register_hook(_plain(functools.partial(self._on_gy_bwd_noise, x)))
+            y.register_hook(self._hook(functools.partial(self._on_gy_bwd_noise, x)))
         return None
 
     # -- backward: the clean pass --------------------------------------------------------------
@@ -350,6 +363,7 @@ class Collector:
         self.mode = None
         self.scales = None  # [rows + 1, 2] device tensor: s (forward), t (backward) per layer row
         self.acc = Accumulator(self.keys, self.precisions, self.device)
+        self.errors: list[str] = []  # exceptions the hooks caught, "<layer>: <type>: <message>"
         self.probes = [LinearProbe(LayerKey(*k), m, self) for k, m in linears]
 
     def begin(self, mode: str, acc: "Accumulator | None" = None) -> Accumulator:

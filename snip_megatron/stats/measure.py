@@ -189,6 +189,26 @@ def measure_step(ctx, config: MeasureConfig, **kwargs) -> "StatsTable | None":
     return table if (not dist.is_initialized() or dist.get_rank() == 0) else None
 
 
+class MeasurementFailed(RuntimeError):
+    """The measurement failed on some rank, and every rank knows it (one all-reduce of a flag): the
+    caller skips this update on every rank. The message holds this rank's cause, if it had one."""
+
+
+def agree_on_failure(error: "str | None", what: str) -> None:
+    """Every rank calls this at the same point: raise MeasurementFailed on all of them when any rank
+    brings an error (one all-reduce, MAX of a flag, over every rank)."""
+    import torch.distributed as dist
+
+    failed = error is not None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        failed = bool(int(flag[0]))
+    if failed:
+        raise MeasurementFailed(f"{what}: {error}" if error is not None else f"{what}: failed on another rank")
+
+
 def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length: int,
                    micro_batch_size: int, optimizer=None, config: MeasureConfig = MeasureConfig(),
                    error_fn: "ErrorFn | None" = None, reduce: bool = True,
@@ -203,40 +223,45 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    mconfig = _model_config(chunks[0])
-    if not batches:
-        raise ValueError("measure() needs the micro-batches of the step, got an empty list")
-    tp = ps.get_tensor_model_parallel_world_size()
-    sp = bool(getattr(mconfig, "sequence_parallel", False)) and tp > 1
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    cp = ps.get_context_parallel_world_size()
-    linears = planned_linears(chunks)
-    error_fn = error_fn or formats_error_fn(config.formats, config.seed)
-    # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
-    group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
-        if len(chunks) > 1 else 1
-    picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
-    measured = [batches[i] for i in picked]
-    per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
-    loss_factor = 1.0 if per_token else len(measured) / len(batches)
-    step_factor = dp * len(batches) / k_total  # sums over the sample -> a replica's whole step
-    # the noise pass: alternate micro-batches, or the two halves of a lone one
-    noise_batches, noise_mbs = measured, micro_batch_size
-    interleave, halves = config.interleave_noise and len(measured) >= 2, False
-    if config.interleave_noise and len(measured) == 1:
-        cut = _halves(measured, micro_batch_size)
-        if cut is not None:
-            noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
-    device = next(iter(chunks[0].parameters())).device
-    collector = Collector(linears, num_layers=mconfig.num_layers, error_fn=error_fn,
-                          precisions=config.precisions, seed=config.seed, first_order=config.first_order,
-                          tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-                          tp_group=ps.get_tensor_model_parallel_group(),
-                          token_stride=config.error_token_stride,
-                          grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
-                          noise_on_halves=halves, sequence_parallel=sp,
-                          cp_rank=ps.get_context_parallel_rank(), cp_size=cp, device=device)
+    setup_error = None
+    try:
+        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        mconfig = _model_config(chunks[0])
+        if not batches:
+            raise ValueError("measure() needs the micro-batches of the step, got an empty list")
+        tp = ps.get_tensor_model_parallel_world_size()
+        sp = bool(getattr(mconfig, "sequence_parallel", False)) and tp > 1
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        cp = ps.get_context_parallel_world_size()
+        linears = planned_linears(chunks)
+        error_fn = error_fn or formats_error_fn(config.formats, config.seed)
+        # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
+        group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
+            if len(chunks) > 1 else 1
+        picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
+        measured = [batches[i] for i in picked]
+        per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
+        loss_factor = 1.0 if per_token else len(measured) / len(batches)
+        step_factor = dp * len(batches) / k_total  # sums over the sample -> a replica's whole step
+        # the noise pass: alternate micro-batches, or the two halves of a lone one
+        noise_batches, noise_mbs = measured, micro_batch_size
+        interleave, halves = config.interleave_noise and len(measured) >= 2, False
+        if config.interleave_noise and len(measured) == 1:
+            cut = _halves(measured, micro_batch_size)
+            if cut is not None:
+                noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
+        device = next(iter(chunks[0].parameters())).device
+        collector = Collector(linears, num_layers=mconfig.num_layers, error_fn=error_fn,
+                              precisions=config.precisions, seed=config.seed, first_order=config.first_order,
+                              tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                              tp_group=ps.get_tensor_model_parallel_group(),
+                              token_stride=config.error_token_stride,
+                              grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
+                              noise_on_halves=halves, sequence_parallel=sp,
+                              cp_rank=ps.get_context_parallel_rank(), cp_size=cp, device=device)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, so no rank is left waiting
+        setup_error = f"{type(exc).__name__}: {exc}"
+    agree_on_failure(setup_error, "setting up the measurement")
     layout = collector.acc.layout
     reducing = reduce and dist.is_initialized()
     if reducing:
@@ -272,6 +297,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                     clean.add(g, GLOBAL_FIELDS.index("loss"), torch.stack(losses).sum() * (dp / k_total))
                 clean.set_host(g, GLOBAL_FIELDS.index("num_microbatches"), float(len(batches)))
                 clean.set_host(g, GLOBAL_FIELDS.index("dp_size"), float(dp * cp))
+            agree_on_failure("; ".join(collector.errors) or None, "the statistics pass")
             dp_sharded = adam.is_dp_sharded(optimizer) if optimizer is not None else False
             reduced = finish(clean.tensor(), dp_sharded)
             collector.set_scales(reduced, config.noise_frac, config.bwd_noise_frac)
@@ -291,6 +317,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 if measured:
                     _run_pass(chunks, forward_step_func, measured, zero_loss=True, **run)
             collector.end()
+            agree_on_failure("; ".join(collector.errors) or None, "the noise pass")
     finally:
         collector.remove()
         _rng_restore(snap)

@@ -220,3 +220,25 @@ def test_grad_error_stride_samples_only_the_backward_roles(megatron_single):
             assert b.sum() == pytest.approx(a.sum(), rel=0.2), (f, p)
     with pytest.raises(ValueError, match="grad_error_token_stride"):
         MeasureConfig(grad_error_token_stride=0)
+
+
+def test_an_exception_in_a_statistics_hook_fails_the_measurement_by_name(megatron_single):
+    """The hook records it and the pass runs on (so other ranks' collectives are matched); the
+    measurement then raises MeasurementFailed on every rank (agree_on_failure)."""
+    from snip_megatron.stats.measure import MeasurementFailed
+
+    model = build()[0]
+    base = blockwise_error_fn()
+    fc1_shape = (2 * SHAPE.ffn_hidden_size, SHAPE.hidden_size)
+
+    def err(t, p, role, group=None):
+        if role == "fprop_weight" and tuple(t.shape) == fc1_shape:
+            raise RuntimeError("no quantizer for this tensor")
+        return base(t, p, role)
+
+    with pytest.raises(MeasurementFailed, match=r"the statistics pass: 2\.linear_fc1: RuntimeError: no quantizer"):
+        measure_chunks([model], make_forward_step(), batches(), seq_length=SHAPE.seq_length,
+                       micro_batch_size=2, config=CFG, error_fn=err)
+    with pytest.raises(MeasurementFailed, match="setting up the measurement: ValueError: .*empty list"):
+        measure_chunks([model], make_forward_step(), [], seq_length=SHAPE.seq_length, micro_batch_size=2)
+    assert not any(p.grad is not None for p in model.parameters())  # training untouched

@@ -68,15 +68,22 @@ class CountingController(SnipController):
 
 
 def inject_failures(ctrl, measure_rank, apply_rank):
-    """Make one rank's first measurement, or first plan change, raise."""
-    measure, apply = ctrl._measure, ctrl._apply
-    state = {"measured": False, "applied": 0}
+    """Make one rank's first measurement (a statistics hook of its first one) or its first plan
+    change raise."""
+    from snip_megatron.stats import tokens
 
-    def failing_measure(ctx, step):
+    apply = ctrl._apply
+    state = {"measured": False, "applied": 0}
+    sum_sq = tokens.sum_sq
+
+    def failing_sum_sq(t):
         if dist.get_rank() == measure_rank and not state["measured"]:
             state["measured"] = True
-            raise RuntimeError(f"injected measurement failure at step {step}")
-        return measure(ctx, step)
+            raise RuntimeError("injected statistics failure")
+        return sum_sq(t)
+
+    if measure_rank is not None:
+        tokens.sum_sq = failing_sum_sq
 
     def failing_apply(ctx, plan):
         state["applied"] += 1
@@ -84,7 +91,7 @@ def inject_failures(ctrl, measure_rank, apply_rank):
             raise RuntimeError("injected apply failure")
         return apply(ctx, plan)
 
-    ctrl._measure, ctrl._apply = failing_measure, failing_apply
+    ctrl._apply = failing_apply
 
 
 def main():
