@@ -31,10 +31,12 @@ from snip_megatron.stats import adam
 from snip_megatron.stats.accumulator import to_table
 from snip_megatron.stats.collector import Collector
 from snip_megatron.stats.config import MeasureConfig
+from snip_megatron.megatron.apply import is_te_linear
+from snip_megatron.megatron.gemm_view import unfused
 from snip_megatron.stats.discover import _unwrap, planned_linears
 from snip_megatron.stats.microbatches import sample_microbatches, summed_mask
 from snip_megatron.stats.quant_error import ErrorFn, formats_error_fn
-from snip_megatron.stats.reduce import (ADAM_FIELDS, gather_pp_tensor, megatron_groups, reduce_tp_dp_tensor,
+from snip_megatron.stats.reduce import (ADAM_FIELDS, COLUMN_PARALLEL, gather_pp_tensor, megatron_groups, reduce_tp_dp_tensor,
                                         tp_sharded_mask)
 from snip_megatron.stats.table import GLOBAL_FIELDS, StatsTable
 
@@ -223,112 +225,115 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    setup_error = None
-    try:
-        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        mconfig = _model_config(chunks[0])
-        if not batches:
-            raise ValueError("measure() needs the micro-batches of the step, got an empty list")
-        tp = ps.get_tensor_model_parallel_world_size()
-        sp = bool(getattr(mconfig, "sequence_parallel", False)) and tp > 1
-        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-        cp = ps.get_context_parallel_world_size()
-        linears = planned_linears(chunks)
-        error_fn = error_fn or formats_error_fn(config.formats, config.seed)
-        # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
-        group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
-            if len(chunks) > 1 else 1
-        picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
-        measured = [batches[i] for i in picked]
-        per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
-        loss_factor = 1.0 if per_token else len(measured) / len(batches)
-        step_factor = dp * len(batches) / k_total  # sums over the sample -> a replica's whole step
-        # the noise pass: alternate micro-batches, or the two halves of a lone one
-        noise_batches, noise_mbs = measured, micro_batch_size
-        interleave, halves = config.interleave_noise and len(measured) >= 2, False
-        if config.interleave_noise and len(measured) == 1:
-            cut = _halves(measured, micro_batch_size)
-            if cut is not None:
-                noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
-        device = next(iter(chunks[0].parameters())).device
-        collector = Collector(linears, num_layers=mconfig.num_layers, error_fn=error_fn,
-                              precisions=config.precisions, seed=config.seed, first_order=config.first_order,
-                              tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-                              tp_group=ps.get_tensor_model_parallel_group(),
-                              token_stride=config.error_token_stride,
-                              grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
-                              noise_on_halves=halves, sequence_parallel=sp,
-                              cp_rank=ps.get_context_parallel_rank(), cp_size=cp, device=device)
-    except Exception as exc:  # noqa: BLE001 - agreed on below, so no rank is left waiting
-        setup_error = f"{type(exc).__name__}: {exc}"
-    agree_on_failure(setup_error, "setting up the measurement")
-    layout = collector.acc.layout
-    reducing = reduce and dist.is_initialized()
-    if reducing:
-        tp_group, dp_group, pp_group = megatron_groups()
-        tp_mask = torch.from_numpy(tp_sharded_mask(layout, sp)).to(device)
-        adam_cols = [layout.col(f) for f in ADAM_FIELDS]
-    summed = torch.from_numpy(summed_mask(layout)).to(device)
+    with contextlib.ExitStack() as views:  # every unfused TE linear gets its forward back
+        setup_error = None
+        try:
+            chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+            mconfig = _model_config(chunks[0])
+            if not batches:
+                raise ValueError("measure() needs the micro-batches of the step, got an empty list")
+            tp = ps.get_tensor_model_parallel_world_size()
+            sp = bool(getattr(mconfig, "sequence_parallel", False)) and tp > 1
+            dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+            cp = ps.get_context_parallel_world_size()
+            # TE linears run unfused and unquantized while measured (megatron/gemm_view.py)
+            linears = [(k, views.enter_context(unfused(m, column=k.name in COLUMN_PARALLEL))
+                        if is_te_linear(m) else m) for k, m in planned_linears(chunks)]
+            error_fn = error_fn or formats_error_fn(config.formats, config.seed)
+            # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
+            group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
+                if len(chunks) > 1 else 1
+            picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
+            measured = [batches[i] for i in picked]
+            per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
+            loss_factor = 1.0 if per_token else len(measured) / len(batches)
+            step_factor = dp * len(batches) / k_total  # sums over the sample -> a replica's whole step
+            # the noise pass: alternate micro-batches, or the two halves of a lone one
+            noise_batches, noise_mbs = measured, micro_batch_size
+            interleave, halves = config.interleave_noise and len(measured) >= 2, False
+            if config.interleave_noise and len(measured) == 1:
+                cut = _halves(measured, micro_batch_size)
+                if cut is not None:
+                    noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
+            device = next(iter(chunks[0].parameters())).device
+            collector = Collector(linears, num_layers=mconfig.num_layers, error_fn=error_fn,
+                                  precisions=config.precisions, seed=config.seed, first_order=config.first_order,
+                                  tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                                  tp_group=ps.get_tensor_model_parallel_group(),
+                                  token_stride=config.error_token_stride,
+                                  grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
+                                  noise_on_halves=halves, sequence_parallel=sp,
+                                  cp_rank=ps.get_context_parallel_rank(), cp_size=cp, device=device)
+        except Exception as exc:  # noqa: BLE001 - agreed on below, so no rank is left waiting
+            setup_error = f"{type(exc).__name__}: {exc}"
+        agree_on_failure(setup_error, "setting up the measurement")
+        layout = collector.acc.layout
+        reducing = reduce and dist.is_initialized()
+        if reducing:
+            tp_group, dp_group, pp_group = megatron_groups()
+            tp_mask = torch.from_numpy(tp_sharded_mask(layout, sp)).to(device)
+            adam_cols = [layout.col(f) for f in ADAM_FIELDS]
+        summed = torch.from_numpy(summed_mask(layout)).to(device)
 
-    def finish(t: torch.Tensor, adam_dp_sharded: bool = False) -> torch.Tensor:
-        """A pass's local sums -> estimates for the step, reduced over TP and DP x CP."""
-        t = torch.where(summed, t * step_factor, t)
-        if not reducing:
-            return t
-        return reduce_tp_dp_tensor(t, tp_mask, adam_cols, tp_group=tp_group, dp_group=dp_group,
-                                   adam_dp_sharded=adam_dp_sharded)
+        def finish(t: torch.Tensor, adam_dp_sharded: bool = False) -> torch.Tensor:
+            """A pass's local sums -> estimates for the step, reduced over TP and DP x CP."""
+            t = torch.where(summed, t * step_factor, t)
+            if not reducing:
+                return t
+            return reduce_tp_dp_tensor(t, tp_mask, adam_cols, tp_group=tp_group, dp_group=dp_group,
+                                       adam_dp_sharded=adam_dp_sharded)
 
-    run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, loss_factor=loss_factor)
-    snap = _rng_snapshot()
-    try:
-        with measurement_mode(chunks, linears, mconfig):
-            # 1. the BF16 statistics pass
-            clean = collector.begin("clean")
-            losses = _run_pass(chunks, forward_step_func, measured, **run) if measured else []
-            for probe in collector.probes:  # a replica that measured nothing still has weights
-                probe.weight_stats()
-            collector.end()
+        run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, loss_factor=loss_factor)
+        snap = _rng_snapshot()
+        try:
+            with measurement_mode(chunks, linears, mconfig):
+                # 1. the BF16 statistics pass
+                clean = collector.begin("clean")
+                losses = _run_pass(chunks, forward_step_func, measured, **run) if measured else []
+                for probe in collector.probes:  # a replica that measured nothing still has weights
+                    probe.weight_stats()
+                collector.end()
+                _rng_restore(snap)
+                adam.adam_statistics(optimizer, {k: m.weight for k, m in linears},
+                                     add=lambda key, f, v: clean.add(clean.row(key), clean.col(f), v))
+                if ps.is_pipeline_last_stage(ignore_virtual=True):
+                    g = len(layout.keys)
+                    if losses:  # the mean over every replica's sample, after the DP mean
+                        clean.add(g, GLOBAL_FIELDS.index("loss"), torch.stack(losses).sum() * (dp / k_total))
+                    clean.set_host(g, GLOBAL_FIELDS.index("num_microbatches"), float(len(batches)))
+                    clean.set_host(g, GLOBAL_FIELDS.index("dp_size"), float(dp * cp))
+                agree_on_failure("; ".join(collector.errors) or None, "the statistics pass")
+                dp_sharded = adam.is_dp_sharded(optimizer) if optimizer is not None else False
+                reduced = finish(clean.tensor(), dp_sharded)
+                collector.set_scales(reduced, config.noise_frac, config.bwd_noise_frac)
+                # 2. forward noise into every layer output at once; 3. backward noise into every input
+                # gradient (zero loss gradient): one pass on alternate micro-batches, or two passes
+                if interleave:
+                    noisy = collector.begin("noise")
+                    _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
+                              micro_batch_size=noise_mbs, loss_factor=loss_factor,
+                              zero_loss=lambda mb: collector.mode_of(mb) == "bwd_noise")
+                else:
+                    noisy = collector.begin("fwd_noise")
+                    if measured:
+                        _run_pass(chunks, forward_step_func, measured, **run)
+                        _rng_restore(snap)
+                    collector.begin("bwd_noise", acc=noisy)
+                    if measured:
+                        _run_pass(chunks, forward_step_func, measured, zero_loss=True, **run)
+                collector.end()
+                agree_on_failure("; ".join(collector.errors) or None, "the noise pass")
+        finally:
+            collector.remove()
             _rng_restore(snap)
-            adam.adam_statistics(optimizer, {k: m.weight for k, m in linears},
-                                 add=lambda key, f, v: clean.add(clean.row(key), clean.col(f), v))
-            if ps.is_pipeline_last_stage(ignore_virtual=True):
-                g = len(layout.keys)
-                if losses:  # the mean over every replica's sample, after the DP mean
-                    clean.add(g, GLOBAL_FIELDS.index("loss"), torch.stack(losses).sum() * (dp / k_total))
-                clean.set_host(g, GLOBAL_FIELDS.index("num_microbatches"), float(len(batches)))
-                clean.set_host(g, GLOBAL_FIELDS.index("dp_size"), float(dp * cp))
-            agree_on_failure("; ".join(collector.errors) or None, "the statistics pass")
-            dp_sharded = adam.is_dp_sharded(optimizer) if optimizer is not None else False
-            reduced = finish(clean.tensor(), dp_sharded)
-            collector.set_scales(reduced, config.noise_frac, config.bwd_noise_frac)
-            # 2. forward noise into every layer output at once; 3. backward noise into every input
-            # gradient (zero loss gradient): one pass on alternate micro-batches, or two passes
-            if interleave:
-                noisy = collector.begin("noise")
-                _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
-                          micro_batch_size=noise_mbs, loss_factor=loss_factor,
-                          zero_loss=lambda mb: collector.mode_of(mb) == "bwd_noise")
-            else:
-                noisy = collector.begin("fwd_noise")
-                if measured:
-                    _run_pass(chunks, forward_step_func, measured, **run)
-                    _rng_restore(snap)
-                collector.begin("bwd_noise", acc=noisy)
-                if measured:
-                    _run_pass(chunks, forward_step_func, measured, zero_loss=True, **run)
-            collector.end()
-            agree_on_failure("; ".join(collector.errors) or None, "the noise pass")
-    finally:
-        collector.remove()
-        _rng_restore(snap)
-    noise_cols = [layout.col(f) for f in NOISE_FIELDS]
-    noisy_t = finish(noisy.tensor())  # only its noise fields are used ("present" etc. come from clean)
-    out = reduced.clone()
-    out[:, noise_cols] += noisy_t[:, noise_cols]
-    rows = [layout.row_index(p.key) for p in collector.probes]
-    if rows:
-        idx = torch.tensor(rows, device=device)
-        out[idx, layout.col("noise_scale")] = collector.scales[idx, 0]
-    if reducing:
-        out = gather_pp_tensor(out, pp_group=pp_group, to_all=pp_to_all)
-    return to_table(out, layout)
+        noise_cols = [layout.col(f) for f in NOISE_FIELDS]
+        noisy_t = finish(noisy.tensor())  # only its noise fields are used ("present" etc. come from clean)
+        out = reduced.clone()
+        out[:, noise_cols] += noisy_t[:, noise_cols]
+        rows = [layout.row_index(p.key) for p in collector.probes]
+        if rows:
+            idx = torch.tensor(rows, device=device)
+            out[idx, layout.col("noise_scale")] = collector.scales[idx, 0]
+        if reducing:
+            out = gather_pp_tensor(out, pp_group=pp_group, to_all=pp_to_all)
+        return to_table(out, layout)
