@@ -86,7 +86,7 @@ def initial_plan(config: SnipConfig, num_layers: int) -> tuple[Plan, str]:
         return Plan.uniform(num_layers, Precision.BF16), "off"
     if config.plan:
         kind = "pinned" if config.pin_plan else "file"
-        return Plan.load(config.plan).check_model(num_layers), f"{kind} {config.plan}"
+        return Plan.load_for(config.plan, num_layers), f"{kind} {config.plan}"
     return Plan.uniform(num_layers, config.initial_precision), f"initial {config.initial_precision}"
 
 

@@ -65,4 +65,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from snip_megatron.errors import run_cli
+
+    sys.exit(run_cli("python -m snip_megatron.demo", lambda argv: main(argv) or 0))

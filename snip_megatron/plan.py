@@ -248,9 +248,28 @@ class Plan(Mapping):
 
     @classmethod
     def load(cls, path: "str | Path") -> "Plan":
+        """A saved plan (JSON, or YAML for .yaml/.yml); every problem is a ValueError naming the file."""
         path = Path(path)
-        text = path.read_text()
-        return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ValueError(f"SNIP plan {path}: no such file; give a plan saved by SNIP (Plan.save, or "
+                             f"`python -m snip_megatron.report export RUN_DIR`)") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"SNIP plan {path}: cannot be read ({e})") from None
+        try:
+            return cls.from_yaml(text) if path.suffix in (".yaml", ".yml") else cls.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"SNIP plan {path}: {e}") from None
+
+    @classmethod
+    def load_for(cls, path: "str | Path", num_layers: int) -> "Plan":
+        """`load`, checked against a model of `num_layers` layers (the file named if it does not fit)."""
+        plan = cls.load(path)
+        try:
+            return plan.check_model(num_layers)
+        except ValueError as e:
+            raise ValueError(f"SNIP plan {path} does not fit this model: {e}") from None
 
     # -- compact integer form (one collective to broadcast a plan) ------------------------------
 

@@ -228,6 +228,33 @@ def validate(recipe: RunRecipe) -> RunRecipe:
     return recipe
 
 
+def check_input_files(recipe: RunRecipe) -> RunRecipe:
+    """Every file the recipe names exists and is what it should be (the plan fits the model), so a
+    bad path fails at once, dry runs included, naming the field and the file."""
+    from snip_megatron.plan import Plan
+
+    snip, data, train = recipe.snip, recipe.data, recipe.train
+    if snip.enabled and snip.plan:
+        Plan.load_for(snip.plan, recipe.model.num_layers)
+    if data.kind == "indexed":
+        for suffix in (".bin", ".idx"):
+            if not Path(data.path + suffix).is_file():
+                raise ValueError(f"data.path={data.path!r}: {data.path}{suffix} does not exist (a Megatron "
+                                 "indexed dataset is a .bin/.idx pair with this prefix)")
+    if data.kind == "corpus" and data.corpus != "stdlib":
+        from snip_megatron.data.sources import parse_corpus
+
+        try:
+            parse_corpus(data.corpus)
+        except ValueError as e:
+            raise ValueError(f"data.corpus: {e}") from None
+    if data.tokenizer and not Path(data.tokenizer).exists():
+        raise ValueError(f"data.tokenizer={data.tokenizer!r} does not exist (expected a tokenizers JSON file)")
+    if train.load and not Path(train.load).is_dir():
+        raise ValueError(f"train.load={train.load!r} is not a folder: give the checkpoint folder to resume from")
+    return recipe
+
+
 # -- Hydra ---------------------------------------------------------------------------------------
 
 
@@ -272,6 +299,7 @@ def compose_config(overrides: list[str] | None = None, *, config_dir: "str | Pat
             return compose(config_name=config_name, overrides=list(overrides or []))
     except (HydraException, OmegaConfBaseException) as e:
         detail = f"{e} ({e.__cause__})" if e.__cause__ is not None else str(e)
+        detail = " ".join(detail.split())  # Hydra writes several lines; one is enough here
         raise ValueError(f"cannot compose recipe with overrides {list(overrides or [])}: {detail}") from None
 
 

@@ -15,7 +15,8 @@ import os
 import sys
 
 from snip_megatron.cli.command import launch_command, shell_line, training_target
-from snip_megatron.cli.recipe import compose_config, to_recipe
+from snip_megatron.cli.recipe import check_input_files, compose_config, to_recipe
+from snip_megatron.errors import run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,21 +38,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Raises ValueError for bad input (`cli` prints it in one line and exits 2)."""
     opts = build_parser().parse_args(argv)
-    try:
-        cfg = compose_config(opts.overrides, config_dir=opts.config_dir, config_name=opts.config_name)
-        from omegaconf import OmegaConf
+    cfg = compose_config(opts.overrides, config_dir=opts.config_dir, config_name=opts.config_name)
+    from omegaconf import OmegaConf
 
-        resolved_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-        recipe = to_recipe(cfg)
-        if opts.print_target:
-            print("\n".join(training_target(recipe)))
-            return 0
-        cmd = launch_command(recipe, rdzv_endpoint=opts.rdzv_endpoint,
-                             rdzv_id=opts.rdzv_id)
-    except ValueError as e:
-        print(f"snip-train: error: {e}", file=sys.stderr)
-        return 2
+    resolved_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    recipe = check_input_files(to_recipe(cfg))  # a dry run checks them too
+    if opts.print_target:
+        print("\n".join(training_target(recipe)))
+        return 0
+    cmd = launch_command(recipe, rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id)
     if opts.print_command:
         print("\n".join(cmd))
         return 0
@@ -70,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli() -> None:
     """Console entry point `snip-train`."""
-    sys.exit(main())
+    sys.exit(run_cli("snip-train", main))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def add_extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def main(argv: "list[str] | None" = None, controller=None) -> int:
     """Parse Megatron + SNIP arguments, set SNIP up and run `megatron.training.pretrain`.
-    `controller`: a stand-in for SnipController (tests)."""
+    `controller`: a stand-in for SnipController (tests). Bad input raises ValueError naming it
+    (`cli` prints it in one line and exits 2)."""
     from snip_megatron.megatron.startup import quiet_startup
 
     quiet_startup()  # before anything imports megatron.core: one line per expected absence
@@ -57,11 +58,7 @@ def main(argv: "list[str] | None" = None, controller=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The SNIP flags first, on their own: a bad one fails in a second, not after Megatron's start-up.
     early = add_snip_args(argparse.ArgumentParser(prog="snip-pretrain-gpt", add_help=False, allow_abbrev=False))
-    try:
-        snip_config_from_args(early.parse_known_args(argv)[0])
-    except ValueError as e:
-        print(f"snip-pretrain-gpt: error: {e}", file=sys.stderr)
-        return 2
+    snip_config_from_args(early.parse_known_args(argv)[0])
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         argv = cpu.cpu_flags() + argv
@@ -85,15 +82,11 @@ def main(argv: "list[str] | None" = None, controller=None) -> int:
         return 0
     args = parse_and_validate_args(extra_args_provider=add_extra_args,
                                    args_defaults={"tokenizer_type": "NullTokenizer"})
-    try:
-        check_run(args)  # refuse what SNIP cannot run before Megatron builds anything
-        if on_cpu:
-            cpu.prepare_cpu(args)
-        model_cfg = gpt_config_from_args(args)
-        start(args, model_cfg, controller=controller)
-    except ValueError as e:
-        print(f"snip-pretrain-gpt: error: {e}", file=sys.stderr)
-        return 2
+    check_run(args)  # refuse what SNIP cannot run before Megatron builds anything
+    if on_cpu:
+        cpu.prepare_cpu(args)
+    model_cfg = gpt_config_from_args(args)
+    start(args, model_cfg, controller=controller)
     cpu.skip_prebuilt_helpers()
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
              ModelType.encoder_or_decoder, forward_step)
@@ -119,7 +112,9 @@ def print_help() -> None:
 
 def cli() -> None:
     """Console entry point `snip-pretrain-gpt`."""
-    sys.exit(main())
+    from snip_megatron.errors import run_cli
+
+    sys.exit(run_cli("snip-pretrain-gpt", main))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ cannot keep is refused here, by name, before anything starts (`refusals`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from snip_megatron.config import SnipConfig
@@ -204,6 +205,10 @@ def check_run(args) -> Optional[SnipConfig]:
     snip = snip_config_from_args(args)
     if not snip.enabled:
         return None
+    config_file = getattr(args, "te_precision_config_file", None)
+    if config_file and not Path(config_file).is_file():
+        raise ValueError(f"--te-precision-config-file {config_file}: no such file (a YAML of matchers "
+                         "and configs, as Megatron's load_quantization_recipe reads)")
     refused = refusals(args, snip, resolve_backend(args))
     if refused:
         raise ValueError("this Megatron-LM run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))

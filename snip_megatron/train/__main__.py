@@ -85,4 +85,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from snip_megatron.errors import run_cli
+
+    sys.exit(run_cli("python -m snip_megatron.train", main))

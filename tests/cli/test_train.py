@@ -12,7 +12,9 @@ from tests.cli.test_recipes import EXPECTED_70B
 
 
 def run_cli(capsys, *argv):
-    code = cli.main(list(argv))
+    from snip_megatron.errors import run_cli as run
+
+    code = run("snip-train", cli.main, list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -218,11 +218,13 @@ def test_patched_megatron_lm_main_measures_and_applies(tmp_path):
 
 @needs_training
 def test_bad_snip_settings_fail_before_megatron_starts(capsys):
+    from snip_megatron.errors import run_cli
     from snip_megatron.pretrain.entry import main
 
-    assert main([*MODEL, "--mock-data", "--snip", "--snip-lag", "50", "--snip-interval", "10"]) == 2
+    assert run_cli("snip-pretrain-gpt", main, [*MODEL, "--mock-data", "--snip", "--snip-lag", "50",
+                                                "--snip-interval", "10"]) == 2
     assert "--snip-lag=50 must be smaller than --snip-interval=10" in capsys.readouterr().err
-    assert main(["--snip-fp4-budget", "2"]) == 2
+    assert run_cli("snip-pretrain-gpt", main, ["--snip-fp4-budget", "2"]) == 2
     assert "--snip-fp4-budget must be a fraction in [0, 1], got 2.0" in capsys.readouterr().err
 
 
