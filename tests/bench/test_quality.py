@@ -186,3 +186,20 @@ def test_a_run_from_the_shared_prefix_equals_the_uninterrupted_run(quality, tmp_
         assert min(s for s in steps if s) == 4  # it trained only the steps after the prefix
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("formats", ["nvfp4,mxfp4", "mxfp4,nvfp4", "mxfp4", "nvfp4"])
+def test_every_run_gives_snip_and_the_trainer_the_same_formats(quality, formats):
+    """`--formats mxfp4,nvfp4` crashed at its first run (the BF16 one: SNIP's config kept nvfp4
+    while the trainer ran mxfp4). Every run, in every format order, now starts."""
+    from types import SimpleNamespace
+
+    from snip_megatron.controller import SnipController
+    from snip_megatron.shapes import ModelShape
+
+    args = quality.parse_args(["--formats", formats, "--quick"])
+    for spec in quality.build_specs(args):
+        snip, train = quality.snip_config(spec), quality.train_config(spec)
+        assert snip.formats == train.formats, spec.name
+        ctrl = SnipController(snip, ModelShape(**spec.model), total_steps=spec.steps, log=lambda m: None)
+        ctrl.on_train_start(SimpleNamespace(formats=train.formats, step=0, set_plan=lambda plan: None))
