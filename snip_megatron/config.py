@@ -288,6 +288,13 @@ class SnipConfig:
         return dataclasses.replace(self, fp8_block_scales=formats.fp8_block_scales,
                                    fp4_gradient_rounding=formats.fp4_gradient_rounding, gemm_cost=costs)
 
+    def what_runs(self, sm: int) -> str:
+        """One line for the start-up of a TE run on SM`sm` (call it on the resolved config): what
+        each precision the run uses runs there, and the plan budget."""
+        from snip_megatron.te import what_runs
+
+        return f"{what_runs(self.formats, sm, self.uses)}; {self.budget_str()}"
+
     def budget_str(self) -> str:
         """The plan budget in words, e.g. "plan budget >= 75% of linear FLOPs in FP4 (GEMM cost
         bf16=1,fp8=0.5,fp4=0.25)"."""

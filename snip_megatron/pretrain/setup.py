@@ -263,9 +263,7 @@ def check_run(args) -> Optional[CheckedRun]:
 
 def startup_line(snip: SnipConfig, sm: Optional[int]) -> str:
     """What each planned precision runs on this GPU and the plan budget, in one line (TE backend)."""
-    from snip_megatron.te import what_runs
-
-    return f"[snip] {what_runs(snip.formats, sm, snip.uses)}; {snip.budget_str()}"
+    return f"[snip] {snip.what_runs(sm)}"
 
 
 def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
