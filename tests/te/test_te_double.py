@@ -2,9 +2,12 @@
 
 The double (tests/te_double, TE 2.14) is importable only in the subprocesses these tests start
 (Megatron caches HAVE_TE at import, so this process and the rest of the suite keep TE absent):
-- double_checks.py:   the double alone (recipes, autocast rules, numerics, refusals);
+- double_checks.py:   the double alone (recipes and their variants, the custom-recipe qfactory
+                      protocol, autocast rules, GPU checks, numerics, refusals);
 - megatron_checks.py: one process, TP=1: import, the TE layer spec, training, the plan through
-                      quant_recipe -> finish_init -> per-module autocast, bit-exact numerics;
+                      quant_recipe -> finish_init -> per-module autocast, bit-exact numerics, and
+                      for SM90 / SM100 and every recipe flag the TE dict against the formats SNIP
+                      measures (again with NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
 - te_worker.py under torchrun: TP=2 and PP=2 training against the TP=1 losses.
 """
 
