@@ -146,7 +146,9 @@ def test_hopper_pp2_with_virtual_pipelining_replans_both_chunks(tmp_path):
 
 
 @needs_training
-def test_patched_megatron_lm_main_plans_te_linears(tmp_path):
+def test_patched_megatron_lm_main_plans_bf16_vs_fp8_for_speed_on_hopper(tmp_path):
+    """The H100 user's question through the patched main: which layers may run FP8 (no FP4), under
+    the modelled GEMM speed-up of this GPU."""
     script = tmp_path / "pretrain_gpt.py"
     # CPU test only: SNIP reads the GPU generation from the TE double (see pretrain_worker.py).
     script.write_text(PATCHED_MAIN.replace(
@@ -155,13 +157,18 @@ def test_patched_megatron_lm_main_plans_te_linears(tmp_path):
         '    use_the_doubles_gpu()\n', 1))
     out = run_te(tmp_path, [str(script)], "--mock-data", "--vocab-size", "256", "--train-iters", "4",
                  "--eval-interval", "100", "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
-                 "--snip", "--snip-warmup", "2", "--snip-interval", "10", "--snip-lag", "1", sm=90)
+                 "--snip", "--snip-warmup", "2", "--snip-interval", "10", "--snip-lag", "1",
+                 "--snip-precisions", "bf16,fp8", "--snip-budget", "speedup", "--snip-speedup", "1.6",
+                 "--snip-initial-precision", "bf16", sm=90)
     lines = snip_lines(out)
-    assert any(line.startswith("[snip] on; backend te; formats fp8=blockwise(pow2) fp4=nvfp4(nearest)")
+    assert any(line.startswith("[snip] on; backend te; formats fp8=blockwise(pow2) fp4=nvfp4; plan: initial bf16")
                for line in lines), lines
-    assert any(line.startswith("[snip] SM90 (Hopper):") for line in lines)
-    assert any(line.startswith("[snip] step 3: plan") and "solver" in line for line in lines), lines
-    assert Plan.from_dict(state_of(tmp_path / "ckpt", 4)["plan"]).counts()["fp4"] > 0
+    assert ("[snip] SM90 (Hopper): FP8 blockwise (e4m3, pow2 scales) on TE kernels; plan budget modelled "
+            "linear-GEMM speed-up >= 1.6x over BF16, from bf16,fp8 (GEMM cost bf16=1,fp8=0.5,fp4=1)") in lines
+    update = next(line for line in lines if line.startswith("[snip] step 3: plan"))
+    assert "solver" in update and float(update.split("speed-up ")[1].split("x")[0]) >= 1.6, update
+    counts = Plan.from_dict(state_of(tmp_path / "ckpt", 4)["plan"]).counts()
+    assert counts["fp4"] == 0 and counts["fp8"] >= 6 and counts["bf16"] >= 1, counts
 
 
 @needs_training
