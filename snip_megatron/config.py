@@ -8,17 +8,24 @@ No Megatron and no Hydra at import.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from snip_megatron.formats.precision import FP4_RECIPES, FP8_RECIPES, Formats, Precision
+from snip_megatron.formats.precision import (FP4_GRADIENT_ROUNDINGS, FP4_RECIPES, FP8_BLOCK_SCALES, FP8_FORMATS,
+                                             FP8_RECIPES, Formats, Precision)
 from snip_megatron.planner.baselines import BASELINES
+from snip_megatron.planner.config import BUDGETS, DEFAULT_GEMM_COST
 
 PRECISIONS = tuple(p.value for p in Precision)
 CHOICES = {"fp8_recipe": FP8_RECIPES, "fp4_recipe": FP4_RECIPES, "initial_precision": PRECISIONS,
-           "baseline": BASELINES, "precisions": PRECISIONS}
+           "baseline": BASELINES, "precisions": PRECISIONS, "fp8_format": FP8_FORMATS,
+           "fp8_block_scales": FP8_BLOCK_SCALES, "fp4_gradient_rounding": FP4_GRADIENT_ROUNDINGS,
+           "budget": BUDGETS}
 """The valid values of SnipConfig's choice fields (the flags offer the same lists)."""
+BACKENDS = ("emulated", "te")
+"""Where the planned linears run: SNIP's emulated linears, or Transformer Engine's (SnipConfig.resolved)."""
 
 
 def _is_int(v) -> bool:
@@ -29,14 +36,48 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _parse_costs(value) -> dict[Precision, float]:
+    """"bf16=1,fp8=0.5,fp4=0.25" (or a mapping) -> {Precision: cost}; every precision, each > 0."""
+    items = value.items() if isinstance(value, dict) else (
+        part.split("=", 1) if "=" in part else (part, None) for part in str(value).split(",") if part.strip())
+    costs = {}
+    for name, cost in items:
+        try:
+            p, c = Precision.parse(name), float(cost)
+        except (TypeError, ValueError):
+            raise ValueError(f"SnipConfig.gemm_cost={value!r} must read like bf16=1,fp8=0.5,fp4=0.25") from None
+        if not math.isfinite(c) or c <= 0:
+            raise ValueError(f"SnipConfig.gemm_cost: {p} costs {cost!r}; every cost must be a positive number")
+        costs[p] = c
+    missing = [p.value for p in Precision if p not in costs]
+    if missing:
+        raise ValueError(f"SnipConfig.gemm_cost={value!r} has no cost for {', '.join(missing)}; give all of "
+                         "bf16, fp8, fp4")
+    return costs
+
+
+def _format_costs(costs: dict) -> str:
+    return ",".join(f"{p.value}={costs[p]:g}" for p in Precision)
+
+
 @dataclass(kw_only=True)
 class SnipConfig:
     """How SNIP plans and re-plans the precision of every linear layer during training."""
 
     enabled: bool = False
     """Run SNIP at all. Off: every linear keeps the model's own precision (plain BF16 run)."""
+    budget: str = "fp4_fraction"
+    """What a plan must achieve: fp4_fraction (at least `fp4_budget` of the linear FLOPs in FP4, the
+    paper's budget) or speedup (the modelled linear-GEMM time at least `speedup` times faster than
+    all-BF16, with `gemm_cost`; plans BF16 vs FP8 for speed, e.g. with precisions bf16,fp8 on Hopper)."""
     fp4_budget: float = 0.75
     """Fraction of the planned linear FLOPs that must run in FP4, in [0, 1] (the paper's rho)."""
+    speedup: float = 1.5
+    """budget=speedup: the modelled speed-up of the linear GEMMs over all-BF16 a plan must reach (>= 1)."""
+    gemm_cost: Optional[str] = None
+    """Relative GEMM time per precision for the modelled speed-up, e.g. bf16=1,fp8=0.5,fp4=0.25; none:
+    what the run's GPU runs (Transformer Engine backend: by GPU generation, FP4 through TE's reference
+    quantizer before SM100 no faster than BF16), else that Blackwell-like model."""
     interval: int = 1000
     """Steps between two measurements (statistics step + two noise passes + solve)."""
     lag: int = 10
@@ -44,11 +85,21 @@ class SnipConfig:
     warmup: float = 0.2
     """Steps before the first measurement: a fraction of the run if < 1, else a step count."""
     precisions: list[str] = ("fp8", "fp4")  # type: ignore[assignment]  # a list after __post_init__
-    """Precisions the planner may choose from (subset of bf16, fp8, fp4); fp4 is always needed."""
+    """Precisions the planner may choose from (at least two of bf16, fp8, fp4); budget=fp4_fraction needs fp4."""
     fp8_recipe: str = "blockwise"
     """FP8 format: blockwise (1x128 / 128x128, DeepSeek-V3), tensorwise (current scaling) or mxfp8."""
     fp4_recipe: str = "nvfp4"
     """FP4 format: nvfp4 (E4M3 scale per 16 values) or mxfp4 (E8M0 scale per 32 values)."""
+    fp8_format: Optional[str] = None
+    """FP8 element formats: e4m3 everywhere or hybrid (E5M2 gradients); none: the recipe's own
+    (blockwise and mxfp8: e4m3, tensorwise: hybrid). mxfp8 takes e4m3 only."""
+    fp8_block_scales: Optional[str] = None
+    """Blockwise FP8 block scales: fp32 or pow2 (rounded down to a power of two); none: what runs
+    (Transformer Engine backend: TE's, pow2 unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1; else fp32)."""
+    fp4_gradient_rounding: Optional[str] = None
+    """FP4 gradient rounding: stochastic or nearest; none: what runs (nvfp4: stochastic, nearest
+    where TE runs FP4 through its reference quantizer, before SM100, or with
+    NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1; mxfp4: nearest)."""
     per_stage_budget: bool = False
     """Enforce the FP4 budget on every pipeline stage, not only over the whole model."""
     plan: Optional[str] = None
@@ -112,9 +163,25 @@ class SnipConfig:
         if self.warmup >= 1 and float(self.warmup) != int(self.warmup):
             raise ValueError(f"SnipConfig.warmup={self.warmup!r} is >= 1, so it is a step count and "
                              "must be a whole number (use a value < 1 for a fraction of the run)")
-        self.precisions = self._check_precisions(self.precisions)
+        self._check_choice("budget")
+        self.precisions = self._check_precisions(self.precisions, self.budget)
         for name in ("fp8_recipe", "fp4_recipe", "initial_precision"):
             self._check_choice(name)
+        for name in ("fp8_format", "fp8_block_scales", "fp4_gradient_rounding"):
+            if getattr(self, name) is not None:
+                self._check_choice(name)
+        try:
+            self.formats  # noqa: B018 - the combination must be one the quantizers emulate
+        except ValueError as e:
+            raise ValueError(str(e).replace("Formats.", "SnipConfig.")) from None
+        if not _is_number(self.speedup) or self.speedup < 1:
+            raise ValueError(f"SnipConfig.speedup must be a number >= 1 (1: no speed-up asked), got {self.speedup!r}")
+        self.gemm_cost = None if self.gemm_cost is None else _format_costs(_parse_costs(self.gemm_cost))
+        if self.budget == "speedup":
+            self._check_speedup_reachable(self.gemm_costs())
+            if self.baseline is not None:
+                raise ValueError(f"SnipConfig.baseline={self.baseline!r} is a rule for an FP4 budget: it needs "
+                                 "SnipConfig.budget='fp4_fraction'")
         if self.initial_precision != "bf16" and self.initial_precision not in self.precisions:
             raise ValueError(f"SnipConfig.initial_precision={self.initial_precision!r} is not one of "
                              f"SnipConfig.precisions={self.precisions} (nor bf16)")
@@ -148,7 +215,7 @@ class SnipConfig:
             raise ValueError(f"SnipConfig.{name}={v!r} is not valid; choose one of: {', '.join(valid)}")
 
     @staticmethod
-    def _check_precisions(value) -> list[str]:
+    def _check_precisions(value, budget: str = "fp4_fraction") -> list[str]:
         items = value.split(",") if isinstance(value, str) else list(value)
         out = []
         for p in items:
@@ -158,12 +225,20 @@ class SnipConfig:
                                  f"valid: {', '.join(PRECISIONS)}")
             if p not in out:
                 out.append(p)
-        if "fp4" not in out:
-            raise ValueError(f"SnipConfig.precisions={out} must include fp4: the FP4 budget needs it")
+        if budget == "fp4_fraction" and "fp4" not in out:
+            raise ValueError(f"SnipConfig.precisions={out} must include fp4: the FP4 budget needs it (or set "
+                             "SnipConfig.budget='speedup' to plan for a modelled speed-up)")
         if len(out) < 2:
-            raise ValueError(f"SnipConfig.precisions={out} leaves the planner no choice; add fp8 or bf16")
+            raise ValueError(f"SnipConfig.precisions={out} leaves the planner no choice; list two or more")
         # A fixed order, so equal sets compare and print equal.
         return [p for p in PRECISIONS if p in out]
+
+    def _check_speedup_reachable(self, costs: dict) -> None:
+        best = costs[Precision.BF16] / min(costs[Precision.parse(p)] for p in self.precisions)
+        if self.speedup > best + 1e-9:
+            raise ValueError(f"SnipConfig.speedup={self.speedup} cannot be reached: every linear in the "
+                             f"fastest of {','.join(self.precisions)} gives {best:.2f}x with gemm_cost "
+                             f"{_format_costs(costs)}; ask for at most {best:.2f}")
 
     def warmup_steps(self, train_iters: int) -> int:
         """The first measurement step: `warmup` as a step count, or its fraction of `train_iters`."""
@@ -181,9 +256,55 @@ class SnipConfig:
 
     # -- the component configs of a run: built here, nowhere else ---------------------------------
     @property
+    def uses(self) -> tuple[Precision, ...]:
+        """The precisions a linear of this run may be put in (the planner's and the initial one)."""
+        return tuple(p for p in Precision if p.value in self.precisions or p.value == self.initial_precision)
+
+    @property
     def formats(self) -> Formats:
-        """The FP8/FP4 formats SNIP measures and the planned linears run."""
-        return Formats(fp8_recipe=self.fp8_recipe, fp4_recipe=self.fp4_recipe)
+        """The FP8/FP4 formats SNIP measures and the planned linears run (a variant left unset is
+        the recipe's own, as SNIP's emulated linears run it; `resolved` fixes it for TE)."""
+        return Formats(fp8_recipe=self.fp8_recipe, fp4_recipe=self.fp4_recipe, fp8_format=self.fp8_format,
+                       fp8_block_scales=self.fp8_block_scales or "fp32",
+                       fp4_gradient_rounding=self.fp4_gradient_rounding)
+
+    def gemm_costs(self) -> dict[Precision, float]:
+        """`gemm_cost` as {Precision: relative GEMM time}; unset: the default model (BF16 1, FP8 1/2, FP4 1/4)."""
+        return dict(DEFAULT_GEMM_COST) if self.gemm_cost is None else _parse_costs(self.gemm_cost)
+
+    def resolved(self, backend: str = "emulated", *, sm: "int | None" = None, environ=None) -> "SnipConfig":
+        """This config with every setting left to the hardware made explicit, for `backend`:
+        "emulated" (unchanged: SNIP's emulated linears run the recipes' own variants) or "te"
+        (Transformer Engine on compute capability `sm`: TE's scale and rounding variants, read from
+        `environ` as TE does at import, and the GEMM cost model of that GPU). ValueError listing
+        every setting TE cannot run there, each with its fix, fields named SnipConfig.<field>."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        if backend == "emulated" or not self.enabled:
+            return self
+        from snip_megatron.te import gemm_cost, te_formats
+
+        formats = te_formats(fp8_recipe=self.fp8_recipe, fp4_recipe=self.fp4_recipe, fp8_format=self.fp8_format,
+                             fp8_block_scales=self.fp8_block_scales,
+                             fp4_gradient_rounding=self.fp4_gradient_rounding, sm=sm, uses=self.uses,
+                             environ=environ, name_of=lambda f: f"SnipConfig.{f}")
+        costs = self.gemm_cost or _format_costs(gemm_cost(sm))
+        return dataclasses.replace(self, fp8_block_scales=formats.fp8_block_scales,
+                                   fp4_gradient_rounding=formats.fp4_gradient_rounding, gemm_cost=costs)
+
+    def what_runs(self, sm: int) -> str:
+        """One line for the start-up of a TE run on SM`sm` (call it on the resolved config): what
+        each precision the run uses runs there, and the plan budget."""
+        from snip_megatron.te import what_runs
+
+        return f"{what_runs(self.formats, sm, self.uses)}; {self.budget_str()}"
+
+    def budget_str(self) -> str:
+        """The plan budget in words, e.g. "plan budget >= 75% of linear FLOPs in FP4 (GEMM cost
+        bf16=1,fp8=0.5,fp4=0.25)"."""
+        what = (f">= {self.fp4_budget:.0%} of linear FLOPs in FP4" if self.budget == "fp4_fraction"
+                else f"modelled linear-GEMM speed-up >= {self.speedup:g}x over BF16")
+        return f"plan budget {what}, from {','.join(self.precisions)} (GEMM cost {_format_costs(self.gemm_costs())})"
 
     def measure_config(self):
         """The measurement's settings (snip_megatron.stats.MeasureConfig)."""
@@ -202,7 +323,8 @@ class SnipConfig:
         """One re-plan's budget and solver settings (snip_megatron.planner.PlannerConfig)."""
         from snip_megatron.planner.config import PlannerConfig
 
-        return PlannerConfig(rho=self.fp4_budget, allowed=tuple(Precision.parse(p) for p in self.precisions),
+        return PlannerConfig(budget=self.budget, rho=self.fp4_budget, speedup=self.speedup,
+                             gemm_cost=self.gemm_costs(), allowed=tuple(Precision.parse(p) for p in self.precisions),
                              per_stage=self.per_stage_budget, switch_penalty=self.switch_penalty,
                              time_limit_s=self.solver_time_limit_s, gap_rel=self.solver_gap)
 

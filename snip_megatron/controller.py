@@ -120,7 +120,7 @@ class SnipController(StepHook):
         self.flops = flop_table(shape, tokens_per_step)
         self.stages = dict(stages) if stages else None
         self._log = log
-        self.plan_log = PlanLog(run_dir, self.flops, log=log)
+        self.plan_log = PlanLog(run_dir, self.flops, log=log, gemm_cost=config.gemm_costs())
         self._measure = measure or _default_measure(config)
         self._estimate = estimate or _default_estimate(config)
         self._solve = solve or _default_solve(config)
@@ -246,7 +246,7 @@ class SnipController(StepHook):
             result = baseline_plan(cfg.baseline, self.keys, self.flops, cfg.fp4_budget,
                                    rel_error=rel_error, seed=cfg.seed, k=cfg.baseline_k,
                                    fraction=cfg.baseline_fraction, stages=self.stages,
-                                   relax=cfg.baseline_relax)
+                                   relax=cfg.baseline_relax, gemm_cost=cfg.gemm_costs())
             return {"plan": result.plan, "result": result, "costs": None, "measure_s": measure_s,
                     "solve_s": time.perf_counter() - start, "skipped": {}}
         costs = self._estimate(stats)

@@ -31,18 +31,22 @@ class PlanLog:
     """One record per applied plan: a console line (and the plan table when something changed or
     was measured), a `snip_plans.jsonl` line and TensorBoard scalars when a run folder is given."""
 
-    def __init__(self, run_dir: "str | Path | None", flops: Mapping, log: Callable[[str], None] = print):
+    def __init__(self, run_dir: "str | Path | None", flops: Mapping, log: Callable[[str], None] = print,
+                 gemm_cost: "Mapping | None" = None):
+        from snip_megatron.planner.config import DEFAULT_GEMM_COST
+
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.flops = flops
+        self.gemm_cost = dict(gemm_cost or DEFAULT_GEMM_COST)
+        """The run's GEMM cost model (SnipConfig.gemm_costs): what "modelled speed-up" means here."""
         self._log = log
         self._tensorboard = None
 
     def record(self, step: int, plan: Plan, previous: "Plan | None", info: dict) -> dict:
         """Log one applied plan; `info` holds the solver's result, costs and timings, if any."""
-        from snip_megatron.planner.config import DEFAULT_GEMM_COST
         from snip_megatron.planner.problem import achieved
 
-        met = achieved(plan, self.flops, DEFAULT_GEMM_COST)  # the planner's own models
+        met = achieved(plan, self.flops, self.gemm_cost)  # the planner's own models
         fp4 = met.fp4_fraction
         row = {"step": step, "plan": {str(k): p.value for k, p in plan.items()},
                "digest": plan.digest(), "fp4_fraction": fp4, "speedup": met.speedup}

@@ -3,6 +3,7 @@
 import pytest
 
 from snip_megatron.config import BASELINES, SnipConfig
+from snip_megatron.formats.precision import Formats, Precision
 
 
 def test_defaults_are_the_papers_setting():
@@ -43,6 +44,17 @@ def test_defaults_are_the_papers_setting():
     ({"loss_guard_factor": 0.5}, "loss_guard_factor"),
     ({"loss_guard_window": 0}, "loss_guard_window"),
     ({"enabled": "yes"}, "enabled"),
+    ({"budget": "time"}, "budget"),
+    ({"speedup": 0.5}, "speedup"),
+    ({"budget": "speedup", "speedup": 5.0}, "speedup"),  # all-FP4 reaches 4x in the default model
+    ({"budget": "speedup", "baseline": "random"}, "baseline"),
+    ({"gemm_cost": "bf16=1,fp8=0.5"}, "gemm_cost"),
+    ({"gemm_cost": "bf16=1,fp8=-1,fp4=1"}, "gemm_cost"),
+    ({"gemm_cost": "fast"}, "gemm_cost"),
+    ({"fp8_format": "e5m2"}, "fp8_format"),
+    ({"fp8_recipe": "mxfp8", "fp8_format": "hybrid"}, "fp8_format"),
+    ({"fp8_recipe": "tensorwise", "fp8_block_scales": "pow2"}, "fp8_block_scales"),
+    ({"fp4_recipe": "mxfp4", "fp4_gradient_rounding": "stochastic"}, "fp4_gradient_rounding"),
 ])
 def test_bad_values_name_the_field(changes, field):
     with pytest.raises(ValueError, match=rf"SnipConfig\.{field}"):
@@ -53,6 +65,35 @@ def test_initial_precision_must_be_a_choice_or_bf16():
     SnipConfig(initial_precision="bf16")  # BF16 is always allowed
     with pytest.raises(ValueError, match="initial_precision='fp8' is not one of"):
         SnipConfig(precisions=["bf16", "fp4"])
+
+
+def test_a_speedup_budget_plans_without_fp4():
+    cfg = SnipConfig(precisions="bf16,fp8", budget="speedup", speedup=1.8)
+    p = cfg.planner_config()
+    assert (p.budget, p.speedup, [x.value for x in p.allowed_precisions()]) == ("speedup", 1.8, ["bf16", "fp8"])
+    assert p.gemm_costs() == cfg.gemm_costs() and cfg.gemm_cost is None
+    with pytest.raises(ValueError, match="SnipConfig.precisions=.* must include fp4: the FP4 budget needs it"):
+        SnipConfig(precisions="bf16,fp8")
+    with pytest.raises(ValueError, match="speedup=2.1 cannot be reached: every linear in the fastest of bf16,fp8"):
+        SnipConfig(precisions="bf16,fp8", budget="speedup", speedup=2.1)
+    assert "modelled linear-GEMM speed-up >= 1.8x" in cfg.budget_str()
+    assert SnipConfig().budget_str() == ("plan budget >= 75% of linear FLOPs in FP4, from fp8,fp4 (GEMM cost "
+                                         "bf16=1,fp8=0.5,fp4=0.25)")
+
+
+def test_gemm_cost_is_parsed_and_kept_canonical():
+    cfg = SnipConfig(gemm_cost=" FP4=0.3, bf16=1 ,fp8=0.5")
+    assert cfg.gemm_cost == "bf16=1,fp8=0.5,fp4=0.3"
+    assert cfg.planner_config().gemm_costs()[Precision.FP4] == 0.3
+    assert SnipConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_format_variants_reach_the_one_formats_value():
+    cfg = SnipConfig(fp8_recipe="tensorwise", fp8_format="e4m3", fp4_gradient_rounding="nearest")
+    assert cfg.formats == Formats(fp8_recipe="tensorwise", fp8_format="e4m3", fp4_gradient_rounding="nearest")
+    assert cfg.measure_config().formats == cfg.formats
+    assert SnipConfig(fp8_block_scales="pow2").formats.fp8_block_scales == "pow2"
+    assert SnipConfig().formats == Formats()  # unset variants: the recipes' own, unchanged
 
 
 def test_precisions_are_parsed_and_ordered():

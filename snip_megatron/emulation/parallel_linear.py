@@ -34,7 +34,9 @@ from megatron.core.tensor_parallel.mappings import (
 from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
 from snip_megatron.formats import Formats, FormatSpec, Precision, Role
 
-CONFIG_KEYS = ("precision", "fp8_recipe", "fp4_recipe", "sr_seed")
+FORMAT_KEYS = ("fp8_recipe", "fp4_recipe", "fp8_format", "fp8_block_scales", "fp4_gradient_rounding")
+"""Formats fields a quant_recipe config may carry (the others keep the layer's formats)."""
+CONFIG_KEYS = ("precision", *FORMAT_KEYS, "sr_seed")
 _CONSTRUCTED = itertools.count()
 
 
@@ -55,7 +57,7 @@ class _QuantLinearMixin:
     # ---- configuration -------------------------------------------------------------------------
     def finish_init(self, quant_config) -> None:
         """Megatron's hook: `quant_config.config` = {"precision": "bf16"|"fp8"|"fp4", optional
-        "fp8_recipe", "fp4_recipe", "sr_seed"}; None -> BF16."""
+        Formats fields (FORMAT_KEYS) and "sr_seed"}; None -> BF16."""
         if quant_config is None:
             self.set_precision(Precision.BF16)
             return
@@ -68,7 +70,12 @@ class _QuantLinearMixin:
         seed = config.get("sr_seed", zlib.crc32(path.encode()) if path else None)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"{type(self).__name__}: sr_seed must be an int, got {seed!r}")
-        recipes = {k: config[k] for k in ("fp8_recipe", "fp4_recipe") if k in config}
+        recipes = {k: config[k] for k in FORMAT_KEYS if k in config}
+        # A recipe's variants travel only when set (emulated_params): absent means the default.
+        if "fp8_recipe" in config:
+            recipes = {"fp8_format": None, "fp8_block_scales": "fp32", **recipes}
+        if "fp4_recipe" in config:
+            recipes = {"fp4_gradient_rounding": None, **recipes}
         self.set_precision(config["precision"], dataclasses.replace(self.formats, **recipes))
         if seed is not None:
             self.set_sr_seed(seed)

@@ -9,6 +9,18 @@ FP8_RECIPES = ("blockwise", "tensorwise", "mxfp8")
 """FP8 recipes: blockwise (1x128 / 128x128 tiles, DeepSeek-V3), tensorwise (current scaling), mxfp8."""
 FP4_RECIPES = ("nvfp4", "mxfp4")
 """FP4 recipes: nvfp4 (E4M3 scale per 16 values on an FP32 tensor scale), mxfp4 (E8M0 per 32)."""
+FP8_FORMATS = ("e4m3", "hybrid")
+"""FP8 element formats, as Transformer Engine names them: e4m3 for every operand, or hybrid (E4M3
+inputs and weights, E5M2 gradients)."""
+FP8_BLOCK_SCALES = ("fp32", "pow2")
+"""Scales of a blockwise FP8 block: any float32 (max / amax), or that rounded down to a power of two
+(TE Float8BlockScaling's default, force_pow_2_scales)."""
+FP4_GRADIENT_ROUNDINGS = ("stochastic", "nearest")
+"""Rounding of FP4 gradients: stochastic (unbiased) or round-to-nearest-even."""
+
+# The element formats and gradient rounding each recipe has when none is asked for.
+_DEFAULT_FP8_FORMAT = {"blockwise": "e4m3", "tensorwise": "hybrid", "mxfp8": "e4m3"}
+_DEFAULT_FP4_GRADIENT_ROUNDING = {"nvfp4": "stochastic", "mxfp4": "nearest"}
 
 
 class Precision(str, Enum):
@@ -33,6 +45,32 @@ class Precision(str, Enum):
         return self.value
 
 
+def check_variants(*, fp8_recipe: str, fp4_recipe: str, fp8_format: "str | None",
+                   fp8_block_scales: str, fp4_gradient_rounding: "str | None",
+                   owner: str = "Formats") -> None:
+    """Raise ValueError naming the field unless every name is known and the combination is one our
+    quantizers emulate exactly."""
+    for name, value, valid in (("fp8_recipe", fp8_recipe, FP8_RECIPES), ("fp4_recipe", fp4_recipe, FP4_RECIPES),
+                               ("fp8_block_scales", fp8_block_scales, FP8_BLOCK_SCALES)):
+        if value not in valid:
+            raise ValueError(f"{owner}.{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
+    for name, value, valid in (("fp8_format", fp8_format, FP8_FORMATS),
+                               ("fp4_gradient_rounding", fp4_gradient_rounding, FP4_GRADIENT_ROUNDINGS)):
+        if value is not None and value not in valid:
+            raise ValueError(f"{owner}.{name}={value!r} is not valid; choose one of: {', '.join(valid)} "
+                             "(or leave it unset for the recipe's own)")
+    if fp8_recipe == "mxfp8" and fp8_format == "hybrid":
+        raise ValueError(f"{owner}.fp8_format='hybrid' with fp8_recipe='mxfp8': MXFP8 with E5M2 gradients "
+                         "is not emulated; use fp8_format='e4m3' (MXFP8's own)")
+    if fp8_block_scales == "pow2" and fp8_recipe != "blockwise":
+        raise ValueError(f"{owner}.fp8_block_scales='pow2' is the blockwise recipe's (TE Float8BlockScaling); "
+                         f"fp8_recipe={fp8_recipe!r} has {'E8M0' if fp8_recipe == 'mxfp8' else 'FP32'} scales: "
+                         "leave fp8_block_scales at 'fp32'")
+    if fp4_recipe == "mxfp4" and fp4_gradient_rounding == "stochastic":
+        raise ValueError(f"{owner}.fp4_gradient_rounding='stochastic' with fp4_recipe='mxfp4': MXFP4 "
+                         "rounds to nearest here; use 'nearest' or fp4_recipe='nvfp4'")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Formats:
     """The FP8 and FP4 formats of one run: what SNIP measures, what the emulated linears compute
@@ -42,12 +80,30 @@ class Formats:
     """FP8 recipe (FP8_RECIPES)."""
     fp4_recipe: str = "nvfp4"
     """FP4 recipe (FP4_RECIPES)."""
+    fp8_format: "str | None" = None
+    """FP8 element formats (FP8_FORMATS): e4m3 everywhere, or hybrid (E5M2 gradients); None: the
+    recipe's own (blockwise and mxfp8: e4m3, tensorwise: hybrid). mxfp8 takes e4m3 only."""
+    fp8_block_scales: str = "fp32"
+    """Blockwise FP8 block scales (FP8_BLOCK_SCALES): fp32 (max / amax) or pow2 (that rounded down
+    to a power of two, TE's default). Only the blockwise recipe takes pow2."""
+    fp4_gradient_rounding: "str | None" = None
+    """Rounding of FP4 gradients (FP4_GRADIENT_ROUNDINGS); None: the recipe's own (nvfp4:
+    stochastic, mxfp4: nearest). mxfp4 takes nearest only."""
 
     def __post_init__(self) -> None:
-        for name, valid in (("fp8_recipe", FP8_RECIPES), ("fp4_recipe", FP4_RECIPES)):
-            value = getattr(self, name)
-            if value not in valid:
-                raise ValueError(f"Formats.{name}={value!r} is not valid; choose one of: {', '.join(valid)}")
+        check_variants(fp8_recipe=self.fp8_recipe, fp4_recipe=self.fp4_recipe, fp8_format=self.fp8_format,
+                       fp8_block_scales=self.fp8_block_scales,
+                       fp4_gradient_rounding=self.fp4_gradient_rounding)
+
+    @property
+    def effective_fp8_format(self) -> str:
+        """`fp8_format`, or the FP8 recipe's own when it is None."""
+        return self.fp8_format or _DEFAULT_FP8_FORMAT[self.fp8_recipe]
+
+    @property
+    def effective_fp4_gradient_rounding(self) -> str:
+        """`fp4_gradient_rounding`, or the FP4 recipe's own when it is None."""
+        return self.fp4_gradient_rounding or _DEFAULT_FP4_GRADIENT_ROUNDING[self.fp4_recipe]
 
     def recipe(self, precision: "Precision | str") -> str:
         """The recipe name of `precision` ("bf16" for BF16)."""
@@ -58,7 +114,31 @@ class Formats:
         """The FormatSpec (every GEMM operand's cast) of `precision` in these formats."""
         from snip_megatron.formats.spec import FormatSpec
 
-        return FormatSpec.for_precision(precision, fp8_recipe=self.fp8_recipe, fp4_recipe=self.fp4_recipe)
+        return FormatSpec.for_precision(precision, fp8_recipe=self.fp8_recipe, fp4_recipe=self.fp4_recipe,
+                                        fp8_format=self.fp8_format, fp8_block_scales=self.fp8_block_scales,
+                                        fp4_gradient_rounding=self.fp4_gradient_rounding)
+
+    def describe(self, precision: "Precision | str") -> str:
+        """The recipe of `precision` with what sets it apart, e.g. "blockwise (e4m3, pow2 scales)"."""
+        p = Precision.parse(precision)
+        if p is Precision.FP8:
+            parts = [self.effective_fp8_format]
+            if self.fp8_recipe == "blockwise":
+                parts.append(f"{self.fp8_block_scales} scales")
+            return f"{self.fp8_recipe} ({', '.join(parts)})"
+        if p is Precision.FP4:
+            return f"{self.fp4_recipe} ({self.effective_fp4_gradient_rounding} gradient rounding)"
+        return "bf16"
 
     def short_str(self) -> str:
-        return f"fp8={self.fp8_recipe} fp4={self.fp4_recipe}"
+        """E.g. "fp8=blockwise fp4=nvfp4"; variants set apart from the recipes' defaults follow in
+        parentheses ("fp8=blockwise(pow2) fp4=nvfp4(nearest)")."""
+        fp8 = [v for v, default in ((self.fp8_format, None), (self.fp8_block_scales, "fp32")) if v != default]
+        fp4 = [self.fp4_gradient_rounding] if self.fp4_gradient_rounding is not None else []
+        return (f"fp8={self.fp8_recipe}{'(' + ','.join(fp8) + ')' if fp8 else ''} "
+                f"fp4={self.fp4_recipe}{'(' + ','.join(fp4) + ')' if fp4 else ''}")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready values (what a quant_recipe config dict carries)."""
+        return {"fp8_recipe": self.fp8_recipe, "fp4_recipe": self.fp4_recipe, "fp8_format": self.fp8_format,
+                "fp8_block_scales": self.fp8_block_scales, "fp4_gradient_rounding": self.fp4_gradient_rounding}

@@ -16,6 +16,9 @@ Rules (documented behaviour, tested):
 - All-zero blocks and tensors dequantize to zero. NVFP4 block scales below E4M3's smallest normal
   (2**-6) are raised to it, as torchao does (TE would keep subnormal scales; this only differs for
   blocks whose amax is below ~3.5e-5 of the tensor's).
+- FP32 block scales are max / amax (1 for an all-zero block, capped at the largest float32), as
+  TE's compute_scale_from_amax; pow2 scales are that with the mantissa bits cleared (its
+  force_pow_2_scales), so the decode scale 1 / scale is exact.
 - Per-tensor amaxes (NVFP4 global scale, tensorwise FP8) are all-reduced (MAX) over `amax_group`,
   so a sharded tensor gets the scale of the whole tensor, as Transformer Engine does.
 """
@@ -45,8 +48,9 @@ class QuantizedTensor(NamedTuple):
     codes: torch.Tensor
     """float8 tensor (FP8 elements) or uint8 E2M1 codes (bit 3 = sign)."""
     scales: torch.Tensor
-    """Decode scale per block, (rows // br, cols // bc): float32, float8_e4m3fn (NVFP4) or uint8
-    biased E8M0 exponents (255 = NaN); a 1x1 float32 tensor for per-tensor scaling."""
+    """Decode scale per block, (rows // br, cols // bc): float32 (powers of two for pow2 scales),
+    float8_e4m3fn (NVFP4) or uint8 biased E8M0 exponents (255 = NaN); a 1x1 float32 tensor for
+    per-tensor scaling."""
     tensor_scale: torch.Tensor | None
     """NVFP4 FP32 per-tensor decode scale (amax / 2688); None otherwise."""
 
@@ -151,6 +155,13 @@ def _fp32_encode_scale(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     return scale.clamp(max=F32_MAX)
 
 
+def _round_down_to_pow2(scale: torch.Tensor) -> torch.Tensor:
+    # TE's force_pow_2_scales: keep the sign and exponent bits of the float32 scale, clear the
+    # mantissa (0xFF800000 as int32). Scales here are positive normal floats (or 0 for non-finite
+    # amaxes, which stay 0 and dequantize to NaN).
+    return (scale.contiguous().view(torch.int32) & -(1 << 23)).view(torch.float32)
+
+
 def _nan_where_not_finite(decode: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
 
@@ -177,9 +188,11 @@ def _quantize_blocked(x, cast, amax_group, u, want_codes):
     elem_max = cast.element.max
     tensor_scale = None
 
-    if cast.scale is ScaleFormat.FP32:
+    if cast.scale in (ScaleFormat.FP32, ScaleFormat.POW2):
         enc = _fp32_encode_scale(block_amax, elem_max)
-        decode = enc.reciprocal()
+        if cast.scale is ScaleFormat.POW2:
+            enc = _round_down_to_pow2(enc)
+        decode = enc.reciprocal()  # exact for a power of two
         scales = decode
     elif cast.scale is ScaleFormat.E8M0:
         # RCEIL: the smallest power of two with amax / scale <= max, so nothing saturates.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from enum import Enum
 
 from snip_megatron.formats.constants import E2M1_MAX, E4M3_MAX, E5M2_MAX
-from snip_megatron.formats.precision import FP4_RECIPES, FP8_RECIPES, Precision
+from snip_megatron.formats.precision import FP4_RECIPES, FP8_RECIPES, Formats, Precision
 
 
 class Role(str, Enum):
@@ -73,6 +73,7 @@ class ScaleFormat(str, Enum):
     """Format of the per-block (or per-tensor) scale."""
 
     FP32 = "fp32"  # any float32 (FP8 blockwise / tensorwise)
+    POW2 = "pow2"  # a float32 power of two: max / amax rounded down (TE's force_pow_2_scales)
     E4M3 = "e4m3"  # FP8 E4M3 block scale (NVFP4; always with an FP32 per-tensor scale)
     E8M0 = "e8m0"  # power of two, rounded up (MX formats, RCEIL)
 
@@ -113,6 +114,9 @@ class CastConfig:
         if self.block is None and self.scale is not ScaleFormat.FP32:
             raise ValueError(f"CastConfig.scale={self.scale.value} needs a block shape; "
                              "per-tensor scales are fp32")
+        if self.scale is ScaleFormat.POW2 and self.element is ElementFormat.E2M1:
+            raise ValueError("CastConfig.scale=pow2 is an FP8 block scale (TE Float8BlockScaling); "
+                             "E2M1 blocks take e4m3 (NVFP4) or e8m0 (MXFP4) scales")
         if self.scale is ScaleFormat.E4M3 and not self.tensor_scale:
             raise ValueError("CastConfig.scale=e4m3 needs tensor_scale=True (NVFP4 two-level scaling)")
         if self.tensor_scale and self.scale is not ScaleFormat.E4M3:
@@ -202,15 +206,24 @@ class FormatSpec:
 
     @classmethod
     def for_precision(cls, precision: "Precision | str", *, fp8_recipe: str = "blockwise",
-                      fp4_recipe: str = "nvfp4") -> "FormatSpec":
-        """The spec of `precision`; the recipe argument of the other precisions is still checked."""
+                      fp4_recipe: str = "nvfp4", fp8_format: "str | None" = None,
+                      fp8_block_scales: str = "fp32",
+                      fp4_gradient_rounding: "str | None" = None) -> "FormatSpec":
+        """The spec of `precision` (the arguments are Formats' fields); the recipe arguments of the
+        other precisions are still checked."""
         precision = Precision.parse(precision)
         fp8_recipe = _check_recipe("fp8_recipe", fp8_recipe, FP8_RECIPES)
         fp4_recipe = _check_recipe("fp4_recipe", fp4_recipe, FP4_RECIPES)
+        formats = Formats(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, fp8_format=fp8_format,
+                          fp8_block_scales=fp8_block_scales, fp4_gradient_rounding=fp4_gradient_rounding)
         if precision is Precision.BF16:
             return cls(precision=precision, recipe="bf16")
-        recipe = fp8_recipe if precision is Precision.FP8 else fp4_recipe
-        return cls(precision=precision, recipe=recipe, **_RECIPES[recipe]())
+        if precision is Precision.FP8:
+            casts = _FP8_RECIPES[fp8_recipe](hybrid=formats.effective_fp8_format == "hybrid",
+                                             pow2=fp8_block_scales == "pow2")
+            return cls(precision=precision, recipe=fp8_recipe, **casts)
+        stochastic = formats.effective_fp4_gradient_rounding == "stochastic"
+        return cls(precision=precision, recipe=fp4_recipe, **_FP4_RECIPES[fp4_recipe](stochastic=stochastic))
 
 
 def _check_recipe(field: str, name: str, valid: tuple[str, ...]) -> str:
@@ -230,46 +243,53 @@ def _roles(fwd: CastConfig, weight: CastConfig, grad: CastConfig, *,
                 wgrad_grad_output=wgrad_grad or grad, wgrad_input=wgrad_input or fwd)
 
 
-def _fp8_blockwise() -> dict:
+def _fp8_blockwise(*, hybrid: bool, pow2: bool) -> dict:
     # TE Float8BlockScaling / DeepSeek-V3: 1x128 activation and gradient tiles, 128x128 weight
-    # blocks (one quantized weight serves fprop and dgrad), FP32 scales.
-    tile = CastConfig(element=ElementFormat.E4M3, block=(1, 128))
-    weight = CastConfig(element=ElementFormat.E4M3, block=(128, 128))
-    return _roles(tile, weight, tile)
+    # blocks (one quantized weight serves fprop and dgrad), FP32 scales; TE's default rounds each
+    # scale down to a power of two. HYBRID gives the gradient tiles E5M2 elements.
+    scale = ScaleFormat.POW2 if pow2 else ScaleFormat.FP32
+    tile = CastConfig(element=ElementFormat.E4M3, block=(1, 128), scale=scale)
+    weight = CastConfig(element=ElementFormat.E4M3, block=(128, 128), scale=scale)
+    grad = CastConfig(element=ElementFormat.E5M2 if hybrid else ElementFormat.E4M3, block=(1, 128), scale=scale)
+    return _roles(tile, weight, grad)
 
 
-def _fp8_tensorwise() -> dict:
-    # TE Float8CurrentScaling (HYBRID): E4M3 forward operands, E5M2 gradients (more range).
+def _fp8_tensorwise(*, hybrid: bool, pow2: bool) -> dict:
+    # TE Float8CurrentScaling: one FP32 scale per tensor from this step's amax; HYBRID (TE's
+    # default) gives gradients E5M2 for more range, E4M3 keeps E4M3 everywhere.
     fwd = CastConfig(element=ElementFormat.E4M3, block=None)
-    grad = CastConfig(element=ElementFormat.E5M2, block=None)
+    grad = CastConfig(element=ElementFormat.E5M2, block=None) if hybrid else fwd
     return _roles(fwd, fwd, grad)
 
 
-def _mxfp8() -> dict:
+def _mxfp8(*, hybrid: bool, pow2: bool) -> dict:
     # OCP MX: 32 elements share a power-of-two scale, rounded up (RCEIL) so nothing saturates.
     mx = CastConfig(element=ElementFormat.E4M3, block=(1, 32), scale=ScaleFormat.E8M0)
     return _roles(mx, mx, mx)
 
 
-def _nvfp4() -> dict:
+def _nvfp4(*, stochastic: bool) -> dict:
     # TE NVFP4BlockScaling: E4M3 scale per 16 elements on an FP32 per-tensor scale; 16x16 weight
-    # tiles; stochastic rounding on gradients; a 16-point random Hadamard on both wgrad operands
-    # spreads outliers along the token dimension.
+    # tiles; stochastic rounding on gradients (TE's default; its reference quantizer for other GPUs
+    # and NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1 round to nearest); a 16-point random Hadamard on
+    # both wgrad operands spreads outliers along the token dimension.
+    grad_rounding = Rounding.STOCHASTIC if stochastic else Rounding.NEAREST_EVEN
+
     def nv(block, rounding=Rounding.NEAREST_EVEN, hadamard=0):
         return CastConfig(element=ElementFormat.E2M1, block=block, scale=ScaleFormat.E4M3,
                           tensor_scale=True, rounding=rounding, hadamard=hadamard)
 
-    return _roles(nv((1, 16)), nv((16, 16)), nv((1, 16), Rounding.STOCHASTIC),
-                  wgrad_grad=nv((1, 16), Rounding.STOCHASTIC, hadamard=16),
+    return _roles(nv((1, 16)), nv((16, 16)), nv((1, 16), grad_rounding),
+                  wgrad_grad=nv((1, 16), grad_rounding, hadamard=16),
                   wgrad_input=nv((1, 16), hadamard=16))
 
 
-def _mxfp4() -> dict:
+def _mxfp4(*, stochastic: bool) -> dict:
     mx = CastConfig(element=ElementFormat.E2M1, block=(1, 32), scale=ScaleFormat.E8M0)
     return _roles(mx, mx, mx)
 
 
-_RECIPES = {"blockwise": _fp8_blockwise, "tensorwise": _fp8_tensorwise, "mxfp8": _mxfp8,
-            "nvfp4": _nvfp4, "mxfp4": _mxfp4}
-assert set(_RECIPES) == set(FP8_RECIPES) | set(FP4_RECIPES)
+_FP8_RECIPES = {"blockwise": _fp8_blockwise, "tensorwise": _fp8_tensorwise, "mxfp8": _mxfp8}
+_FP4_RECIPES = {"nvfp4": _nvfp4, "mxfp4": _mxfp4}
+assert tuple(_FP8_RECIPES) == FP8_RECIPES and tuple(_FP4_RECIPES) == FP4_RECIPES
 assert _ROLE_FIELDS == tuple(f.name for f in fields(FormatSpec))[2:]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from megatron.core.quantization.quant_config import MatchContext, QuantizationConfig
 
 from snip_megatron.formats.precision import Formats, Precision
-from snip_megatron.megatron.quant_recipe import config_dict_for, parse_planned_path
+from snip_megatron.megatron.quant_recipe import check_runnable, config_dict_for, parse_planned_path
 from snip_megatron.plan import LayerKey, Plan, PlanChange, forward_order
 from snip_megatron.te.options import TEOptions
 from snip_megatron.te.translate import precision_of_te_params
@@ -121,7 +121,8 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
     The whole plan is checked first (against the model's `num_layers`, and every local linear
     must be plannable and have a precision the backend can run), so a bad plan is refused with
     ValueError before any module changes. Emulated linears switch through `set_precision`, TE
-    linears through `finish_init` with the TEQuantizationParams of `sm` (default: this GPU).
+    linears through `finish_init` with the TEQuantizationParams of `formats` on `sm` (default:
+    this GPU).
     Parameters are untouched: optimizer state and checkpoints carry over.
     """
     if not isinstance(plan, Plan):
@@ -143,12 +144,9 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
             config = emulated_configs[new.value]
         elif is_te_linear(pl.module):
             if te_configs is None:
-                te_configs = config_dict_for("te", sm=sm, te_options=te_options)
+                te_configs = config_dict_for("te", sm=sm, te_options=te_options, formats=formats)
+                check_runnable(plan, te_configs, backend="te", sm=sm, formats=formats)
             config = te_configs[new.value]
-            if "precision" in config:  # FP4 without native kernels: only the emulated linear has it
-                raise ValueError(f"{pl.key} ({pl.module_path!r}) is a Transformer Engine linear, and "
-                                 f"{new} runs only in the emulated linear on this GPU; build with "
-                                 f"backend='emulated' to plan {new}")
         else:
             raise ValueError(f"{pl.key} ({pl.module_path!r}) is a {type(pl.module).__name__}, which "
                              f"cannot switch precision; build with the SNIP or TE layer spec")

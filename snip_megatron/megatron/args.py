@@ -53,10 +53,14 @@ def snip_config_from_args(args: argparse.Namespace) -> SnipConfig:
     try:
         return SnipConfig(**values)
     except ValueError as e:
-        msg = str(e)
-        for name in sorted(_DESTS, key=len, reverse=True):  # baseline_k before baseline
-            msg = msg.replace(f"SnipConfig.{name}", flag_of(name))
-        raise ValueError(f"bad SNIP flags: {msg}") from None
+        raise ValueError(f"bad SNIP flags: {named_as_flags(str(e))}") from None
+
+
+def named_as_flags(message: str) -> str:
+    """`message` with every `SnipConfig.<field>` written as its flag (for SnipConfig's errors)."""
+    for name in sorted(_DESTS, key=len, reverse=True):  # baseline_k before baseline
+        message = message.replace(f"SnipConfig.{name}", flag_of(name))
+    return message
 
 
 def snip_args_from_config(cfg: SnipConfig) -> list[str]:

@@ -16,8 +16,9 @@ from megatron.core.quantization.quant_config import MatchContext, Matcher, Recip
 
 from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.plan import LayerKey, Plan
+from snip_megatron.te.gpu import current_sm
 from snip_megatron.te.options import TEOptions
-from snip_megatron.te.translate import emulated_params, te_config_dict
+from snip_megatron.te.translate import emulated_params, te_config_dict, te_unavailable
 
 QUANT_BACKENDS = ("emulated", "te")
 """Planned-linear backends that read a quant_recipe (the third, "local", runs Megatron's plain linears)."""
@@ -82,27 +83,27 @@ def config_dict_for(backend: str = "emulated", *, sm: "int | None" = None,
     """{precision name: config dict} that the planned linears of `backend` read in finish_init.
 
     backend='emulated': SNIP's emulated linears ({"precision": "fp4", "fp4_recipe": "nvfp4"}).
-    backend='te': TEQuantizationParams dicts for compute capability `sm` (see snip_megatron.te);
-    on GPUs without native FP4 the 'fp4' entry is the emulated linear's dict.
+    backend='te': TEQuantizationParams dicts in `formats` for compute capability `sm` (default:
+    this GPU, `snip_megatron.te.gpu.current_sm`); a precision TE cannot run there is absent.
     """
     if backend == "emulated":
         return {p.value: emulated_params(p, formats) for p in Precision}
     if backend == "te":
-        if sm is None:
-            sm = current_sm()
-        return {name: mc.config for name, mc in
-                te_config_dict(sm=sm, options=te_options or TEOptions()).items()}
+        return te_config_dict(formats=formats, sm=current_sm() if sm is None else sm,
+                              options=te_options or TEOptions())
     raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(QUANT_BACKENDS)}")
 
 
-def current_sm() -> int:
-    """Compute capability of the current CUDA device as major*10+minor (90 for H100)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError("backend='te' needs a CUDA GPU (or pass sm=<compute capability>)")
-    major, minor = torch.cuda.get_device_capability()
-    return major * 10 + minor
+def check_runnable(plan: Plan, configs: dict, *, backend: str, sm: "int | None",
+                   formats: Formats) -> None:
+    """ValueError naming each precision of `plan` that `configs` (config_dict_for's) lacks, and why."""
+    missing = sorted({p.value for p in plan.values()} - set(configs))
+    if not missing:
+        return
+    reasons = te_unavailable(formats=formats, sm=current_sm() if sm is None else sm) if backend == "te" else {}
+    raise ValueError("the plan puts linears in " + "; ".join(
+        f"{name}, which the {backend} backend cannot run here: {reasons.get(name, 'no config')}"
+        for name in missing))
 
 
 def build_recipe(plan: Plan, *, layer_offset: int = 0, backend: str = "emulated",
@@ -111,17 +112,15 @@ def build_recipe(plan: Plan, *, layer_offset: int = 0, backend: str = "emulated"
     """Plan -> RecipeConfig for one model chunk (`layer_offset`: global layers before it).
 
     With `num_layers`, the plan must cover exactly that model's planned linears (ValueError
-    otherwise), so a mismatched plan is refused before any module is configured.
+    otherwise), so a mismatched plan is refused before any module is configured; so is a plan
+    with a precision the backend cannot run on this GPU.
     """
     if num_layers is not None:
         plan.check_model(num_layers)
+    if backend == "te" and sm is None:
+        sm = current_sm()
     configs = config_dict_for(backend, sm=sm, te_options=te_options, formats=formats)
-    if backend == "te":
-        used = {p.value for p in plan.values()}
-        emulated = sorted(name for name in used if "precision" in configs[name])
-        if emulated:
-            raise ValueError(f"plan puts linears in {', '.join(emulated)}, which this GPU runs only "
-                             f"in the emulated linear; build the model with backend='emulated'")
+    check_runnable(plan, configs, backend=backend, sm=sm, formats=formats)
     return RecipeConfig(matchers=[PlanMatcher(plan, layer_offset=layer_offset)], config_dict=configs)
 
 

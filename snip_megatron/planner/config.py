@@ -24,14 +24,17 @@ class PlannerConfig:
 
     budget: str = "fp4_fraction"
     """"fp4_fraction": at least `rho` of the linear FLOPs in FP4. "speedup": the modelled linear-GEMM
-    time (FLOPs x `gemm_cost`) at least `speedup` times faster than all-BF16."""
+    time (FLOPs x `gemm_cost`) at least `speedup` times faster than all-BF16. In a run,
+    SnipConfig.budget sets this."""
     rho: float = 0.75
     """FP4 budget: the fraction of linear FLOPs that must run in FP4 (budget="fp4_fraction"). In a
     run, SnipConfig.fp4_budget sets this."""
     speedup: float = 2.0
-    """Target speed-up of the linear GEMMs over all-BF16 (budget="speedup")."""
+    """Target speed-up of the linear GEMMs over all-BF16 (budget="speedup"). In a run,
+    SnipConfig.speedup sets this (1.5 there by default)."""
     gemm_cost: dict = field(default_factory=_default_gemm_cost)
-    """Relative GEMM time per precision for the time model; every Precision needs a positive entry."""
+    """Relative GEMM time per precision for the time model; every Precision needs a positive entry.
+    In a run, SnipConfig.gemm_cost sets this (unset: the model of the run's GPU)."""
     allowed: tuple = (Precision.FP8, Precision.FP4)
     """Precisions the planner may choose (the paper: FP8 and FP4); add BF16 for a third choice.
     Pinned layers may hold any precision. In a run, SnipConfig.precisions sets this."""

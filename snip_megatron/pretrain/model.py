@@ -47,15 +47,18 @@ def with_planned_linears(spec, backend: str):
     return replace_planned_linears(spec, QuantColumnParallelLinear, QuantRowParallelLinear)
 
 
-def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, user_recipe=None):
+def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, user_recipe=None,
+                  sm: "int | None" = None):
     """This chunk's RecipeConfig: SNIP's plan first, then the user's own matchers (modules SNIP
-    does not plan keep what the user's precision config gives them)."""
+    does not plan keep what the user's precision config gives them). `sm`: the GPU of the TE dicts."""
     from megatron.core.quantization.quant_config import RecipeConfig
 
-    from snip_megatron.megatron.quant_recipe import layer_offset
+    from snip_megatron.megatron.quant_recipe import check_runnable, layer_offset
 
     plan.check_model(transformer_config.num_layers)
-    ours = config_dict_for("te" if backend == "te" else "emulated", formats=formats)
+    kind = "te" if backend == "te" else "emulated"
+    ours = config_dict_for(kind, formats=formats, sm=sm)
+    check_runnable(plan, ours, backend=kind, sm=sm, formats=formats)
     matchers = [PlanMatcher(plan, layer_offset=layer_offset(transformer_config, vp_stage=vp_stage))]
     configs = dict(ours)
     if user_recipe is not None:
@@ -96,7 +99,7 @@ def snip_layer_spec(run, user_spec):
         spec = with_planned_linears(resolve_spec(user_spec, model_config, vp_stage), run.backend)
         model_config.transformer.quant_recipe = merged_recipe(
             run.controller.plan, model_config.transformer, vp_stage, backend=run.backend,
-            formats=run.config.formats, user_recipe=run.user_recipe)
+            formats=run.config.formats, user_recipe=run.user_recipe, sm=run.sm)
         return spec
 
     return layer_spec

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.megatron.args import snip_config_from_args
@@ -67,6 +67,12 @@ def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
            "--snip-backend emulated")
     refuse(getattr(args, "fp8", None), f"--fp8-format {args.fp8}: one global FP8 autocast fights SNIP's "
            "per-layer plan; drop it (--snip-initial-precision and --snip-precisions choose the formats)")
+    refuse(getattr(args, "fp8", None) and getattr(args, "fp8_recipe", None) == "delayed",
+           "--fp8-recipe delayed (delayed scaling) keeps an amax history per module across steps, which "
+           "cannot switch per layer; drop --fp8-format (SNIP's --snip-fp8-recipe picks blockwise, tensorwise "
+           "or mxfp8)")
+    refuse(getattr(args, "fp8", None) and getattr(args, "fp8_recipe", None) == "custom",
+           "--fp8-recipe custom (--fp8-quantizer-factory): SNIP runs its own recipes per layer; drop it")
     refuse(getattr(args, "fp4", None), f"--fp4-format {getattr(args, 'fp4', None)}: one global FP4 autocast "
            "fights SNIP's per-layer plan; drop it")
     refuse(getattr(args, "fp8_param_gather", False), "--fp8-param-gather stores weights in FP8, so a "
@@ -78,7 +84,7 @@ def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
            "CUDA graphs (--cuda-graph-impl / --enable-cuda-graph) capture one precision per layer; "
            "SNIP re-plans: drop them")
     refuse(getattr(args, "tp_comm_overlap", False), "--tp-comm-overlap (Transformer Engine userbuffers) "
-           "is not supported with per-layer precision switching; drop it")
+           "keeps communication buffers of one precision per layer, so a re-plan cannot switch it; drop it")
     refuse(getattr(args, "delay_wgrad_compute", False), "--delay-wgrad-compute: SNIP's measurement reads "
            "each weight gradient in its own backward; drop it")
     refuse(getattr(args, "use_legacy_models", False), "--use-legacy-models: SNIP plans Megatron-Core models")
@@ -95,6 +101,8 @@ class SnipRun:
     """The SnipController (or a stand-in with its hook methods, in tests)."""
     backend: str = "emulated"
     """Planned-linear backend: emulated or te."""
+    sm: Optional[int] = None
+    """The GPU's compute capability (TE backend): the TE dicts of every plan are this GPU's."""
     num_layers: int = 0
     """Transformer layers of the whole model."""
     seq_length: int = 0
@@ -114,7 +122,7 @@ class SnipRun:
                            forward_step_func=forward_step_func, data_iterator=data_iterator,
                            num_microbatches=num_microbatches or _num_microbatches(),
                            seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
-                           formats=self.config.formats, num_layers=self.num_layers)
+                           formats=self.config.formats, num_layers=self.num_layers, sm=self.sm)
         if not self._started:
             self._started = True
             self.controller.on_train_start(ctx)
@@ -122,6 +130,16 @@ class SnipRun:
         self.controller.on_step_start(ctx, step)
         self._ctx = ctx
         return ctx.data_iterator()
+
+    def check_plan_runs(self, plan) -> None:
+        """At start-up: the plan the model is built with has no precision this backend cannot run
+        (a saved or resumed plan may hold one the planner would not choose)."""
+        if self.backend != "te":
+            return
+        from snip_megatron.megatron.quant_recipe import check_runnable, config_dict_for
+
+        configs = config_dict_for("te", sm=self.sm, formats=self.config.formats)
+        check_runnable(plan, configs, backend="te", sm=self.sm, formats=self.config.formats)
 
     def check_applied(self, chunks) -> None:
         """Before the first step: this rank's planned linears run the controller's plan."""
@@ -199,9 +217,24 @@ def make_controller(snip: SnipConfig, args, transformer_config):
                           log=_print_rank_0)
 
 
-def check_run(args) -> Optional[SnipConfig]:
-    """The run's SnipConfig (None when SNIP is off) after refusing every Megatron setting it cannot
-    honour; raises ValueError listing them all. Needs only Megatron's parsed arguments."""
+class CheckedRun(NamedTuple):
+    """What the start-up checks settled."""
+
+    config: SnipConfig
+    """The --snip* flags, resolved for the backend (SnipConfig.resolved): its `formats` are what
+    the planned linears run."""
+    sm: Optional[int]
+    """The GPU's compute capability (TE backend), else None."""
+
+
+def check_run(args) -> Optional[CheckedRun]:
+    """The run's resolved SnipConfig and, for the TE backend, the GPU's compute capability (None
+    when SNIP is off), after refusing every Megatron setting it cannot honour and, on Transformer
+    Engine, every format this GPU cannot run as SNIP would measure it; raises ValueError listing
+    them all, each with its flag and fix. Needs only Megatron's parsed arguments (and, for TE,
+    the GPU)."""
+    from snip_megatron.megatron.args import named_as_flags
+
     snip = snip_config_from_args(args)
     if not snip.enabled:
         return None
@@ -209,10 +242,25 @@ def check_run(args) -> Optional[SnipConfig]:
     if config_file and not Path(config_file).is_file():
         raise ValueError(f"--te-precision-config-file {config_file}: no such file (a YAML of matchers "
                          "and configs, as Megatron's load_quantization_recipe reads)")
-    refused = refusals(args, snip, resolve_backend(args))
+    backend = resolve_backend(args)
+    refused = refusals(args, snip, backend)
+    sm = None
+    if backend == "te" and not refused:
+        from snip_megatron.te import gpu
+
+        try:
+            sm = gpu.current_sm()
+            snip = snip.resolved("te", sm=sm)
+        except ValueError as e:
+            refused.append(named_as_flags(str(e)))
     if refused:
         raise ValueError("this Megatron-LM run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))
-    return snip
+    return CheckedRun(snip, sm)
+
+
+def startup_line(snip: SnipConfig, sm: Optional[int]) -> str:
+    """What each planned precision runs on this GPU and the plan budget, in one line (TE backend)."""
+    return f"[snip] {snip.what_runs(sm)}"
 
 
 def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
@@ -221,22 +269,26 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     from snip_megatron.pretrain.model import check_user_recipe, snip_layer_spec
     from snip_megatron.pretrain.state import read_state
 
-    snip = check_run(args)
-    if snip is None:
+    checked = check_run(args)
+    if checked is None:
         return None
+    snip, sm = checked
     backend = resolve_backend(args)
     transformer = model_cfg.transformer
     user_recipe = transformer.quant_recipe
     check_user_recipe(user_recipe, args.num_layers, "--te-precision-config-file")
     run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer),
-                  backend=backend, num_layers=args.num_layers, seq_length=args.seq_length,
+                  backend=backend, sm=sm, num_layers=args.num_layers, seq_length=args.seq_length,
                   micro_batch_size=args.micro_batch_size, user_recipe=user_recipe)
     run.resume(read_state(args))
+    run.check_plan_runs(run.controller.plan)
     model_cfg.transformer_layer_spec = snip_layer_spec(run, model_cfg.transformer_layer_spec)
     seams.install(run)
     plan = run.controller.plan
     _print_rank_0(f"[snip] on; backend {backend}; formats {snip.formats.short_str()}; plan: "
                   f"{getattr(run.controller, 'plan_source', '?')} {plan.counts()}")
+    if backend == "te":
+        _print_rank_0(startup_line(snip, sm))
     return run
 
 

@@ -10,7 +10,8 @@ class MegatronStep:
     on exactly those (`data_iterator()`), so a measurement never moves the data position."""
 
     def __init__(self, *, step: int, chunks: list, optimizer, forward_step_func, data_iterator,
-                 num_microbatches: int, seq_length: int, micro_batch_size: int, formats, num_layers: int):
+                 num_microbatches: int, seq_length: int, micro_batch_size: int, formats, num_layers: int,
+                 sm: "int | None" = None):
         self.step = step
         self.chunks = chunks
         self.optimizer = optimizer
@@ -19,6 +20,8 @@ class MegatronStep:
         self.micro_batch_size = micro_batch_size
         self.formats = formats
         self.num_layers = num_layers
+        self.sm = sm
+        """The GPU's compute capability for TE linears' dicts (None: emulated linears only)."""
         self._source = data_iterator
         self._n = num_microbatches
         self._buffered = None
@@ -38,7 +41,7 @@ class MegatronStep:
         """This rank's planned linears run `plan` from now on (snip_megatron.megatron.apply)."""
         from snip_megatron.megatron.apply import apply_plan
 
-        apply_plan(self.chunks, plan, formats=self.formats, num_layers=self.num_layers)
+        apply_plan(self.chunks, plan, formats=self.formats, num_layers=self.num_layers, sm=self.sm)
 
 
 def outside_rerun(forward_step_func):

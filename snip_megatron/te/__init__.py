@@ -1,16 +1,23 @@
 """Transformer Engine backend: a plan's precisions as per-module TE quantization configs.
 
-The translation is pure Python (tested on CPU); only the TE linears that read it need a GPU.
+    gpu.py          what each GPU generation runs through TE (by compute capability), its GEMM costs
+    environment.py  the recipe switches TE reads from its environment at import
+    resolve.py      the run's one Formats value on TE (checked at start-up), the start-up line
+    translate.py    precision -> TEQuantizationParams dict (and the emulated linears' dict)
+    checks.py       TransformerConfig settings that cannot switch precision per layer
+
+All of it is pure Python (tested on CPU); only the TE linears that read the dicts need a GPU.
 """
 
 from snip_megatron.te.checks import check_transformer_config
-from snip_megatron.te.options import TE_FP4_RECIPES, TEOptions, default_fp8_recipe, has_native_fp4
-from snip_megatron.te.translate import (ModuleConfig, emulated_params, module_config,
-                                        precision_of_te_params, te_config_dict, te_params,
-                                        te_recipe)
+from snip_megatron.te.gpu import REFERENCE_NVFP4_FACTORY, current_sm, fp4_route, fp8_unavailable, gemm_cost, generation
+from snip_megatron.te.options import TEOptions
+from snip_megatron.te.resolve import te_formats, what_runs
+from snip_megatron.te.translate import (emulated_params, precision_of_te_params, te_config_dict, te_params,
+                                        te_recipe, te_unavailable)
 
 __all__ = [
-    "TE_FP4_RECIPES", "ModuleConfig", "TEOptions", "check_transformer_config",
-    "default_fp8_recipe", "emulated_params", "has_native_fp4", "module_config",
-    "precision_of_te_params", "te_config_dict", "te_params", "te_recipe",
+    "REFERENCE_NVFP4_FACTORY", "TEOptions", "check_transformer_config", "current_sm", "emulated_params",
+    "fp4_route", "fp8_unavailable", "gemm_cost", "generation", "precision_of_te_params", "te_config_dict",
+    "te_formats", "te_params", "te_recipe", "te_unavailable", "what_runs",
 ]

@@ -1,31 +1,26 @@
-"""Precision -> the per-module config a planned linear's `finish_init` reads, for a given GPU.
+"""Precision -> the per-module config dict a planned linear's `finish_init` reads, for one GPU.
 
 Pure Python: no Transformer Engine needed, so it is tested on CPU. The TE dicts are what
-Megatron's `TEQuantizationParams.parse_from_config` accepts (megatron-core 0.16.1 and 0.19.2).
+Megatron's `TEQuantizationParams.parse_from_config` accepts (megatron-core 0.16.1 and 0.19.2), and
+everything in them comes from the run's one `Formats` value: the FP8 recipe and element format,
+and for FP4 either TE's NVFP4 recipe (SM100+) or a custom recipe naming TE's reference quantizer
+factory (before SM100). The scale switches TE reads from its environment are checked at start-up
+(snip_megatron.te.resolve), not here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from snip_megatron.formats.precision import Formats, Precision
-from snip_megatron.te.options import TEOptions, fp8_recipe_for, has_native_fp4
+from snip_megatron.te.gpu import REFERENCE_NVFP4_FACTORY, fp4_route, fp8_unavailable
+from snip_megatron.te.options import TEOptions
 
 TE_CONFIG_TYPE_KEY = "transformer_engine_config_type"
 
 
-@dataclass(frozen=True)
-class ModuleConfig:
-    """Where a planned linear runs and the quant_recipe config dict its `finish_init` reads."""
-
-    backend: str
-    """'te' (a Transformer Engine linear) or 'emulated' (SNIP's emulated linear)."""
-    config: dict = field(compare=True, hash=False)
-    """The config dict; TEQuantizationParams for 'te', {"precision": ...} for 'emulated'."""
-
-
-def te_recipe(precision: "Precision | str", *, sm: int, options: TEOptions = TEOptions()) -> dict:
-    """The `training_recipe` dict (TEQuantizationRecipe fields) for one precision on SM`sm`.
+def te_recipe(precision: "Precision | str", *, formats: Formats, sm: int,
+              options: TEOptions = TEOptions()) -> dict:
+    """The `training_recipe` dict (TEQuantizationRecipe fields) for one precision on SM`sm`;
+    ValueError saying why when TE cannot run it there.
 
     Both override flags are set, so the module runs exactly its planned precision whether or not
     a global `--fp8-format`/`--fp4-format` autocast is open around it: `override_quantized_autocast`
@@ -35,52 +30,68 @@ def te_recipe(precision: "Precision | str", *, sm: int, options: TEOptions = TEO
     p = Precision.parse(precision)
     recipe: dict = {"override_quantized_autocast": True, "override_nonquantized_autocast": True}
     if p is Precision.FP8:
-        recipe["fp8_quantization_recipe"] = fp8_recipe_for(sm, options)
-        recipe["fp8_format"] = options.fp8_format
+        reason = fp8_unavailable(formats.fp8_recipe, sm)
+        if reason:
+            raise ValueError(f"FP8 {formats.fp8_recipe}: {reason}")
+        recipe["fp8_quantization_recipe"] = formats.fp8_recipe
+        recipe["fp8_format"] = formats.effective_fp8_format
         recipe["tp_only_amax_red"] = options.tp_only_amax_red
     elif p is Precision.FP4:
-        if not has_native_fp4(sm):
-            raise ValueError(f"FP4 has no Transformer Engine kernel on SM{sm} (needs SM100+); "
-                             f"run FP4 layers with the emulated linear (TEOptions.fp4_fallback='emulated')")
-        recipe["fp4_quantization_recipe"] = options.fp4_recipe
+        if fp4_route(formats.fp4_recipe, sm) == "native":
+            recipe["fp4_quantization_recipe"] = formats.fp4_recipe
+        else:  # Megatron builds CustomRecipe(qfactory=<this function>) per forward
+            recipe["fp4_quantization_recipe"] = "custom"
+            recipe["custom_recipe_factory"] = REFERENCE_NVFP4_FACTORY
     # BF16: neither recipe set -> Megatron opens fp8_autocast(enabled=False), forcing high precision.
     return recipe
 
 
-def te_params(precision: "Precision | str", *, sm: int, options: TEOptions = TEOptions()) -> dict:
+def te_params(precision: "Precision | str", *, formats: Formats, sm: int,
+              options: TEOptions = TEOptions()) -> dict:
     """The full TEQuantizationParams config dict (training recipe; evaluation uses the same)."""
     return {TE_CONFIG_TYPE_KEY: "TEQuantizationParams",
-            "training_recipe": te_recipe(precision, sm=sm, options=options)}
+            "training_recipe": te_recipe(precision, formats=formats, sm=sm, options=options)}
+
+
+def te_config_dict(*, formats: Formats, sm: int, options: TEOptions = TEOptions()) -> dict[str, dict]:
+    """{precision name: TEQuantizationParams dict} for every precision TE runs on SM`sm` in
+    `formats`; the others are absent (`te_unavailable` says why)."""
+    out = {}
+    for p in Precision:
+        try:
+            out[p.value] = te_params(p, formats=formats, sm=sm, options=options)
+        except ValueError:
+            continue
+    return out
+
+
+def te_unavailable(*, formats: Formats, sm: int) -> dict[str, str]:
+    """{precision name: why TE cannot run it on SM`sm`} for the precisions `te_config_dict` leaves out."""
+    out = {}
+    for p in Precision:
+        try:
+            te_recipe(p, formats=formats, sm=sm)
+        except ValueError as e:
+            out[p.value] = str(e)
+    return out
 
 
 def emulated_params(precision: "Precision | str", formats: Formats = Formats()) -> dict:
-    """The config dict SNIP's emulated linears read in `finish_init` (plain JSON: recipes travel
-    as names, like every quant_recipe config)."""
+    """The config dict SNIP's emulated linears read in `finish_init` (plain JSON: formats travel as
+    names, like every quant_recipe config; a variant travels only when it is set)."""
     p = Precision.parse(precision)
     config: dict = {"precision": p.value}
     if p is Precision.FP8:
         config["fp8_recipe"] = formats.fp8_recipe
+        if formats.fp8_format is not None:
+            config["fp8_format"] = formats.fp8_format
+        if formats.fp8_block_scales != "fp32":
+            config["fp8_block_scales"] = formats.fp8_block_scales
     elif p is Precision.FP4:
         config["fp4_recipe"] = formats.fp4_recipe
+        if formats.fp4_gradient_rounding is not None:
+            config["fp4_gradient_rounding"] = formats.fp4_gradient_rounding
     return config
-
-
-def module_config(precision: "Precision | str", *, sm: int,
-                  options: TEOptions = TEOptions()) -> ModuleConfig:
-    """Where and how one precision runs on SM`sm`: TE where the GPU has the kernels; FP4 before
-    Blackwell goes to the emulated linear (or raises, if `options.fp4_fallback == 'error'`)."""
-    p = Precision.parse(precision)
-    if p is Precision.FP4 and not has_native_fp4(sm):
-        if options.fp4_fallback == "error":
-            raise ValueError(f"FP4 needs SM100+ for Transformer Engine, this GPU is SM{sm}, and "
-                             f"TEOptions.fp4_fallback='error'; set it to 'emulated'")
-        return ModuleConfig("emulated", emulated_params(p, Formats(fp4_recipe=options.fp4_recipe)))
-    return ModuleConfig("te", te_params(p, sm=sm, options=options))
-
-
-def te_config_dict(*, sm: int, options: TEOptions = TEOptions()) -> dict[str, ModuleConfig]:
-    """{precision name: ModuleConfig} for every precision, on SM`sm`."""
-    return {p.value: module_config(p, sm=sm, options=options) for p in Precision}
 
 
 def precision_of_te_params(params) -> Precision:

@@ -59,6 +59,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, 
     snip = snip_config_from_args(args)
     values = values_of(args, train_dests)
     values["eval_interval"] = values["eval_interval"] or None  # --eval-interval 0: no validation
+    if snip.enabled and values["backend"] == "te":  # the formats TE runs on this GPU, checked now
+        from snip_megatron.megatron.args import named_as_flags
+        from snip_megatron.te import gpu
+
+        try:
+            snip = snip.resolved("te", sm=gpu.current_sm())
+        except ValueError as e:
+            parser.error(named_as_flags(str(e)))
     train = TrainConfig(model=args.model, data=DataConfig(**data_values), formats=snip.formats, **values)
     run_dir = args.run_dir or (str(Path(train.metrics_path).parent) if train.metrics_path else None)
     return train, snip, run_dir
@@ -67,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, 
 def main(argv: list[str] | None = None) -> int:
     config, snip, run_dir = parse_args(argv)
     hooks = []
+    if snip.enabled and config.backend == "te":
+        from snip_megatron.te import gpu
+
+        print(f"[snip] {snip.what_runs(gpu.current_sm())}", flush=True)
     if snip.enabled:
         hooks.append(SnipController(snip, config.shape, total_steps=config.steps, run_dir=run_dir,
                                     tokens_per_step=config.micro_batch_size * config.seq_len))

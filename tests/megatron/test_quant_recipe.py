@@ -78,17 +78,27 @@ def test_emulated_and_te_config_dicts():
     assert emu == {"bf16": {"precision": "bf16"},
                    "fp8": {"precision": "fp8", "fp8_recipe": "tensorwise"},
                    "fp4": {"precision": "fp4", "fp4_recipe": "mxfp4"}}
+    variants = Formats(fp8_format="hybrid", fp8_block_scales="pow2", fp4_gradient_rounding="nearest")
+    assert config_dict_for("emulated", formats=variants)["fp8"] == {
+        "precision": "fp8", "fp8_recipe": "blockwise", "fp8_format": "hybrid", "fp8_block_scales": "pow2"}
+    assert config_dict_for("emulated", formats=variants)["fp4"] == {
+        "precision": "fp4", "fp4_recipe": "nvfp4", "fp4_gradient_rounding": "nearest"}
     te = config_dict_for("te", sm=100)
-    assert te == {p.value: te_params(p, sm=100) for p in Precision}
+    assert te == {p.value: te_params(p, formats=Formats(), sm=100) for p in Precision}
     plan = Plan.uniform(2, "fp8").replace({"1.linear_fc1": "fp4"})
     recipe = build_recipe(plan, backend="te", sm=100)
     qc = get_quant_config_or_none("decoder.layers.0.mlp.linear_fc1", recipe)
     assert qc.config["training_recipe"]["fp4_quantization_recipe"] == "nvfp4"
-    # On Hopper FP4 exists only in the emulated linear: a TE model cannot take this plan.
-    with pytest.raises(ValueError, match="fp4, which this GPU runs only in the emulated linear"):
-        build_recipe(plan, backend="te", sm=90)
-    assert build_recipe(Plan.uniform(2, "fp8"), backend="te", sm=90).configs["fp8"][
-        "training_recipe"]["fp8_quantization_recipe"] == "blockwise"
+    # On Hopper FP4 runs through TE's custom recipe (its reference quantizer).
+    hopper = build_recipe(plan, backend="te", sm=90)
+    assert hopper.configs["fp4"]["training_recipe"]["fp4_quantization_recipe"] == "custom"
+    assert hopper.configs["fp8"]["training_recipe"]["fp8_quantization_recipe"] == "blockwise"
+    # MXFP8 on Hopper has no TE kernel: the entry is absent and a plan using it is refused.
+    mx = Formats(fp8_recipe="mxfp8")
+    assert set(config_dict_for("te", sm=90, formats=mx)) == {"bf16", "fp4"}
+    with pytest.raises(ValueError, match="fp8, which the te backend cannot run here: FP8 mxfp8: TE's MXFP8 needs SM100"):
+        build_recipe(plan, backend="te", sm=90, formats=mx)
+    build_recipe(Plan.uniform(2, "fp4"), backend="te", sm=90, formats=mx)  # no FP8 linear: fine
 
 
 @pytest.mark.parametrize("pp, vpp, expected", [

@@ -45,6 +45,91 @@ def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
         check_run(args)
 
 
+POINT_6 = [
+    (["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], "--fp8-recipe delayed (delayed scaling)"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-recipe custom"),
+    (["--fp8-param-gather"], "--fp8-param-gather"),
+    (["--fp4-param-gather"], "--fp4-param-gather"),
+    (["--cuda-graph-impl", "transformer_engine"], "CUDA graphs"),
+    (["--enable-cuda-graph"], "CUDA graphs"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap"),
+    (["--delay-wgrad-compute"], "--delay-wgrad-compute"),
+]
+
+
+@pytest.fixture
+def te_gpu(monkeypatch):
+    """Transformer Engine "installed" on a GPU of a given generation (its capability patched where
+    SNIP reads it), TE's environment switches unset."""
+    from snip_megatron.pretrain import setup
+    from snip_megatron.te import gpu
+
+    monkeypatch.setattr(setup, "te_available", lambda: True)
+    for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING",
+                 "NVTE_NVFP4_DISABLE_RHT", "NVTE_NVFP4_DISABLE_2D_QUANTIZATION",
+                 "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"):
+        monkeypatch.delenv(name, raising=False)
+
+    def on(sm: int):
+        monkeypatch.setattr(gpu, "current_sm", lambda: sm)
+
+    return on
+
+
+@pytest.mark.parametrize("argv, flag", POINT_6)
+def test_switching_and_overlap_features_are_refused_on_the_te_backend_too(te_gpu, argv, flag):
+    te_gpu(90)
+    args = megatron_args("--transformer-impl", "transformer_engine", "--snip", *argv)
+    assert resolve_backend(args) == "te"
+    found = refusals(args, snip_config_from_args(args), "te")
+    assert any(line.startswith(flag) for line in found), found
+    with pytest.raises(ValueError, match="cannot take SNIP as configured"):
+        check_run(args)
+
+
+@pytest.mark.parametrize("argv, sm, env, words", [
+    (["--snip-fp4-recipe", "mxfp4"], 90, {}, r"--snip-fp4-recipe='mxfp4': fp4_recipe='mxfp4' has no Transformer "
+                                             r"Engine recipe .*use fp4_recipe nvfp4, or SNIP's emulated linears"),
+    (["--snip-fp8-recipe", "mxfp8"], 90, {}, r"--snip-fp8-recipe='mxfp8': TE's MXFP8 needs SM100"),
+    (["--snip-fp4-gradient-rounding", "stochastic"], 90, {}, "rounds gradients to nearest"),
+    (["--snip-fp8-block-scales", "fp32"], 90, {}, "set NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 where TE is imported"),
+    ([], 100, {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, "need power-of-two scales; unset"),
+    ([], 100, {"NVTE_NVFP4_DISABLE_RHT": "1"}, "NVTE_NVFP4_DISABLE_RHT=1 turns off"),
+    (["--snip-budget", "speedup", "--snip-speedup", "2.5"], 90, {}, r"--snip-speedup=2.5 cannot be reached"),
+    ([], 80, {}, "has no FP8 tensor cores"),
+])
+def test_what_the_gpu_cannot_run_is_refused_with_the_flag_and_fix(te_gpu, monkeypatch, argv, sm, env, words):
+    te_gpu(sm)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = megatron_args("--transformer-impl", "transformer_engine", "--snip", *argv)
+    with pytest.raises(ValueError, match=words):
+        check_run(args)
+
+
+def test_what_each_generation_runs_by_default(te_gpu):
+    from snip_megatron.formats.precision import Formats
+    from snip_megatron.pretrain.setup import startup_line
+
+    args = megatron_args("--transformer-impl", "transformer_engine", "--snip")
+    te_gpu(90)
+    hopper = check_run(args)
+    assert hopper.sm == 90 and hopper.config.formats == Formats(fp8_block_scales="pow2",
+                                                                 fp4_gradient_rounding="nearest")
+    assert startup_line(*hopper).startswith("[snip] SM90 (Hopper): FP8 blockwise (e4m3, pow2 scales) on TE "
+                                            "kernels; FP4 nvfp4 (nearest gradient rounding) through TE's Python "
+                                            "reference quantizer (accuracy only, no speed-up); plan budget")
+    te_gpu(100)
+    assert check_run(args).config.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")
+    # Hopper's speed question: BF16 vs FP8 under the modelled speed-up, no FP4 at all.
+    fast = check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", "--snip-precisions",
+                                   "bf16,fp8", "--snip-budget", "speedup", "--snip-speedup", "1.6"))
+    assert fast.config.planner_config().budget == "speedup"
+    assert "FP4" not in startup_line(*fast) and "modelled linear-GEMM speed-up >= 1.6x" in startup_line(*fast)
+    # The emulated backend keeps the recipes' own variants (the CPU benchmarks' numerics).
+    assert check_run(megatron_args("--snip")).config.formats == Formats()
+
+
 def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
     args = megatron_args("--snip", "--sequence-parallel", "--recompute-granularity", "full",
                          "--context-parallel-size", "2", "--use-distributed-optimizer")
@@ -53,7 +138,7 @@ def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
 
 def test_a_plain_run_is_accepted_and_snip_off_does_nothing():
     args = megatron_args("--snip")
-    assert check_run(args).enabled and resolve_backend(args) == "emulated"
+    assert check_run(args).config.enabled and resolve_backend(args) == "emulated"
     model_cfg = argparse.Namespace(transformer_layer_spec=None)
     assert setup_megatron_lm(megatron_args(), model_cfg) is None and model_cfg.transformer_layer_spec is None
     with pytest.raises(SystemExit, match="SNIP: bad SNIP flags: --snip-pin-plan is set but --snip-plan is empty"):

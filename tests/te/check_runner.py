@@ -12,15 +12,18 @@ import traceback
 
 
 def run_checks(namespace: dict, description: str, setup=None) -> None:
-    """Parse --out FILE, call `setup()` once, then every check_* of `namespace` in order."""
+    """Parse --out FILE [--only NAMES], call `setup()` once, then every check_* of `namespace` in
+    order (or only those named)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", required=True, help="JSON file for the results")
+    parser.add_argument("--only", default=None, help="comma-separated check names (default: all)")
     args = parser.parse_args()
+    only = None if args.only is None else set(args.only.split(","))
     results: dict = {}
     if setup is not None:
         setup()
     for name, check in namespace.items():
-        if not (name.startswith("check_") and callable(check)):
+        if not (name.startswith("check_") and callable(check)) or (only is not None and name not in only):
             continue
         try:
             data = check()

@@ -50,14 +50,13 @@ def _run(module, x, gy, context=contextlib.nullcontext, weight=None):
     return y.detach(), x.grad, weight.grad
 
 
-def _emulated(x, w, gy, fmt: str, generator_state=None):
-    """(y, dX, dW) of our own `quantized_linear` for recipe name `fmt`."""
+def _emulated(x, w, gy, fmt, generator_state=None):
+    """(y, dX, dW) of our own `quantized_linear` for `fmt`: a recipe name of `_recipes()`, or a
+    (precision, Formats) pair."""
     from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
-    from snip_megatron.formats import FormatSpec
 
-    precision = "fp4" if fmt == "nvfp4" else "fp8"
-    spec = FormatSpec.for_precision(precision, **({"fp4_recipe": fmt} if precision == "fp4"
-                                                  else {"fp8_recipe": fmt}))
+    precision, formats = RECIPE_FORMATS[fmt] if isinstance(fmt, str) else fmt
+    spec = formats.spec(precision)
     generator = torch.Generator()
     if generator_state is not None:
         generator.set_state(generator_state)
@@ -66,6 +65,22 @@ def _emulated(x, w, gy, fmt: str, generator_state=None):
     y = quantized_linear(x, w, None, spec, QuantRuntime(generator=generator))
     y.backward(gy)
     return y.detach(), x.grad, w.grad
+
+
+@contextlib.contextmanager
+def _capability(text: str):
+    """The double's GPU (TE_DOUBLE_COMPUTE_CAPABILITY) for the block's duration."""
+    from transformer_engine.pytorch.utils import CAPABILITY_VARIABLE
+
+    old = os.environ.get(CAPABILITY_VARIABLE)
+    os.environ[CAPABILITY_VARIABLE] = text
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[CAPABILITY_VARIABLE]
+        else:
+            os.environ[CAPABILITY_VARIABLE] = old
 
 
 def _fp32_block_scaling():
@@ -78,11 +93,25 @@ def _fp32_block_scaling():
     return recipe
 
 
-def _recipes():
-    from transformer_engine.common.recipe import (Float8CurrentScaling, Format, MXFP8BlockScaling,
-                                                  NVFP4BlockScaling)
+def _formats(precision, **fields):
+    from snip_megatron.formats import Formats, Precision
 
-    return {"blockwise": _fp32_block_scaling(),
+    return Precision.parse(precision), Formats(**fields)
+
+
+RECIPE_FORMATS = {
+    "blockwise": _formats("fp8", fp8_block_scales="pow2"),  # TE's default: power-of-two scales
+    "tensorwise": _formats("fp8", fp8_recipe="tensorwise"),
+    "mxfp8": _formats("fp8", fp8_recipe="mxfp8"),
+    "nvfp4": _formats("fp4"),
+}
+
+
+def _recipes():
+    from transformer_engine.common.recipe import (Float8BlockScaling, Float8CurrentScaling, Format,
+                                                  MXFP8BlockScaling, NVFP4BlockScaling)
+
+    return {"blockwise": Float8BlockScaling(),
             "tensorwise": Float8CurrentScaling(fp8_format=Format.HYBRID),
             "mxfp8": MXFP8BlockScaling(fp8_format=Format.E4M3), "nvfp4": NVFP4BlockScaling()}
 
@@ -106,7 +135,10 @@ def check_recipe_defaults_follow_te_2_14():
                                                   Float8CurrentScaling, Format, MXFP8BlockScaling,
                                                   NVFP4BlockScaling)
 
+    from transformer_engine.pytorch.utils import get_device_compute_capability
+
     assert "NVTE_FP8_BLOCK_SCALING_FP32_SCALES" not in os.environ
+    assert get_device_compute_capability() == (10, 0)  # the double's default GPU: Blackwell
     block = Float8BlockScaling()
     assert block.fp8_format == Format.E4M3 and not block.use_f32_scales
     assert block.fp8_quant_fwd_inp.power_2_scale and block.fp8_quant_bwd_grad.power_2_scale
@@ -156,9 +188,11 @@ def check_autocast_nesting_and_restore():
         assert state.is_fp8_enabled() and state.get_fp8_recipe() is outer
         assert state.AUTOCAST_DEPTH == 1
     assert not state.is_fp8_enabled() and state.FP8_RECIPE is None and state.AUTOCAST_DEPTH == 0
-    with te.fp8_autocast(enabled=True, fp8_recipe=None, fp8_group="g"):
+    with _capability("9.0"), te.fp8_autocast(enabled=True, fp8_recipe=None, fp8_group="g"):
         assert isinstance(state.get_fp8_recipe(), DelayedScaling) and state.get_fp8_group() == "g"
         assert state.is_first_fp8_module() and not state.is_first_fp8_module()
+    with te.autocast(enabled=True, recipe=None):  # TE's default on Blackwell
+        assert isinstance(state.get_fp8_recipe(), MXFP8BlockScaling)
 
 
 def check_linear_runs_our_emulation_per_recipe():
@@ -196,24 +230,114 @@ def check_linear_runs_our_emulation_per_recipe():
     assert dict(layer.run_counts) == {"high_precision": 1}
 
 
-def check_unemulated_variants_are_recorded_and_refused():
-    import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import (CustomRecipe, DelayedScaling, Float8BlockScaling,
-                                                  Float8CurrentScaling, Format, MXFP8BlockScaling,
+def check_variants_run_our_formats_of_them():
+    """TE's variants our formats emulate: the double runs exactly Formats(...).spec for each."""
+    from transformer_engine.common.recipe import (Float8BlockScaling, Float8CurrentScaling, Format,
                                                   NVFP4BlockScaling)
 
+    x, w, gy = _data(3)
+    cases = [(Float8BlockScaling(), _formats("fp8", fp8_block_scales="pow2")),
+             (Float8BlockScaling(fp8_format=Format.HYBRID),
+              _formats("fp8", fp8_format="hybrid", fp8_block_scales="pow2")),
+             (Float8CurrentScaling(fp8_format=Format.E4M3), _formats("fp8", fp8_recipe="tensorwise",
+                                                                     fp8_format="e4m3")),
+             (NVFP4BlockScaling(disable_stochastic_rounding=True),
+              _formats("fp4", fp4_gradient_rounding="nearest"))]
+    with _capability("9.0"):  # Hopper runs FP32 block scales
+        hybrid_fp32 = _fp32_block_scaling()
+        hybrid_fp32.fp8_format = Format.HYBRID
+        layer = _linear(w)
+        got = _run(layer, x, gy, lambda: te_autocast(hybrid_fp32))
+        assert _equal(got, _emulated(x, w, gy, _formats("fp8", fp8_format="hybrid")))
+    for recipe, (precision, formats) in cases:
+        layer = _linear(w)
+        state = layer.sr_generator.get_state()
+        got = _run(layer, x, gy, lambda: te_autocast(recipe))
+        assert layer.last_run.spec == formats.spec(precision), (recipe, layer.last_run)
+        assert _equal(got, _emulated(x, w, gy, (precision, formats), state)), recipe
+    # The variants differ from the defaults (the comparisons above are not vacuous).
+    assert not _equal(_emulated(x, w, gy, _formats("fp8", fp8_block_scales="pow2")),
+                      _emulated(x, w, gy, _formats("fp8")))
+    assert not _equal(_emulated(x, w, gy, _formats("fp8", fp8_recipe="tensorwise", fp8_format="e4m3")),
+                      _emulated(x, w, gy, _formats("fp8", fp8_recipe="tensorwise")))
+
+
+def te_autocast(recipe):
+    import transformer_engine.pytorch as te
+
+    return te.autocast(enabled=True, recipe=recipe)
+
+
+def check_custom_recipe_calls_the_factory_per_role_and_runs_the_reference_nvfp4():
+    """TE 2.14's qfactory protocol: one call per te.Linear role when a module (re)initialises on
+    a CustomRecipe, none while an equal recipe is reused; TE's reference NVFP4 factory runs our
+    nvfp4 with nearest gradient rounding (its quantizer has no stochastic rounding)."""
+    from transformer_engine.common.recipe import CustomRecipe
+    from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import (
+        NVFP4QuantizerRef, nvfp4_ref_rht_2d_quantizer_factory)
+
+    calls = []
+
+    def recording(role):
+        calls.append(role)
+        return nvfp4_ref_rht_2d_quantizer_factory(role)
+
+    x, w, gy = _data(4)
+    with _capability("9.0"):  # Hopper: the route Megatron takes for FP4 there
+        layer = _linear(w)
+        got = _run(layer, x, gy, lambda: te_autocast(CustomRecipe(qfactory=recording)))
+        assert calls == ["linear_input", "linear_weight", "linear_output", "linear_grad_output",
+                         "linear_grad_input"], calls
+        nearest = _formats("fp4", fp4_gradient_rounding="nearest")
+        assert layer.last_run.formats == "nvfp4" and layer.last_run.spec == nearest[1].spec("fp4")
+        assert _equal(got, _emulated(x, w, gy, nearest))
+        assert not _equal(got, _emulated(x, w, gy, _formats("fp8", fp8_block_scales="pow2")))
+        layer.weight.grad = None
+        _run(layer, x, gy, lambda: te_autocast(CustomRecipe(qfactory=recording)))  # equal recipe
+        assert len(calls) == 5 and dict(layer.run_counts) == {"nvfp4": 2}
+        quantizers = layer.quantizers
+        assert quantizers["linear_output"] is None and quantizers["linear_grad_input"] is None
+        assert isinstance(quantizers["linear_weight"], NVFP4QuantizerRef)
+        assert quantizers["linear_weight"].quant_tile_shape == (16, 16) and quantizers["linear_input"].with_rht
+
+        def other(role):  # any other factory has no emulation here
+            q = nvfp4_ref_rht_2d_quantizer_factory(role)
+            if role == "linear_weight":
+                q.quant_tile_shape = (1, 16)
+            return q
+
+        fresh = _linear(w)
+        try:
+            _run(fresh, x, gy, lambda: te_autocast(CustomRecipe(qfactory=other)))
+        except NotImplementedError as error:
+            assert "CustomRecipe with quantizers" in str(error) and fresh.last_run.refused
+            return
+    raise AssertionError("a custom factory other than TE's reference NVFP4 one ran")
+
+
+def check_unemulated_variants_are_recorded_and_refused():
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling,
+                                                  Float8CurrentScaling, Format, MXFP8BlockScaling,
+                                                  NVFP4BlockScaling, QParams)
+
     x, w, gy = _data()
-    cases = [(Float8BlockScaling(), "power-of-two scales"),
-             (Float8BlockScaling(fp8_format=Format.HYBRID), "power-of-two scales"),
-             (Float8CurrentScaling(fp8_format=Format.E4M3), "E4M3-only tensorwise"),
+    pow2_current = Float8CurrentScaling()
+    pow2_current.fp8_quant_fwd_inp = pow2_current.fp8_quant_fwd_weight = \
+        pow2_current.fp8_quant_bwd_grad = QParams(power_2_scale=True)
+    mixed_block = Float8BlockScaling()
+    mixed_block.fp8_quant_bwd_grad = QParams(power_2_scale=False)
+    epsilon_block = Float8BlockScaling()
+    epsilon_block.fp8_quant_fwd_inp = QParams(power_2_scale=True, amax_epsilon=1e-12)
+    cases = [(pow2_current, "Float8CurrentScaling with power-of-two scales"),
+             (mixed_block, "power-of-two scales on some operands only"),
+             (epsilon_block, "amax_epsilon"),
+             (Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1), "block dims"),
              (MXFP8BlockScaling(fp8_format=Format.HYBRID), "MXFP8BlockScaling(fp8_format=HYBRID)"),
              (NVFP4BlockScaling(disable_rht=True), "disable_rht=True"),
              (NVFP4BlockScaling(disable_stochastic_rounding=True, disable_2d_quantization=True),
-              "disable_stochastic_rounding=True, disable_2d_quantization=True"),
-             (DelayedScaling(), "DelayedScaling"), (CustomRecipe(qfactory=print), "CustomRecipe")]
-    hybrid_block = _fp32_block_scaling()
-    hybrid_block.fp8_format = Format.HYBRID
-    cases.append((hybrid_block, "Float8BlockScaling(fp8_format=HYBRID) (E5M2 gradients)"))
+              "disable_2d_quantization=True"),
+             (DelayedScaling(), "DelayedScaling")]
     for recipe, words in cases:
         layer = _linear(w)
         try:
@@ -224,6 +348,41 @@ def check_unemulated_variants_are_recorded_and_refused():
             assert layer.last_run.recipe is recipe and dict(layer.run_counts) == {"refused": 1}
             continue
         raise AssertionError(f"{recipe!r} ran although our formats cannot emulate it")
+
+
+def check_gpu_capability_checks_follow_te():
+    """TE 2.14's support checks at autocast entry and its kernels' checks, on the double's GPU."""
+    from transformer_engine.common.recipe import (CustomRecipe, Float8BlockScaling, MXFP8BlockScaling,
+                                                  NVFP4BlockScaling)
+    from transformer_engine.pytorch import quantization as q
+    from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import nvfp4_ref_rht_2d_quantizer_factory
+
+    x, w, gy = _data(5)
+
+    def fails(recipe, error):
+        layer = _linear(w)
+        try:
+            _run(layer, x, gy, lambda: te_autocast(recipe))
+        except error as e:
+            return str(e)
+        raise AssertionError(f"{recipe!r} ran on capability {os.environ.get('TE_DOUBLE_COMPUTE_CAPABILITY')}")
+
+    with _capability("9.0"):
+        assert q.is_fp8_available() and q.is_fp8_block_scaling_available() and not q.is_nvfp4_available()
+        assert "10.0 or higher required for MXFP8" in fails(MXFP8BlockScaling(), RuntimeError)
+        assert "NVFP4 kernels need compute capability 10.0" in fails(NVFP4BlockScaling(), RuntimeError)
+        _run(_linear(w), x, gy, lambda: te_autocast(Float8BlockScaling()))  # pow2 runs on Hopper
+        _run(_linear(w), x, gy, lambda: te_autocast(_fp32_block_scaling()))  # and FP32
+        _run(_linear(w), x, gy, lambda: te_autocast(CustomRecipe(qfactory=nvfp4_ref_rht_2d_quantizer_factory)))
+    with _capability("10.0"):
+        assert "requires using power of two scaling factors" in fails(_fp32_block_scaling(), RuntimeError)
+        assert q.is_mxfp8_available() and q.is_nvfp4_available()
+    with _capability("12.0"):
+        assert "not supported on 12.0+" in fails(MXFP8BlockScaling(), RuntimeError)
+        assert type(q.get_default_fp8_recipe()).__name__ == "Float8CurrentScaling"
+    with _capability("8.0"):
+        assert "requires compute capability 9.0" in fails(Float8BlockScaling(), RuntimeError)
+        assert not q.is_fp8_available()
 
 
 def check_unmodelled_features_are_refused():
@@ -286,12 +445,9 @@ def check_same_family_switch_keeps_quantizers_and_class_change_warns():
                for c in caught), [str(c.message) for c in caught]
     assert layer.last_run.formats == "nvfp4" and _equal(got, _emulated(x, w, gy, "nvfp4", state))
     assert dict(layer.run_counts) == {"tensorwise": 2, "high_precision": 1, "nvfp4": 1}
-    fresh = _linear(w)  # without held quantizers, E4M3-only current scaling is refused
-    try:
-        _run(fresh, x, gy, lambda: te.autocast(enabled=True, recipe=e4m3))
-    except NotImplementedError:
-        return
-    raise AssertionError("a fresh module ran E4M3-only current scaling")
+    fresh = _linear(w)  # without held quantizers, E4M3-only current scaling runs as asked
+    assert not _equal(_run(fresh, x, gy, lambda: te.autocast(enabled=True, recipe=e4m3)), first)
+    assert fresh.last_run.spec.dgrad_grad_output.element.value == "e4m3"
 
 
 def _rms(x, w, eps):

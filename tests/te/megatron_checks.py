@@ -1,14 +1,18 @@
 """Checks of Megatron-Core's real TE wrappers over the TE test double, in one process (TP=PP=1).
 
-    PYTHONPATH=<repo>:<repo>/tests/te_double NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 \
-        python tests/te/megatron_checks.py --out FILE
+    PYTHONPATH=<repo>:<repo>/tests/te_double python tests/te/megatron_checks.py --out FILE
+    PYTHONPATH=... NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 python tests/te/megatron_checks.py --out FILE \
+        --only check_te_dicts_and_measured_formats_name_the_same_numerics
 
-tests/te/test_te_double.py runs it in a subprocess (both lanes) and asserts every check passed;
-`check_trains_at_tp1.data` holds the TP=1 losses the torchrun TP=2 / PP=2 runs are compared with.
+tests/te/test_te_double.py runs it in subprocesses (both lanes) and asserts every check passed:
+once with TE's default environment, and the formats check again with FP32 block scales (TE reads
+that switch once, at import); `check_trains_at_tp1.data` holds the TP=1 losses the torchrun TP=2 /
+PP=2 runs are compared with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -117,16 +121,164 @@ def check_plan_reaches_te_quant_params():
         assert module.will_execute_quantized(False) == (precision != "bf16"), key
 
 
+@contextlib.contextmanager
+def capability(sm: int):
+    """The double's GPU generation (TE_DOUBLE_COMPUTE_CAPABILITY) for the block's duration."""
+    old = os.environ.get("TE_DOUBLE_COMPUTE_CAPABILITY")
+    os.environ["TE_DOUBLE_COMPUTE_CAPABILITY"] = f"{sm // 10}.{sm % 10}"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TE_DOUBLE_COMPUTE_CAPABILITY"]
+        else:
+            os.environ["TE_DOUBLE_COMPUTE_CAPABILITY"] = old
+
+
+# Every recipe flag of SnipConfig, alone (the defaults first).
+RECIPE_FLAGS = [{}, {"fp8_format": "hybrid"}, {"fp8_recipe": "tensorwise"},
+                {"fp8_recipe": "tensorwise", "fp8_format": "e4m3"}, {"fp8_recipe": "mxfp8"},
+                {"fp8_block_scales": "pow2"}, {"fp8_block_scales": "fp32"},
+                {"fp4_gradient_rounding": "nearest"}, {"fp4_gradient_rounding": "stochastic"},
+                {"fp4_recipe": "mxfp4"}]
+
+
+def _what_the_double_runs(config: dict):
+    """The FormatSpec a TE linear of the double runs inside the autocast Megatron opens for
+    `config` (a TEQuantizationParams dict), or the error it raises."""
+    import transformer_engine.pytorch as te
+    from megatron.core.extensions.transformer_engine import _get_fp8_autocast_for_quant_params
+
+    params = _parse(config)
+    layer = te.Linear(64, 32, bias=False)
+    try:
+        with _get_fp8_autocast_for_quant_params(params, True):
+            layer(torch.randn(16, 64))
+    except (NotImplementedError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return layer.last_run.spec
+
+
+def _parse(config: dict):
+    from megatron.core.extensions.transformer_engine import TEQuantizationParams
+    from megatron.core.quantization.quant_config import MatchContext, QuantizationConfig
+
+    return TEQuantizationParams.parse_from_config(
+        QuantizationConfig(config, MatchContext("decoder.layers.0.mlp.linear_fc1", 0), "k"))
+
+
+def check_te_dicts_and_measured_formats_name_the_same_numerics():
+    """For SM90 and SM100 and each recipe flag: the formats SNIP measures (SnipConfig resolved for
+    TE -> measure_config().formats) and what the double's TE linear runs inside the autocast
+    Megatron opens from the TE dict of the plan (config_dict_for) are the same FormatSpec, per
+    precision. A flag the start-up refuses would have run something else (or nothing): the dict of
+    what was asked does not run it."""
+    from snip_megatron.config import SnipConfig
+    from snip_megatron.megatron.quant_recipe import config_dict_for
+    from snip_megatron.te import te_params
+
+    report = {}
+    for sm in (90, 100):
+        with capability(sm):
+            for flags in RECIPE_FLAGS:
+                name = f"SM{sm} " + (",".join(f"{k}={v}" for k, v in flags.items()) or "defaults")
+                snip = SnipConfig(enabled=True, precisions="bf16,fp8,fp4", **flags)
+                try:
+                    run = snip.resolved("te", sm=sm)
+                except ValueError as refusal:
+                    asked = snip.formats
+                    differs = []
+                    for p in ("fp8", "fp4"):
+                        try:
+                            ran = _what_the_double_runs(te_params(p, formats=asked, sm=sm))
+                        except ValueError as no_dict:  # no TE recipe on this GPU at all
+                            ran = f"no TE dict: {no_dict}"
+                        if ran != asked.spec(p):
+                            differs.append(f"{p}: {ran if isinstance(ran, str) else ran.short_str()}")
+                    assert differs, (name, str(refusal))
+                    report[name] = "refused: " + "; ".join(differs)
+                    continue
+                formats = run.measure_config().formats
+                configs = config_dict_for("te", sm=sm, formats=formats)
+                assert set(configs) == {"bf16", "fp8", "fp4"}, (name, configs)
+                for p in ("fp8", "fp4"):
+                    ran = _what_the_double_runs(configs[p])
+                    assert ran == formats.spec(p), (name, p, ran, formats.spec(p).short_str())
+                assert _what_the_double_runs(configs["bf16"]) is None  # high precision
+                report[name] = formats.short_str()
+    return report
+
+
+def check_megatron_resolves_the_reference_factory_path():
+    """The dict's custom_recipe_factory is a path Megatron's `_get_custom_recipe` imports: a
+    CustomRecipe whose qfactory is TE's reference NVFP4 factory."""
+    import transformer_engine.pytorch.custom_recipes.quantization_nvfp4 as reference
+    from megatron.core.fp8_utils import _get_custom_recipe
+    from transformer_engine.common.recipe import CustomRecipe
+
+    from snip_megatron.te import REFERENCE_NVFP4_FACTORY
+
+    recipe = _get_custom_recipe(REFERENCE_NVFP4_FACTORY)
+    assert isinstance(recipe, CustomRecipe) and recipe.qfactory is reference.nvfp4_ref_rht_2d_quantizer_factory
+    assert recipe == _get_custom_recipe(REFERENCE_NVFP4_FACTORY)  # equal per forward: no re-init in TE
+
+
+def check_hopper_plan_trains_with_fp4_through_tes_custom_recipe():
+    """SM90: the same mixed plan trains; FP8 linears run blockwise (TE's power-of-two scales by
+    default), FP4 linears NVFP4 through the reference quantizer's custom recipe (nearest gradient
+    rounding), bit-exactly our emulation of those formats."""
+    from snip_megatron.megatron import runtime
+
+    with capability(90):
+        runtime.seed_all(worker.SEED)
+        config = make_config()
+        model = worker.build_te_gpt(quant_recipe=worker.te_recipe_for(config, worker.plan(), sm=90))
+        formats = worker.formats_on(90)
+        assert formats.fp4_gradient_rounding == "nearest"
+        modules = worker.planned_linears(model)
+        for key, module in modules.items():
+            precision = worker.PLAN_TABLE[(int(key.split(".")[0]), key.split(".")[1])]
+            recipe = module.te_quant_params.training_recipe
+            assert (recipe.fp4_quantization_recipe == "custom") == (precision == "fp4"), key
+        g = torch.Generator().manual_seed(6)
+        for key, module in modules.items():
+            precision = worker.PLAN_TABLE[(int(key.split(".")[0]), key.split(".")[1])]
+            fmt = worker.EXPECTED_LABEL[precision]
+            x = torch.randn(worker.SHAPE.seq_length, 2, module.in_features, generator=g)
+            gy = torch.randn(worker.SHAPE.seq_length, 2, module.out_features, generator=g)
+            state = module.sr_generator.get_state()
+            xg = x.clone().requires_grad_()
+            y, _ = module(xg)
+            y.backward(gy)
+            got = [y.detach(), xg.grad, module.weight.grad] + (
+                [module.layer_norm_weight.grad] if hasattr(module, "layer_norm_weight") else [])
+            assert module.last_run.label == fmt, (key, module.last_run)
+            assert all(torch.equal(a, b) for a, b in zip(got, _reference(module, x, gy, fmt, state, sm=90))), key
+            if precision == "fp4":
+                assert module.quantizers["linear_weight"].quant_tile_shape == (16, 16)
+        for module in modules.values():
+            module.zero_grad(set_to_none=True)
+        losses = worker.train(model)
+        assert losses[-1] < 0.85 * losses[0], losses
+        return losses
+
+
+def make_config():
+    from snip_megatron.megatron.model import make_transformer_config
+
+    return make_transformer_config(worker.SHAPE)
+
+
 def _rms(x, gamma, eps):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()).to(x.dtype)
 
 
-def _reference(module, x, gy, fmt, generator_state):
+def _reference(module, x, gy, fmt, generator_state, sm: int = 100):
     """(y, dX, dW[, dgamma]) from our own quantized_linear (or the plain GEMM) on the module's
-    weights, with the RMSNorm in front for the fused LayerNorm linears."""
+    weights, in the formats TE runs on SM`sm`, with the RMSNorm in front for the fused LayerNorm
+    linears."""
     from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
-    from snip_megatron.formats import FormatSpec
 
     x = x.clone().requires_grad_()
     w = module.weight.detach().clone().requires_grad_()
@@ -139,7 +291,7 @@ def _reference(module, x, gy, fmt, generator_state):
     if fmt == "high_precision":
         y = F.linear(h, w)
     else:
-        spec = FormatSpec.for_precision("fp4" if fmt == "nvfp4" else "fp8", fp8_recipe="blockwise")
+        spec = worker.formats_on(sm).spec("fp4" if fmt == "nvfp4" else "fp8")
         generator = torch.Generator()
         generator.set_state(generator_state)
         y = quantized_linear(h, w, None, spec, QuantRuntime(generator=generator))

@@ -1,7 +1,9 @@
 """Train a tiny Llama-like GPTModel built from Megatron's TE layer spec over the TE test double.
 
-Needs `tests/te_double` on PYTHONPATH and NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 (FP32 block
-scales, the blockwise variant our formats emulate); tests/te/test_te_double.py sets both:
+Needs `tests/te_double` on PYTHONPATH (tests/te/test_te_double.py sets it); the double's GPU is
+its default, SM100 (TE_DOUBLE_COMPUTE_CAPABILITY), and the formats are what TE runs there with
+this environment (`formats_on`: power-of-two blockwise scales unless
+NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1):
 
     torchrun --nproc_per_node 2 tests/te/te_worker.py --tp 2 --variants megatron_init,plan,sp_pair --out DIR
     torchrun --nproc_per_node 2 tests/te/te_worker.py --pp 2 --variants name_init,plan --out DIR
@@ -56,13 +58,18 @@ def plan():
     return Plan({LayerKey(layer, name): p for (layer, name), p in PLAN_TABLE.items()})
 
 
-def te_recipe_for(config, the_plan):
-    """The plan as this chunk's quant_recipe for Megatron's TE linears (Blackwell dicts, FP8 blockwise)."""
-    from snip_megatron.megatron.quant_recipe import recipe_for_chunk
-    from snip_megatron.te import TEOptions
+def formats_on(sm: int = 100):
+    """The Formats TE runs on SM`sm` with this process's environment (what SNIP measures)."""
+    from snip_megatron.te import te_formats
 
-    return recipe_for_chunk(the_plan, config, backend="te", sm=100,
-                            te_options=TEOptions(fp8_recipe="blockwise"))
+    return te_formats(sm=sm, environ=os.environ)
+
+
+def te_recipe_for(config, the_plan, *, sm: int = 100):
+    """The plan as this chunk's quant_recipe for Megatron's TE linears (Blackwell dicts by default)."""
+    from snip_megatron.megatron.quant_recipe import recipe_for_chunk
+
+    return recipe_for_chunk(the_plan, config, backend="te", sm=sm, formats=formats_on(sm))
 
 
 def build_te_gpt(shape: ModelShape = SHAPE, *, the_plan=None, quant_recipe=None,

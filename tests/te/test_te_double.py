@@ -2,9 +2,12 @@
 
 The double (tests/te_double, TE 2.14) is importable only in the subprocesses these tests start
 (Megatron caches HAVE_TE at import, so this process and the rest of the suite keep TE absent):
-- double_checks.py:   the double alone (recipes, autocast rules, numerics, refusals);
+- double_checks.py:   the double alone (recipes and their variants, the custom-recipe qfactory
+                      protocol, autocast rules, GPU checks, numerics, refusals);
 - megatron_checks.py: one process, TP=1: import, the TE layer spec, training, the plan through
-                      quant_recipe -> finish_init -> per-module autocast, bit-exact numerics;
+                      quant_recipe -> finish_init -> per-module autocast, bit-exact numerics, and
+                      for SM90 / SM100 and every recipe flag the TE dict against the formats SNIP
+                      measures (again with NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
 - te_worker.py under torchrun: TP=2 and PP=2 training against the TP=1 losses.
 """
 
@@ -31,7 +34,10 @@ DOUBLE_CHECKS = [
     "check_recipe_defaults_follow_te_2_14",
     "check_autocast_nesting_and_restore",
     "check_linear_runs_our_emulation_per_recipe",
+    "check_variants_run_our_formats_of_them",
+    "check_custom_recipe_calls_the_factory_per_role_and_runs_the_reference_nvfp4",
     "check_unemulated_variants_are_recorded_and_refused",
+    "check_gpu_capability_checks_follow_te",
     "check_unmodelled_features_are_refused",
     "check_same_family_switch_keeps_quantizers_and_class_change_warns",
     "check_layernorm_linear_norms_and_returns_norm_output",
@@ -45,6 +51,9 @@ MEGATRON_CHECKS = [
     "check_te_spec_trains_like_the_local_spec",
     "check_trains_at_tp1",
     "check_plan_reaches_te_quant_params",
+    "check_te_dicts_and_measured_formats_name_the_same_numerics",
+    "check_megatron_resolves_the_reference_factory_path",
+    "check_hopper_plan_trains_with_fp4_through_tes_custom_recipe",
     "check_planned_modules_compute_our_emulation_bit_exactly",
     "check_module_recipe_nests_inside_global_autocast",
     "check_mixed_plan_trains_and_each_module_keeps_its_format",
@@ -64,16 +73,17 @@ TE_CLASSES = {"layers.0.self_attention.linear_qkv": "TELayerNormColumnParallelLi
 
 
 def _double_env(fp32_block_scales: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NVTE_", "TE_DOUBLE_"))}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(DOUBLE)]), OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
-    if fp32_block_scales:  # the Float8BlockScaling variant our blockwise format emulates
+    if fp32_block_scales:  # TE's switch to FP32 blockwise scales (read once, at import)
         env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1"
     return env
 
 
-def _run_checks(script: str, out: Path, fp32_block_scales: bool) -> dict:
-    proc = subprocess.run([sys.executable, str(HERE / script), "--out", str(out)], cwd=ROOT,
+def _run_checks(script: str, out: Path, fp32_block_scales: bool, only: "str | None" = None) -> dict:
+    proc = subprocess.run([sys.executable, str(HERE / script), "--out", str(out)]
+                          + ([] if only is None else ["--only", only]), cwd=ROOT,
                           env=_double_env(fp32_block_scales), capture_output=True, text=True,
                           timeout=600)
     if proc.returncode != 0 or not out.exists():
@@ -84,8 +94,7 @@ def _run_checks(script: str, out: Path, fp32_block_scales: bool) -> dict:
 
 def _run_worker(tmp: Path, *args: str) -> list[dict]:
     run_distributed([str(HERE / "te_worker.py"), *args, "--out", str(tmp)], nproc=2, timeout=600,
-                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(DOUBLE)]),
-                         "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"})
+                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(DOUBLE)])})
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -98,7 +107,13 @@ def double_results(tmp_path_factory):
 @pytest.fixture(scope="module")
 def megatron_results(tmp_path_factory):
     return _run_checks("megatron_checks.py", tmp_path_factory.mktemp("te") / "megatron.json",
-                       fp32_block_scales=True)
+                       fp32_block_scales=False)
+
+
+@pytest.fixture(scope="module")
+def fp32_scales_results(tmp_path_factory):
+    return _run_checks("megatron_checks.py", tmp_path_factory.mktemp("te") / "fp32.json",
+                       fp32_block_scales=True, only=SAME_NUMERICS)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +147,40 @@ def test_double_alone(double_results, name):
 @pytest.mark.parametrize("name", MEGATRON_CHECKS)
 def test_megatron_te_wrappers(megatron_results, name):
     assert megatron_results.get(name) == "ok", megatron_results.get(name, "check did not run")
+
+
+SAME_NUMERICS = "check_te_dicts_and_measured_formats_name_the_same_numerics"
+FLAG_NAMES = ["defaults", "fp8_format=hybrid", "fp8_recipe=tensorwise", "fp8_recipe=tensorwise,fp8_format=e4m3",
+              "fp8_recipe=mxfp8", "fp8_block_scales=pow2", "fp8_block_scales=fp32",
+              "fp4_gradient_rounding=nearest", "fp4_gradient_rounding=stochastic", "fp4_recipe=mxfp4"]
+
+
+def _refused(report: dict, sm: int) -> set:
+    names = {k.split(" ", 1)[1] for k in report if k.startswith(f"SM{sm} ")}
+    assert names == set(FLAG_NAMES), names  # every flag was tried on every generation
+    return {k.split(" ", 1)[1] for k, v in report.items() if k.startswith(f"SM{sm} ") and v.startswith("refused")}
+
+
+def test_te_dicts_and_measured_formats_agree_and_refusals_are_the_ones_te_needs(megatron_results,
+                                                                              fp32_scales_results):
+    """TE's default environment, then NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: what each generation
+    refuses at start-up (the rest ran the very FormatSpec SNIP measures, asserted in the check)."""
+    default = megatron_results[f"{SAME_NUMERICS}.data"]
+    assert _refused(default, 90) == {"fp8_recipe=mxfp8", "fp8_block_scales=fp32",
+                                     "fp4_gradient_rounding=stochastic", "fp4_recipe=mxfp4"}
+    assert _refused(default, 100) == {"fp8_block_scales=fp32", "fp4_gradient_rounding=nearest", "fp4_recipe=mxfp4"}
+    assert default["SM90 defaults"] == "fp8=blockwise(pow2) fp4=nvfp4(nearest)"
+    assert default["SM100 defaults"] == "fp8=blockwise(pow2) fp4=nvfp4(stochastic)"
+    assert fp32_scales_results[SAME_NUMERICS] == "ok", fp32_scales_results[SAME_NUMERICS]
+    fp32 = fp32_scales_results[f"{SAME_NUMERICS}.data"]
+    assert _refused(fp32, 90) == {"fp8_recipe=mxfp8", "fp8_block_scales=pow2",
+                                  "fp4_gradient_rounding=stochastic", "fp4_recipe=mxfp4"}
+    assert fp32["SM90 defaults"] == "fp8=blockwise fp4=nvfp4(nearest)"
+    # Blackwell runs blockwise FP8 through MXFP8, which needs power-of-two scales: every blockwise
+    # run is refused there, and the double's kernel check shows why.
+    blockwise = {n for n in FLAG_NAMES if "tensorwise" not in n and "mxfp8" not in n}
+    assert _refused(fp32, 100) == blockwise
+    assert "requires using power of two scaling factors" in fp32["SM100 defaults"]
 
 
 def test_every_check_is_listed(double_results, megatron_results):

@@ -1,5 +1,7 @@
-"""Precision -> Transformer Engine per-module config, checked against Megatron's own parser and
-its per-module autocast logic (with a stand-in for TE's recipe classes: TE is not on CPU)."""
+"""Precision -> Transformer Engine per-module config, from the run's one Formats value, per GPU
+generation: checked against Megatron's own parser and its per-module autocast logic (with a
+stand-in for TE's recipe classes: TE is not on CPU), and the start-up resolution of the formats
+against what TE runs on each GPU with the environment TE reads."""
 
 from __future__ import annotations
 
@@ -7,16 +9,18 @@ import types
 
 import pytest
 
-from snip_megatron.formats.precision import Precision
-from snip_megatron.te import (TEOptions, check_transformer_config, default_fp8_recipe,
-                              emulated_params, has_native_fp4, module_config,
-                              precision_of_te_params, te_config_dict, te_params)
+from snip_megatron.config import SnipConfig
+from snip_megatron.formats.precision import Formats, Precision
+from snip_megatron.te import (REFERENCE_NVFP4_FACTORY, TEOptions, check_transformer_config, emulated_params,
+                              fp4_route, gemm_cost, generation, precision_of_te_params, te_config_dict,
+                              te_formats, te_params, te_unavailable, what_runs)
 
 # Imports without TE installed (its TE-only names are absent); the parser and autocast logic are here.
 import megatron.core.extensions.transformer_engine as te_ext  # noqa: E402
 from megatron.core.quantization.quant_config import MatchContext, QuantizationConfig  # noqa: E402
 
 H100, B200 = 90, 100
+DEFAULT = Formats()
 
 
 def parse(config: dict):
@@ -25,28 +29,41 @@ def parse(config: dict):
     return te_ext.TEQuantizationParams.parse_from_config(qc)
 
 
-@pytest.mark.parametrize("sm, precision, fp8, fp4", [
-    (H100, "fp8", "blockwise", None),
-    (B200, "fp8", "mxfp8", None),
-    (B200, "fp4", None, "nvfp4"),
-    (H100, "bf16", None, None),
-    (B200, "bf16", None, None),
-    (89, "fp8", "tensorwise", None),
+@pytest.mark.parametrize("sm, precision, formats, fp8, fp8_format, fp4", [
+    (H100, "fp8", DEFAULT, "blockwise", "e4m3", None),
+    (H100, "fp8", Formats(fp8_recipe="tensorwise"), "tensorwise", "hybrid", None),
+    (H100, "fp8", Formats(fp8_recipe="tensorwise", fp8_format="e4m3"), "tensorwise", "e4m3", None),
+    (H100, "fp8", Formats(fp8_format="hybrid", fp8_block_scales="pow2"), "blockwise", "hybrid", None),
+    (B200, "fp8", Formats(fp8_recipe="mxfp8"), "mxfp8", "e4m3", None),
+    (B200, "fp8", DEFAULT, "blockwise", "e4m3", None),
+    (B200, "fp4", DEFAULT, None, "e4m3", "nvfp4"),
+    (H100, "fp4", DEFAULT, None, "e4m3", "custom"),
+    (H100, "bf16", DEFAULT, None, "e4m3", None),
+    (B200, "bf16", DEFAULT, None, "e4m3", None),
+    (89, "fp8", Formats(fp8_recipe="tensorwise"), "tensorwise", "hybrid", None),
 ])
-def test_megatron_parses_each_translation(sm, precision, fp8, fp4):
-    params = parse(te_params(precision, sm=sm))
+def test_megatron_parses_each_translation(sm, precision, formats, fp8, fp8_format, fp4):
+    params = parse(te_params(precision, formats=formats, sm=sm))
     recipe = params.training_recipe
     assert recipe.fp8_quantization_recipe == fp8 and recipe.fp4_quantization_recipe == fp4
+    assert recipe.fp8_format == fp8_format  # Megatron's default e4m3 where no FP8 is set
+    assert recipe.custom_recipe_factory == (REFERENCE_NVFP4_FACTORY if fp4 == "custom" else None)
     assert recipe.override_quantized_autocast and recipe.override_nonquantized_autocast
     assert params.evaluation_recipe is None
     assert precision_of_te_params(params) is Precision.parse(precision)
-    assert precision_of_te_params(te_params(precision, sm=sm)) is Precision.parse(precision)
+    assert precision_of_te_params(te_params(precision, formats=formats, sm=sm)) is Precision.parse(precision)
+
+
+def test_the_reference_factory_is_tes_own_path():
+    assert REFERENCE_NVFP4_FACTORY == ("transformer_engine.pytorch.custom_recipes.quantization_nvfp4."
+                                       "nvfp4_ref_rht_2d_quantizer_factory")
 
 
 @pytest.mark.parametrize("global_quantized", [False, True])
 @pytest.mark.parametrize("precision", list(Precision))
-def test_module_runs_its_precision_whether_or_not_global_fp8_is_on(precision, global_quantized):
-    params = parse(te_params(precision, sm=B200))
+@pytest.mark.parametrize("sm", [H100, B200])
+def test_module_runs_its_precision_whether_or_not_global_fp8_is_on(precision, global_quantized, sm):
+    params = parse(te_params(precision, formats=DEFAULT, sm=sm))
     quantized = te_ext._get_should_context_be_quantized_params(params, True, global_quantized)
     assert quantized == (precision is not Precision.BF16)
 
@@ -72,64 +89,160 @@ def _fake_te(monkeypatch, global_on: bool):
 
 
 @pytest.mark.parametrize("global_on", [False, True])
-@pytest.mark.parametrize("sm, precision, recipe_class", [
-    (H100, "fp8", "Float8BlockScaling"), (B200, "fp8", "MXFP8BlockScaling"),
-    (B200, "fp4", "NVFP4BlockScaling"), (H100, "bf16", None),
+@pytest.mark.parametrize("sm, precision, formats, recipe_class, fmt", [
+    (H100, "fp8", DEFAULT, "Float8BlockScaling", "E4M3"),
+    (H100, "fp8", Formats(fp8_recipe="tensorwise"), "Float8CurrentScaling", "HYBRID"),
+    (H100, "fp8", Formats(fp8_recipe="tensorwise", fp8_format="e4m3"), "Float8CurrentScaling", "E4M3"),
+    (B200, "fp8", Formats(fp8_recipe="mxfp8"), "MXFP8BlockScaling", "E4M3"),
+    (B200, "fp4", DEFAULT, "NVFP4BlockScaling", None), (H100, "bf16", DEFAULT, None, None),
 ])
-def test_autocast_opened_for_each_translation(monkeypatch, global_on, sm, precision, recipe_class):
+def test_autocast_opened_for_each_translation(monkeypatch, global_on, sm, precision, formats, recipe_class, fmt):
     _fake_te(monkeypatch, global_on)
-    ctx = te_ext._get_fp8_autocast_for_quant_params(parse(te_params(precision, sm=sm)), True)
+    ctx = te_ext._get_fp8_autocast_for_quant_params(parse(te_params(precision, formats=formats, sm=sm)), True)
     _, enabled, recipe = ctx
     if recipe_class is None:  # BF16: autocast explicitly disabled, under a global one or not
         assert enabled is False and recipe is None
     else:
         assert enabled is True and type(recipe).__name__ == recipe_class
+        assert recipe.kwargs.get("fp8_format") == fmt
 
 
-def test_fp4_without_native_kernels_goes_to_the_emulated_linear():
-    assert not has_native_fp4(H100) and has_native_fp4(B200)
-    mc = module_config("fp4", sm=H100)
-    assert mc.backend == "emulated" and mc.config == {"precision": "fp4", "fp4_recipe": "nvfp4"}
-    assert mc.config == emulated_params("fp4")
-    assert module_config("fp4", sm=B200).backend == "te"
-    assert {k: v.backend for k, v in te_config_dict(sm=H100).items()} == {
-        "bf16": "te", "fp8": "te", "fp4": "emulated"}
-    with pytest.raises(ValueError, match="fp4_fallback='error'"):
-        module_config("fp4", sm=H100, options=TEOptions(fp4_fallback="error"))
-    with pytest.raises(ValueError, match="needs SM100"):
-        te_params("fp4", sm=H100)
-
-
-def test_fp8_recipe_is_configurable_and_checked_against_the_gpu():
-    assert default_fp8_recipe(H100) == "blockwise" and default_fp8_recipe(B200) == "mxfp8"
-    tw = te_params("fp8", sm=B200, options=TEOptions(fp8_recipe="tensorwise", fp8_format="hybrid"))
-    assert parse(tw).training_recipe.fp8_quantization_recipe == "tensorwise"
-    assert tw["training_recipe"]["fp8_format"] == "hybrid"
-    assert te_params("fp8", sm=B200, options=TEOptions(fp8_recipe="blockwise"))[
-        "training_recipe"]["fp8_quantization_recipe"] == "blockwise"
-    with pytest.raises(ValueError, match="'mxfp8' needs SM100"):
-        te_params("fp8", sm=H100, options=TEOptions(fp8_recipe="mxfp8"))
-    with pytest.raises(ValueError, match="no FP8 tensor cores"):
-        te_params("fp8", sm=80)
+def test_what_each_generation_runs_and_refuses():
+    assert fp4_route("nvfp4", B200) == "native" and fp4_route("nvfp4", H100) == "reference"
+    assert fp4_route("nvfp4", 89) == "reference"
+    with pytest.raises(ValueError, match="needs SM89"):
+        fp4_route("nvfp4", 80)
+    with pytest.raises(ValueError, match="'mxfp4' has no Transformer Engine recipe"):
+        fp4_route("mxfp4", B200)
+    assert set(te_config_dict(formats=DEFAULT, sm=H100)) == {"bf16", "fp8", "fp4"}
+    assert te_unavailable(formats=DEFAULT, sm=H100) == {}
+    mx = Formats(fp8_recipe="mxfp8", fp4_recipe="mxfp4")
+    missing = te_unavailable(formats=mx, sm=H100)
+    assert set(missing) == {"fp8", "fp4"} and "MXFP8 needs SM100" in missing["fp8"]
+    assert set(te_config_dict(formats=mx, sm=H100)) == {"bf16"}
+    assert te_unavailable(formats=Formats(fp8_recipe="mxfp8"), sm=B200) == {}
+    assert "MXFP8 needs SM100-SM119" in te_unavailable(formats=Formats(fp8_recipe="mxfp8"), sm=120)["fp8"]
+    assert "blockwise FP8 needs SM90" in te_unavailable(formats=DEFAULT, sm=89)["fp8"]
+    assert "no FP8 tensor cores" in te_unavailable(formats=DEFAULT, sm=80)["fp8"]
     with pytest.raises(ValueError, match="compute capability must be an int"):
-        te_params("fp8", sm="9.0")
+        te_params("fp8", formats=DEFAULT, sm="9.0")
+    assert generation(90) == "SM90 (Hopper)" and generation(100) == "SM100 (Blackwell)"
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(fp8_recipe="delayed"), "fp8_recipe='delayed' cannot switch per layer"),
-    (dict(fp8_recipe="custom"), "fp8_recipe='custom' cannot switch"),
-    (dict(fp8_recipe="fp8ish"), "fp8_recipe='fp8ish' is unknown"),
-    (dict(fp4_recipe="mxfp4"), "fp4_recipe='mxfp4' has no Transformer Engine recipe"),
-    (dict(fp4_fallback="fp8"), "fp4_fallback='fp8' is unknown"),
-    (dict(fp8_format="e5m2"), "fp8_format='e5m2' is unknown"),
+def test_gemm_cost_says_what_the_gpu_runs():
+    assert gemm_cost(H100) == {Precision.BF16: 1.0, Precision.FP8: 0.5, Precision.FP4: 1.0}
+    assert gemm_cost(B200) == {Precision.BF16: 1.0, Precision.FP8: 0.5, Precision.FP4: 0.25}
+
+
+NO_ENV: dict = {}
+FP32_SCALES = {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+
+
+@pytest.mark.parametrize("sm, request_, environ, want", [
+    # Unset variants follow TE: power-of-two block scales unless the switch is 1.
+    (H100, {}, NO_ENV, Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")),
+    (H100, {}, FP32_SCALES, Formats(fp8_block_scales="fp32", fp4_gradient_rounding="nearest")),
+    (B200, {}, NO_ENV, Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")),
+    (B200, {}, {"NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "1"},
+     Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")),
+    (B200, {"fp8_block_scales": "pow2", "fp4_gradient_rounding": "stochastic"}, NO_ENV,
+     Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")),
+    (H100, {"fp8_block_scales": "fp32", "fp4_gradient_rounding": "nearest"}, FP32_SCALES,
+     Formats(fp8_block_scales="fp32", fp4_gradient_rounding="nearest")),
+    (H100, {"fp8_recipe": "tensorwise", "fp8_format": "e4m3"}, NO_ENV,
+     Formats(fp8_recipe="tensorwise", fp8_format="e4m3", fp4_gradient_rounding="nearest")),
+    (B200, {"fp8_recipe": "mxfp8"}, FP32_SCALES, Formats(fp8_recipe="mxfp8", fp4_gradient_rounding="stochastic")),
 ])
-def test_bad_options_are_refused(kwargs, words):
+def test_te_formats_follow_what_te_runs(sm, request_, environ, want):
+    assert te_formats(sm=sm, environ=environ, **request_) == want
+
+
+@pytest.mark.parametrize("sm, request_, environ, uses, words", [
+    (H100, {"fp8_block_scales": "fp32"}, NO_ENV, None,
+     "fp8_block_scales='fp32', but TE runs pow2 blockwise scales .NVTE_FP8_BLOCK_SCALING_FP32_SCALES=unset.; "
+     "set NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"),
+    (H100, {"fp8_block_scales": "pow2"}, FP32_SCALES, None, "unset NVTE_FP8_BLOCK_SCALING_FP32_SCALES"),
+    (B200, {}, FP32_SCALES, None, "emulates blockwise FP8 with MXFP8 GEMMs, which need power-of-two scales"),
+    (H100, {"fp4_gradient_rounding": "stochastic"}, NO_ENV, None,
+     "reference NVFP4 quantizer, which runs FP4 on SM90 .Hopper., rounds gradients to nearest"),
+    (B200, {"fp4_gradient_rounding": "nearest"}, NO_ENV, None,
+     "set NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1"),
+    (B200, {}, {"NVTE_NVFP4_DISABLE_RHT": "1"}, None, "NVTE_NVFP4_DISABLE_RHT=1 turns off NVFP4's"),
+    (B200, {}, {"NVTE_NVFP4_DISABLE_2D_QUANTIZATION": "1"}, None, "16x16 weight tiles"),
+    (H100, {"fp8_recipe": "tensorwise"}, {"NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES": "1"}, None,
+     "tensorwise FP8 power-of-two scales"),
+    (H100, {"fp8_recipe": "mxfp8"}, NO_ENV, None, "fp8_recipe='mxfp8': TE's MXFP8 needs SM100"),
+    (B200, {"fp4_recipe": "mxfp4"}, NO_ENV, None, "fp4_recipe='mxfp4': .* no Transformer Engine recipe"),
+    (80, {}, NO_ENV, ("fp4",), "FP4 through TE needs SM89"),
+])
+def test_te_formats_refuse_what_te_would_not_run_with_the_fix(sm, request_, environ, uses, words):
+    kwargs = {} if uses is None else {"uses": uses}
     with pytest.raises(ValueError, match=words):
-        TEOptions(**kwargs)
+        te_formats(sm=sm, environ=environ, **request_, **kwargs)
+
+
+def test_an_unused_precision_is_not_checked():
+    # MXFP4 has no TE recipe, MXFP8 no Hopper kernel: fine while the run never uses them.
+    f = te_formats(fp8_recipe="mxfp8", fp4_recipe="mxfp4", sm=H100, uses=("bf16",), environ=NO_ENV)
+    assert (f.fp8_recipe, f.fp4_recipe, f.fp4_gradient_rounding) == ("mxfp8", "mxfp4", None)
+    with pytest.raises(ValueError) as err:  # both problems at once, one line each
+        te_formats(fp8_recipe="mxfp8", fp4_recipe="mxfp4", sm=H100, environ=NO_ENV)
+    assert str(err.value).count("\n  - ") == 2
+
+
+def test_the_start_up_line_says_what_runs():
+    hopper = te_formats(sm=H100, environ=NO_ENV)
+    assert what_runs(hopper, H100) == (
+        "SM90 (Hopper): FP8 blockwise (e4m3, pow2 scales) on TE kernels; FP4 nvfp4 (nearest gradient "
+        "rounding) through TE's Python reference quantizer (accuracy only, no speed-up)")
+    assert what_runs(hopper, H100, uses=("bf16", "fp8")) == \
+        "SM90 (Hopper): FP8 blockwise (e4m3, pow2 scales) on TE kernels"
+    assert what_runs(te_formats(sm=B200, environ=NO_ENV), B200) == (
+        "SM100 (Blackwell): FP8 blockwise (e4m3, pow2 scales) on TE kernels via MXFP8 GEMMs; FP4 nvfp4 "
+        "(stochastic gradient rounding) on TE's NVFP4 kernels")
+
+
+def test_snipconfig_resolved_for_te_per_generation(monkeypatch):
+    for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
+        monkeypatch.delenv(name, raising=False)
+    snip = SnipConfig(enabled=True)
+    assert snip.resolved("emulated") is snip and snip.formats == Formats()
+    hopper = snip.resolved("te", sm=H100)
+    assert hopper.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")
+    assert hopper.gemm_cost == "bf16=1,fp8=0.5,fp4=1" and hopper.planner_config().gemm_costs()[Precision.FP4] == 1
+    blackwell = snip.resolved("te", sm=B200)
+    assert blackwell.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")
+    assert blackwell.gemm_cost == "bf16=1,fp8=0.5,fp4=0.25"
+    # The one Formats value: its spec is what the estimator measures, its TE dict what TE runs.
+    assert hopper.measure_config().formats == hopper.formats
+    # A cost model the user gives is kept.
+    assert SnipConfig(enabled=True, gemm_cost="bf16=1,fp8=0.6,fp4=0.3").resolved("te", sm=H100).gemm_cost == \
+        "bf16=1,fp8=0.6,fp4=0.3"
+    with pytest.raises(ValueError, match="SnipConfig.fp8_block_scales='fp32', but TE runs pow2"):
+        SnipConfig(enabled=True, fp8_block_scales="fp32").resolved("te", sm=H100)
+    with pytest.raises(ValueError, match="SnipConfig.fp4_recipe='mxfp4'"):
+        SnipConfig(enabled=True, fp4_recipe="mxfp4").resolved("te", sm=B200)
+    # bf16 vs fp8 for speed on Hopper: FP4 and its recipe do not matter.
+    fast = SnipConfig(enabled=True, precisions="bf16,fp8", budget="speedup", speedup=1.8, fp4_recipe="mxfp4",
+                      initial_precision="fp8").resolved("te", sm=H100)
+    assert fast.planner_config().budget == "speedup" and fast.planner_config().speedup == 1.8
+    with pytest.raises(ValueError, match=r"SnipConfig.speedup=2.5 cannot be reached: .* gives 2.00x"):
+        SnipConfig(enabled=True, precisions="fp8,fp4", budget="speedup", speedup=2.5).resolved("te", sm=H100)
+    assert SnipConfig(enabled=True, precisions="fp8,fp4", budget="speedup", speedup=2.5).resolved(
+        "te", sm=B200).gemm_cost.endswith("fp4=0.25")
+
+
+def test_emulated_params_and_options():
+    assert emulated_params("fp4") == {"precision": "fp4", "fp4_recipe": "nvfp4"}
+    assert emulated_params("bf16") == {"precision": "bf16"}
+    tp_only = te_params("fp8", formats=DEFAULT, sm=H100, options=TEOptions(tp_only_amax_red=True))
+    assert parse(tp_only).training_recipe.tp_only_amax_red is True
+    with pytest.raises(ValueError, match="tp_only_amax_red must be True or False"):
+        TEOptions(tp_only_amax_red="yes")
 
 
 def test_megatron_itself_rejects_delayed_per_module():
-    bad = te_params("fp8", sm=H100)
+    bad = te_params("fp8", formats=DEFAULT, sm=H100)
     bad["training_recipe"]["fp8_quantization_recipe"] = "delayed"
     with pytest.raises(ValueError, match="Delayed scaling"):
         parse(bad)

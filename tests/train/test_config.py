@@ -43,3 +43,27 @@ def test_local_backend_cannot_take_fp8():
 def test_defaults():
     c = TrainConfig(steps=50)
     assert c.num_warmup_steps == 5 and c.data_config.vocab_size == c.shape.vocab_size == 4096
+
+
+def test_te_backend_checks_its_formats_against_the_gpu(monkeypatch):
+    """Trainer's TE backend (a GPU only; its capability patched where SNIP reads it): the formats
+    must be what TE runs there, before any model is built."""
+    from types import SimpleNamespace
+
+    from snip_megatron.formats.precision import Formats
+    from snip_megatron.te import gpu
+    from snip_megatron.train.loop import Trainer
+
+    for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(gpu, "current_sm", lambda: 90)
+
+    def check(formats):
+        return Trainer._te_gpu(SimpleNamespace(config=TrainConfig(backend="te", formats=formats)))
+
+    assert check(Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")) == 90
+    assert check(Formats(fp8_block_scales="pow2", fp4_recipe="mxfp4")) == 90  # no TE FP4: refused per plan
+    with pytest.raises(ValueError, match="TrainConfig.formats.fp8_block_scales='fp32', but TE runs pow2"):
+        check(Formats())
+    with pytest.raises(ValueError, match=r"but Transformer Engine runs fp8=blockwise\(pow2\) fp4=nvfp4\(nearest\)"):
+        check(Formats(fp8_block_scales="pow2"))  # NVFP4 with stochastic gradients: not on SM90

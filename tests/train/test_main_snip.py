@@ -23,3 +23,28 @@ def test_compact_loop_with_snip_replans_and_logs(tmp_path):
     assert set(rows[0]["plan"].values()) == {"fp8"}           # the initial plan
     assert rows[1]["fp4_fraction"] >= 0.5 and rows[1]["solver"] in ("cbc", "exact")
     assert "[snip] step 4: plan" in out.stdout
+
+
+def test_te_backend_formats_are_resolved_for_the_gpu_or_refused(monkeypatch, capsys):
+    """The compact loop's TE backend takes the formats TE runs on this GPU (its capability patched
+    where SNIP reads it), like the Megatron-LM entry; without a GPU it stops at the flags."""
+    import pytest
+
+    from snip_megatron.formats.precision import Formats
+    from snip_megatron.te import gpu
+    from snip_megatron.train.__main__ import parse_args
+
+    for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "te", "--snip"])  # this machine has no GPU
+    assert "the TE backend needs a CUDA GPU" in capsys.readouterr().err
+    monkeypatch.setattr(gpu, "current_sm", lambda: 90)
+    train, snip, _ = parse_args(["--backend", "te", "--snip"])
+    assert train.formats == snip.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")
+    assert snip.gemm_cost == "bf16=1,fp8=0.5,fp4=1"
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "te", "--snip", "--snip-fp4-recipe", "mxfp4"])
+    assert "--snip-fp4-recipe='mxfp4'" in capsys.readouterr().err
+    train, _, _ = parse_args(["--snip"])  # the emulated backend: the recipes' own variants
+    assert train.formats == Formats()

@@ -27,19 +27,36 @@ What it models (the contract Megatron's wrappers rely on):
   and return shapes, TP column / row splitting with the same collectives (and sequence
   parallelism), TE's default init under the RNG tracker's fork;
 - the recipes (`Format`, `DelayedScaling`, `Float8CurrentScaling`, `Float8BlockScaling` with its
-  power-of-two switch, `MXFP8BlockScaling`, `NVFP4BlockScaling`, `CustomRecipe`), the autocast
+  power-of-two switch, `MXFP8BlockScaling`, `NVFP4BlockScaling` with its NVTE_NVFP4_DISABLE_*
+  switches, `CustomRecipe`), the autocast
   (`autocast` and the deprecated `fp8_autocast`: nesting, inner wins, `enabled=False` forces high
   precision, state restored on exit), `quantized_model_init` / `fp8_model_init`, and TE's
   per-module recipe bookkeeping (a same-family switch keeps the old quantizers, issue #3157; a
   class change warns);
 - numerics: inside an enabled autocast a linear's three GEMMs (fprop, dgrad, wgrad) run OUR exact
   emulation of the recipe, `snip_megatron.emulation.quantized_linear` with
-  `FormatSpec.for_precision(...)` (Float8BlockScaling -> blockwise, Float8CurrentScaling ->
-  tensorwise, MXFP8BlockScaling -> mxfp8, NVFP4BlockScaling -> nvfp4); variants our formats lack
-  (power-of-two block scales, E4M3-only tensorwise, E5M2-gradient blockwise / MXFP8, NVFP4 with
-  RHT / stochastic rounding / 2D blocks off, delayed scaling, custom recipes) are recorded on the
-  module (`last_run`, `run_counts`) and refused with NotImplementedError naming the variant;
-  outside an autocast, plain GEMMs in the activation dtype;
+  `snip_megatron.formats.Formats(...).spec(precision)` (Float8BlockScaling -> blockwise, with TE's
+  power-of-two scales by default or FP32 ones under NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, E4M3 or
+  HYBRID; Float8CurrentScaling -> tensorwise, E4M3 or HYBRID; MXFP8BlockScaling -> mxfp8;
+  NVFP4BlockScaling -> nvfp4, stochastic or (NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1) nearest
+  gradient rounding); every run is recorded on the module (`last_run`, with the FormatSpec it ran,
+  and `run_counts`); variants our formats lack (power-of-two current scaling, MXFP8 HYBRID, NVFP4
+  without RHT or 16x16 weights, delayed scaling, amax epsilons, other block dims) are refused with
+  NotImplementedError naming the variant;
+- `CustomRecipe` and TE 2.14's qfactory protocol: a module (re)initialised on a custom recipe calls
+  `qfactory(role)` once per te.Linear role ("linear_input", "linear_weight", "linear_output",
+  "linear_grad_output", "linear_grad_input") and keeps the quantizers; the reference NVFP4 factory
+  Megatron is given on GPUs before Blackwell
+  (`pytorch/custom_recipes/quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory`, resolved by
+  Megatron's `fp8_utils._get_custom_recipe(path)`) exists with TE's quantizer settings, and exactly
+  its quantizers map to nvfp4 with nearest gradient rounding (TE's reference quantizer has no
+  stochastic rounding); any other factory is refused;
+- the GPU generation: `pytorch/utils.get_device_compute_capability()` reads
+  TE_DOUBLE_COMPUTE_CAPABILITY ("9.0", "10.0"; default 10.0), and TE 2.14's checks run on it:
+  `check_recipe_support` at autocast entry (FP8 SM89+, blockwise SM90+, MXFP8 SM100-119), the
+  default recipe, `is_*_available`, and two kernel checks at a module's forward (NVFP4 kernels need
+  SM100+; on SM100+ blockwise FP8 runs through MXFP8 and needs power-of-two scales), RuntimeError
+  as TE raises;
 - `CudaRNGStatesTracker` (CPU generator states stand in for CUDA ones).
 
 Deliberate differences from TE: stochastic rounding draws from a CPU generator per module
@@ -57,9 +74,10 @@ numbers), delayed scaling's amax history, amax reductions across TP or DP groups
 sequence-parallel gather (the double quantizes the gathered tensor), calibration, FP8 attention,
 context parallelism, packed sequences, sliding windows, TE activation checkpointing, fused wgrad
 accumulation into `main_grad`, delayed wgrad, the op fuser (`pytorch.ops`), grouped GEMMs (MoE),
-fused RoPE / cross entropy / permutation kernels, TE's optimizers, and GPU capability checks
-(every recipe "is available"). Those raise NotImplementedError or are absent where Megatron
-tolerates an ImportError.
+fused RoPE / cross entropy / permutation kernels, TE's optimizers, the CUDA version part of TE's
+capability checks, the reference quantizer's own arithmetic (its quantizers only carry settings)
+and TE's Hadamard sign vector (our emulation uses its own fixed one). Those raise
+NotImplementedError or are absent where Megatron tolerates an ImportError.
 """
 
 from importlib import metadata

@@ -5,9 +5,10 @@ Follows TE 2.14's `FP8GlobalStateManager`, `autocast` / `fp8_autocast` and `quan
 - `autocast(enabled, recipe, amax_reduction_group)` saves the whole state, sets its own (so an
   inner context overrides an outer one, and `enabled=False` turns quantization off inside), and
   restores the saved state on exit, however the block ends;
-- a recipe of None means the default recipe; the double's default is `DelayedScaling()` (TE's on
-  Hopper; TE picks MXFP8 on Blackwell), which the double's linears refuse to run;
-- hardware support checks always pass: the double emulates every recipe on the CPU;
+- a recipe of None means TE's default recipe for the GPU (MXFP8 on SM100-119, current scaling on
+  SM120+, else `DelayedScaling()`, which the double's linears refuse to run);
+- TE's hardware support checks (`check_recipe_support` at autocast entry, `is_*_available`)
+  against the capability of `pytorch/utils.py` (TE_DOUBLE_COMPUTE_CAPABILITY, default 10.0);
 - `quantized_model_init(enabled=True)` (FP8/FP4 weight storage) is recorded in the state and
   refused by the double's modules at construction; `enabled=False` is what Megatron opens around
   every TE linear it builds.
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from transformer_engine.common.recipe import DelayedScaling, Format, Recipe
+from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
+                                              Format, MXFP8BlockScaling, Recipe)
+from transformer_engine.pytorch.utils import get_device_compute_capability
 
 __all__ = [
     "autocast", "quantized_model_init", "is_fp8_available", "is_mxfp8_available",
@@ -29,7 +32,53 @@ __all__ = [
 ]
 
 
+def check_fp8_support() -> Tuple[bool, str]:
+    if get_device_compute_capability() >= (8, 9):
+        return True, ""
+    return False, "Device compute capability 8.9 or higher required for FP8 execution."
+
+
+def check_mxfp8_support() -> Tuple[bool, str]:
+    if get_device_compute_capability() >= (12, 0):
+        return False, "MXFP8 (for all gemm layouts) is not supported on 12.0+ architectures yet."
+    if get_device_compute_capability() >= (10, 0):
+        return True, ""
+    return False, "Device compute capability 10.0 or higher required for MXFP8 execution."
+
+
+def check_nvfp4_support() -> Tuple[bool, str]:
+    if get_device_compute_capability() >= (10, 0):
+        return True, ""
+    return False, "Device compute capability 10.0 or higher required for NVFP4 execution."
+
+
+def check_fp8_block_scaling_support() -> Tuple[bool, str]:
+    # TE also needs CUDA >= 12.9 here; the double has no CUDA version to check.
+    if get_device_compute_capability() >= (9, 0):
+        return True, ""
+    return False, "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
+
+
+def check_recipe_support(recipe: Optional[Recipe]) -> None:
+    """TE 2.14's check at autocast entry (NVFP4 and custom recipes are not checked here; NVFP4's
+    kernels fail later, which the double's modules model)."""
+    supported, reason = True, ""
+    if isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        supported, reason = check_fp8_support()
+    elif isinstance(recipe, Float8BlockScaling):
+        supported, reason = check_fp8_block_scaling_support()
+    elif isinstance(recipe, MXFP8BlockScaling):
+        supported, reason = check_mxfp8_support()
+    if not supported:
+        raise RuntimeError(reason)
+
+
 def get_default_fp8_recipe() -> Recipe:
+    """TE 2.14: MXFP8 where it runs, current scaling on SM120+, else delayed scaling."""
+    if check_mxfp8_support()[0]:
+        return MXFP8BlockScaling()
+    if get_device_compute_capability() >= (12, 0):
+        return Float8CurrentScaling()
     return DelayedScaling()
 
 
@@ -37,15 +86,16 @@ def get_default_recipe() -> Recipe:
     return get_default_fp8_recipe()
 
 
-def _available(return_reason: bool = False):
-    return (True, "") if return_reason else True
+def _reporting(check):
+    def available(return_reason: bool = False):
+        return check() if return_reason else check()[0]
+    return available
 
 
-is_fp8_available = is_mxfp8_available = is_fp8_block_scaling_available = is_nvfp4_available = _available
-
-
-def check_recipe_support(recipe: Optional[Recipe]) -> None:
-    """TE checks the GPU's compute capability here; the double emulates every recipe."""
+is_fp8_available = _reporting(check_fp8_support)
+is_mxfp8_available = _reporting(check_mxfp8_support)
+is_fp8_block_scaling_available = _reporting(check_fp8_block_scaling_support)
+is_nvfp4_available = _reporting(check_nvfp4_support)
 
 
 def get_fp8_torch_dtype(fp8_recipe: Recipe, fprop_tensor: bool = True) -> torch.dtype:
@@ -78,9 +128,19 @@ class FP8GlobalStateManager:
 
     @classmethod
     def is_fp8_available(cls):
-        return True, ""
+        return check_fp8_support()
 
-    is_mxfp8_available = is_fp8_block_scaling_available = is_nvfp4_available = is_fp8_available
+    @classmethod
+    def is_mxfp8_available(cls):
+        return check_mxfp8_support()
+
+    @classmethod
+    def is_fp8_block_scaling_available(cls):
+        return check_fp8_block_scaling_support()
+
+    @classmethod
+    def is_nvfp4_available(cls):
+        return check_nvfp4_support()
 
     @classmethod
     def is_fp8_enabled(cls) -> bool:

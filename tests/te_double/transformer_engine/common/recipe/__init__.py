@@ -202,7 +202,11 @@ class NVFP4BlockScaling(Recipe):
 
 @dataclass()
 class CustomRecipe(Recipe):
-    """Quantizers from a user factory `qfactory(role)` (the double's linears refuse to run it)."""
+    """Quantizers from a user factory: a module calls `qfactory(role)` once per tensor role when it
+    (re)initialises on this recipe, role one of "linear_input", "linear_weight", "linear_output",
+    "linear_grad_output", "linear_grad_input" (TE 2.14's stable contract for te.Linear); None means
+    that tensor is not quantized. The double's linears run only TE's reference NVFP4 factory's
+    quantizers (pytorch/module/_formats.py)."""
 
     qfactory: Callable[..., Any]
     fp8_dpa: bool = False

@@ -6,6 +6,9 @@ Per forward (`_quantization_for_forward`, after TE's `init_fp8_metadata` / `set_
 - inside, the module takes the autocast's recipe and group into `fp8_meta`; a recipe equal to the
   one it already holds changes nothing; a new recipe of the same family keeps the quantizers it
   has (see `_formats.quantizer_recipe`); a change of class warns "Recipe type changed ...";
+- a CustomRecipe gets its quantizers from `qfactory(role)` whenever it is (re)initialised, one call
+  per te.Linear role (TE's CustomRecipeState protocol), kept in `quantizers`;
+- TE's kernel checks on the double's GPU capability (`_formats.check_kernels`) raise RuntimeError;
 - what the module ran is recorded in `last_run` and counted in `run_counts` (tests read them);
   a recipe our formats cannot emulate is recorded and then refused with NotImplementedError.
 
@@ -46,7 +49,10 @@ class QuantizedRun:
     """Our recipe name the GEMMs ran ('blockwise', 'tensorwise', 'mxfp8', 'nvfp4'); None in high
     precision or when refused."""
     refused: Optional[str] = None
-    """The NotImplementedError message when the recipe has no emulation."""
+    """The error message when the recipe has no emulation (NotImplementedError) or the double's GPU
+    cannot run it (RuntimeError, TE's kernel checks)."""
+    spec: Optional[object] = None
+    """The snip_megatron FormatSpec the GEMMs ran (None in high precision or when refused)."""
 
     @property
     def label(self) -> str:
@@ -92,6 +98,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.last_run: Optional[QuantizedRun] = None
         self.run_counts: collections.Counter = collections.Counter()
         self._held_recipe: Optional[Recipe] = None
+        self.quantizers: Optional[dict] = None
+        """A CustomRecipe's quantizers by role, from its qfactory (None for the built-in recipes)."""
         self.sr_generator = torch.Generator().manual_seed(next(_SR_SEEDS))
 
     def set_tensor_parallel_group(self, tp_group) -> None:
@@ -149,6 +157,8 @@ class TransformerEngineBaseModule(torch.nn.Module):
             self.fp8_meta["recipe"] = current
             self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
             self._held_recipe = _formats.quantizer_recipe(self._held_recipe, current)
+            if self._held_recipe is current:
+                self.quantizers = _formats.make_quantizers(current)
             self.fp8_initialized = True
             if original is not None and not (isinstance(current, type(original))
                                              or isinstance(original, type(current))):
@@ -156,11 +166,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
                               f"{type(current).__name__}. This may affect model behavior.")
         held = self._held_recipe
         try:
-            spec = _formats.format_spec(held)
-        except NotImplementedError as error:
+            _formats.check_kernels(held)
+            spec = _formats.format_spec(held, self.quantizers)
+        except (NotImplementedError, RuntimeError) as error:
             self._record(QuantizedRun(True, current, held, None, refused=str(error)))
             raise
-        return self._record(QuantizedRun(True, current, held, spec.recipe), spec)
+        return self._record(QuantizedRun(True, current, held, spec.recipe, spec=spec), spec)
 
     def _record(self, run: QuantizedRun, spec=None):
         self.last_run = run
