@@ -134,7 +134,8 @@ class LinearProbe:
             x = x.detach().requires_grad_(True)
         mb = self.calls
         self.calls += 1
-        mode = self.c.mode_of(mb)
+        gmb = self.c.global_microbatch(mb)
+        mode = self.c.mode_of(gmb)
         if mode == "clean":
             x2 = x.detach().reshape(-1, x.shape[-1]).float()
             if mb == 0:
@@ -164,7 +165,7 @@ class LinearProbe:
             x.register_hook(_plain(on_gx))
         elif mode == "bwd_noise":
             t = self.c.scales[self.key][1]
-            eta = self._noise(x.shape, mb, noise.BACKWARD, not self.column, 1, x) * t
+            eta = self._noise(x.shape, gmb, noise.BACKWARD, not self.column, 1, x) * t
             self._add("bwd_eta_sq", _sq(eta))
             x.register_hook(lambda g: g + eta.to(g.dtype))
         return (x,) + tuple(args[1:])
@@ -175,7 +176,8 @@ class LinearProbe:
         y, rest = (output[0], tuple(output[1:])) if isinstance(output, tuple) else (output, None)
         x = args[0]
         mb = self.calls - 1
-        mode = self.c.mode_of(mb)
+        gmb = self.c.global_microbatch(mb)
+        mode = self.c.mode_of(gmb)
         if mode == "clean":
             self._add("y_sq", _sq(y.detach()))
 
@@ -197,15 +199,15 @@ class LinearProbe:
                 self._add("gw_sq", _sq(gw))
                 for p, e in self.w_errors.items():
                     self._add("gw_ew", _dot(gw, e), p)
-                if self.c.gets_forward_noise(mb):
-                    gz, zmb = self.c.forward_noise_part(g, mb)
+                if self.c.gets_forward_noise(gmb):
+                    gz, zmb = self.c.forward_noise_part(g, gmb)
                     z = self._noise(gz.shape, zmb, noise.FORWARD, self.column, self.stride, g)
                     self._add("fwd_zg_clean", _dot(z, gz))
 
             y.register_hook(_plain(on_gy))
             return None
         if mode == "fwd_noise":
-            z = self._noise(y.shape, mb, noise.FORWARD, self.column, self.stride, y)
+            z = self._noise(y.shape, gmb, noise.FORWARD, self.column, self.stride, y)
             self._add("fwd_z_sq", _sq(z))
             y = y + (self.c.scales[self.key][0] * z).to(y.dtype)
             y.register_hook(_plain(lambda g: self._add("fwd_zg_noisy", _dot(z, g))))
@@ -227,7 +229,7 @@ class Collector:
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, token_stride: int = 1, grad_token_stride: int = 1,
                  interleave_noise: bool = False,
-                 noise_on_halves: bool = False):
+                 noise_on_halves: bool = False, microbatch_offset: int = 0, microbatch_stride: int = 1):
         from snip_megatron.plan import all_keys
         from snip_megatron.stats.table import CANDIDATES
 
@@ -241,6 +243,10 @@ class Collector:
         self.halves = noise_on_halves
         if noise_on_halves and not interleave_noise:
             raise ValueError("noise_on_halves needs interleave_noise")
+        # This rank's micro-batch i is the step's micro-batch offset + stride * i (a data-parallel
+        # rank's share, in Megatron's sampler order): noise and the interleaving follow the sample,
+        # so a DP=2 step gets the noise a single process gives the same samples.
+        self.microbatch_offset, self.microbatch_stride = microbatch_offset, microbatch_stride
         self.mode = None
         self.scales: dict = {}
         self.table = StatsTable(keys=self.keys, precisions=self.precisions)
@@ -266,8 +272,16 @@ class Collector:
         self.mode = mode
         return self.table
 
+    def global_microbatch(self, mb: int) -> int:
+        """The step-wide index of this rank's micro-batch `mb` in the current pass (with halves,
+        noise micro-batch 2i + h is half h of clean micro-batch i)."""
+        if self.mode == "noise" and self.halves:
+            i, half = divmod(mb, 2)
+            return 2 * (self.microbatch_offset + self.microbatch_stride * i) + half
+        return self.microbatch_offset + self.microbatch_stride * mb
+
     def mode_of(self, mb: int) -> str:
-        """The mode of micro-batch `mb` in the current pass."""
+        """The mode of (step-wide) micro-batch `mb` in the current pass."""
         if self.mode == "noise":
             return "fwd_noise" if mb % 2 == 0 else "bwd_noise"
         return self.mode

@@ -183,7 +183,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                           tp_group=ps.get_tensor_model_parallel_group(),
                           token_stride=config.error_token_stride,
                           grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
-                          noise_on_halves=halves)
+                          noise_on_halves=halves, microbatch_offset=ps.get_data_parallel_rank(),
+                          microbatch_stride=ps.get_data_parallel_world_size())
     run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size)
     snap = _rng_snapshot()
     try:
@@ -208,7 +209,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 noisy = collector.begin("noise")
                 _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
                           micro_batch_size=noise_mbs,
-                          zero_loss=lambda mb: collector.mode_of(mb) == "bwd_noise")
+                          zero_loss=lambda mb: collector.mode_of(collector.global_microbatch(mb)) == "bwd_noise")
             else:
                 noisy = collector.begin("fwd_noise")
                 _run_pass(chunks, forward_step_func, batches, **run)

@@ -49,8 +49,11 @@ def build(tp=1, pp=1, seed=1234, reinit=True):
 
 LAYOUTS = {  # name -> (tp, pp, keep Megatron's own init)
     "single": (1, 1, False), "single_megatron": (1, 1, True),
-    "tp2": (2, 1, True), "pp2": (1, 2, False), "dp2": (1, 1, False),
+    "tp2": (2, 1, True), "pp2": (1, 2, False), "dp2": (1, 1, False), "single4": (1, 1, False),
 }
+DP2_STEP = 4
+"""Micro-batches in the dp2 step: each DP rank measures its share, as Megatron's sampler deals
+them (rank r: micro-batches r, r + 2, ...); single4 measures the whole step in one process."""
 
 
 def main():
@@ -80,6 +83,10 @@ def measure_layout(name: str):
     tp, pp, megatron_init = LAYOUTS[base]
     chunks = build(tp, pp, reinit=not megatron_init)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
+    if base in ("dp2", "single4"):
+        data = batches(num=DP2_STEP)
+        if base == "dp2":
+            data = data[dist.get_rank()::dist.get_world_size()]
     try:
         return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
                        micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05),
