@@ -39,5 +39,6 @@ setup(
     entry_points={"console_scripts": [
         "snip-train = snip_megatron.cli.train:cli",
         "snip-pretrain-gpt = snip_megatron.megatron.pretrain_gpt:cli",
+        "snip-bridge-pretrain = snip_megatron.bridge.cli:cli",
     ]},
 )
