@@ -38,6 +38,7 @@ setup(
     },
     entry_points={"console_scripts": [
         "snip-train = snip_megatron.cli.train:cli",
-        "snip-pretrain-gpt = snip_megatron.megatron.pretrain_gpt:cli",
+        "snip-pretrain-gpt = snip_megatron.pretrain.entry:cli",
+        "snip-bridge-pretrain = snip_megatron.bridge.cli:cli",
     ]},
 )

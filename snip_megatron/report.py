@@ -2,6 +2,7 @@
 plan table, and the drawings (precision per layer over training, the loss curve).
 
     python -m snip_megatron.report <run dir>
+    python -m snip_megatron.report export <run dir> --format megatron|bridge|json   (snip_megatron.export)
 
 `PlanLog` writes `<run dir>/snip_plans.jsonl` (one line per plan the controller applied: step, plan,
 solver, the cost table) and TensorBoard scalars; `make_report` reads it with
@@ -224,7 +225,15 @@ def make_report(run_dir: str | Path) -> dict[str, Path]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Draw SNIP's precision heat map and the loss curve.")
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["export"]:  # the plan as a static per-module config
+        from snip_megatron.export import main as export_main
+
+        return export_main(argv[1:])
+    parser = argparse.ArgumentParser(description="Draw SNIP's precision heat map and the loss curve "
+                                     "(`export RUN_DIR --format ...`: the plan as a per-module config).")
     parser.add_argument("run_dir")
     args = parser.parse_args(argv)
     try:

@@ -103,7 +103,9 @@ def adam_scales(t: StatsTable, model: str = "proportional") -> tuple[np.ndarray,
     norm of the BF16 update over all planned linears. model "uniform": the error spread evenly
     over the weights (a = mean of c^2/(sqrt v+eps)^2); "proportional": spread like the gradient's
     second moment v (a = sum v c^2/(sqrt v+eps)^2 / sum v).
-    Without optimizer state (before the first step) falls back to plain SGD: a = 1, U = sum ||G_W||^2."""
+    Without optimizer state (before the first step) falls back to plain SGD: a = 1, U = sum ||G_W||^2
+    (over a DP layout's per-micro-batch gradients, which are dp times the step's: /dp, so DP=n
+    and one process give the same U)."""
     numel = _c(t, "adam_numel")
     if (numel > 0).all():
         if model == "uniform" or not (_c(t, "adam_v_sum") > 0).all():  # (tables without v sums)
@@ -111,7 +113,8 @@ def adam_scales(t: StatsTable, model: str = "proportional") -> tuple[np.ndarray,
         else:
             a = _div(_c(t, "adam_dv_sq"), _c(t, "adam_v_sum"))
         return a, float(_c(t, "adam_upd_sq").sum())
-    return np.ones(len(t.keys)), float(_c(t, "gw_sq").sum())
+    dp = max(t.globals_.get("dp_size", 1.0), 1.0)
+    return np.ones(len(t.keys)), float(_c(t, "gw_sq").sum()) / dp
 
 
 def weight_divergence(t: StatsTable, p: Precision, adam_error_model: str = "proportional") -> np.ndarray:

@@ -77,6 +77,17 @@ class PlanMatcher(Matcher):
     def __repr__(self) -> str:
         return f"PlanMatcher(plan={self.plan!r}, layer_offset={self.layer_offset})"
 
+    def to_cfg_dict(self) -> dict:
+        """Plain, instantiable form: Megatron-Bridge writes every model config (quant_recipe
+        included) into each checkpoint's run_config.yaml, and needs this of a custom matcher."""
+        return {"_target_": f"{__name__}.PlanMatcher.from_cfg", "plan": self.plan.to_dict(),
+                "layer_offset": self.layer_offset}
+
+    @classmethod
+    def from_cfg(cls, plan, layer_offset: int = 0) -> "PlanMatcher":
+        """Inverse of `to_cfg_dict` (the plan as `Plan.to_dict` writes it)."""
+        return cls(plan if isinstance(plan, Plan) else Plan.from_dict(plan), layer_offset=layer_offset)
+
 
 def config_dict_for(backend: str = "emulated", *, sm: "int | None" = None,
                     te_options: "TEOptions | None" = None, formats: Formats = Formats()) -> dict[str, dict]:

@@ -28,19 +28,20 @@ WRAPPED = {
 """The functions SNIP wraps and the leading parameters it relies on."""
 
 
-def check_seams() -> None:
-    """Raise RuntimeError naming any wrapped Megatron function whose parameters changed."""
+def check_seams(wrapped: "dict | None" = None, loop: str = "Megatron-LM") -> None:
+    """Raise RuntimeError naming any wrapped function whose parameters changed (`wrapped`: a table
+    like WRAPPED, which is the default; `loop` names the framework in the message)."""
     import importlib
 
-    for (module_name, name), expected in WRAPPED.items():
+    for (module_name, name), expected in (WRAPPED if wrapped is None else wrapped).items():
         fn = getattr(importlib.import_module(module_name), name, None)
         if fn is None:
-            raise RuntimeError(f"{module_name}.{name} does not exist in this Megatron-LM; snip-megatron "
+            raise RuntimeError(f"{module_name}.{name} does not exist in this {loop}; snip-megatron "
                                "joins the training loop there and cannot run with this version")
         fn = getattr(fn, "__wrapped__", fn)
         have = tuple(inspect.signature(fn).parameters)[:len(expected)]
         if have != expected:
-            raise RuntimeError(f"{module_name}.{name} takes ({', '.join(have)}, ...) in this Megatron-LM; "
+            raise RuntimeError(f"{module_name}.{name} takes ({', '.join(have)}, ...) in this {loop}; "
                                f"snip-megatron was written for ({', '.join(expected)}, ...) and cannot "
                                "join the training loop safely")
 

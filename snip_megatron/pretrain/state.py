@@ -3,7 +3,8 @@
 The file lives in the checkpoint's iteration folder (`<save>/iter_<N>/snip_state.json`) and is
 written once that checkpoint is final (seams.py: after a synchronous save returns, or as the last
 finalize step of an asynchronous one), so it never names a checkpoint that does not exist.
-Plain JSON, never pickled.
+Plain JSON, never pickled. Megatron-Bridge writes the same folders and tracker, so its loop
+(snip_megatron.bridge.checkpoint) keeps the same file with the same functions.
 """
 
 from __future__ import annotations
@@ -26,11 +27,19 @@ def iteration_folder(root: "str | Path", iteration: "int | str") -> Path:
 def loaded_iteration(args) -> "int | str | None":
     """The iteration Megatron will load: `--ckpt-step`, else the tracker of `--load`; None when
     nothing is loaded (no `--load`, no checkpoint there yet, or `--finetune`, which resets the run)."""
-    if not getattr(args, "load", None) or getattr(args, "finetune", False):
+    return loaded_iteration_of(getattr(args, "load", None), getattr(args, "ckpt_step", None),
+                               getattr(args, "finetune", False))
+
+
+def loaded_iteration_of(load: "str | Path | None", ckpt_step: "int | None" = None,
+                        finetune: bool = False) -> "int | str | None":
+    """`loaded_iteration` from the three settings it reads (Megatron-LM's flags or Bridge's
+    CheckpointConfig fields of the same names)."""
+    if not load or finetune:
         return None
-    if getattr(args, "ckpt_step", None) is not None:
-        return int(args.ckpt_step)
-    tracker = Path(args.load) / TRACKER_FILE
+    if ckpt_step is not None:
+        return int(ckpt_step)
+    tracker = Path(load) / TRACKER_FILE
     if not tracker.is_file():
         return None
     text = tracker.read_text().strip()
@@ -49,7 +58,13 @@ def read_state(args) -> Optional[dict]:
     iteration = loaded_iteration(args)
     if iteration is None:
         return None
-    path = iteration_folder(args.load, iteration) / STATE_FILE
+    return read_state_file(iteration_folder(args.load, iteration) / STATE_FILE)
+
+
+def read_state_file(path: "str | Path") -> Optional[dict]:
+    """One snip_state.json, or None where the file is absent (a checkpoint written without SNIP).
+    A corrupt or foreign file is refused, naming it."""
+    path = Path(path)
     if not path.is_file():
         return None
     try:

@@ -183,7 +183,8 @@ class LinearProbe:
         c = self.c
         if c.mode is None:
             return None
-        self.current = mb, grad = self.ids.forward()
+        local, grad = self.ids.forward()
+        self.current = mb, grad = c.step_microbatch(local), grad
         if not grad:  # first forward of a checkpointed layer: statistics come from its recompute
             return None
         x = args[0]
@@ -341,7 +342,8 @@ class Collector:
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, token_stride: int = 1, grad_token_stride: int = 1,
                  interleave_noise: bool = False, noise_on_halves: bool = False,
-                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, device=None):
+                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, device=None,
+                 step_positions: "list[int] | None" = None):
         from snip_megatron.plan import all_keys
         from snip_megatron.stats.table import CANDIDATES
 
@@ -357,6 +359,9 @@ class Collector:
         self.halves = noise_on_halves
         if noise_on_halves and not interleave_noise:
             raise ValueError("noise_on_halves needs interleave_noise")
+        # the step-wide position of each micro-batch this rank measures (microbatches.step_positions):
+        # noise and the interleaving follow the sample, not the rank; None: 0, 1, ...
+        self.positions = None if step_positions is None else list(step_positions)
         if device is None:
             device = linears[0][1].weight.device if linears else torch.device("cpu")
         self.device = torch.device(device)
@@ -386,8 +391,18 @@ class Collector:
         self.mode = mode
         return self.acc
 
+    def step_microbatch(self, mb: int) -> int:
+        """The step-wide index of this rank's micro-batch `mb` in the current pass (with halves,
+        noise micro-batch 2i + h is half h of clean micro-batch i)."""
+        if self.positions is None:
+            return mb
+        if self.mode == "noise" and self.halves:
+            i, half = divmod(mb, 2)
+            return 2 * self.positions[i] + half
+        return self.positions[mb]
+
     def mode_of(self, mb: int) -> str:
-        """The mode of micro-batch `mb` in the current pass."""
+        """The mode of (step-wide) micro-batch `mb` in the current pass."""
         if self.mode == "noise":
             return "fwd_noise" if mb % 2 == 0 else "bwd_noise"
         return self.mode

@@ -34,7 +34,7 @@ from snip_megatron.stats.config import MeasureConfig
 from snip_megatron.megatron.apply import is_te_linear
 from snip_megatron.megatron.gemm_view import unfused
 from snip_megatron.stats.discover import _unwrap, planned_linears
-from snip_megatron.stats.microbatches import sample_microbatches, summed_mask
+from snip_megatron.stats.microbatches import sample_microbatches, step_positions, summed_mask
 from snip_megatron.stats.quant_error import ErrorFn, formats_error_fn
 from snip_megatron.stats.reduce import (ADAM_FIELDS, COLUMN_PARALLEL, gather_pp_tensor, megatron_groups, reduce_tp_dp_tensor,
                                         tp_sharded_mask)
@@ -244,14 +244,16 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
                 if len(chunks) > 1 else 1
             picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
+            positions = step_positions(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
             measured = [batches[i] for i in picked]
             per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
             loss_factor = 1.0 if per_token else len(measured) / len(batches)
             step_factor = dp * len(batches) / k_total  # sums over the sample -> a replica's whole step
-            # the noise pass: alternate micro-batches, or the two halves of a lone one
+            # the noise pass: alternate micro-batches of the step's sample, or the two halves of a
+            # lone one (decided for the whole sample, so every replica interleaves alike)
             noise_batches, noise_mbs = measured, micro_batch_size
-            interleave, halves = config.interleave_noise and len(measured) >= 2, False
-            if config.interleave_noise and len(measured) == 1:
+            interleave, halves = config.interleave_noise and k_total >= 2, False
+            if config.interleave_noise and k_total == 1 and len(measured) == 1:
                 cut = _halves(measured, micro_batch_size)
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
@@ -263,7 +265,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                                   token_stride=config.error_token_stride,
                                   grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
                                   noise_on_halves=halves, sequence_parallel=sp,
-                                  cp_rank=ps.get_context_parallel_rank(), cp_size=cp, device=device)
+                                  cp_rank=ps.get_context_parallel_rank(), cp_size=cp, device=device,
+                                  step_positions=positions)
         except Exception as exc:  # noqa: BLE001 - agreed on below, so no rank is left waiting
             setup_error = f"{type(exc).__name__}: {exc}"
         agree_on_failure(setup_error, "setting up the measurement")
@@ -312,7 +315,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                     noisy = collector.begin("noise")
                     _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
                               micro_batch_size=noise_mbs, loss_factor=loss_factor,
-                              zero_loss=lambda mb: collector.mode_of(mb) == "bwd_noise")
+                              zero_loss=lambda mb: collector.mode_of(collector.step_microbatch(mb)) == "bwd_noise")
                 else:
                     noisy = collector.begin("fwd_noise")
                     if measured:

@@ -50,6 +50,19 @@ def sample_microbatches(num_local: int, dp_rank: int, dp_size: int, k: "int | No
     return [((2 * i + 1) * num_local) // (2 * mine) for i in range(mine)], measured
 
 
+def step_positions(num_local: int, dp_rank: int, dp_size: int, k: "int | None",
+                   multiple: int = 1) -> list[int]:
+    """Each of this replica's sampled micro-batches' position among all the step's sampled
+    micro-batches, in the step's order: replica d's micro-batch i is the step's micro-batch
+    d + dp * i (Megatron's sampler deals each global micro-batch across the replicas). The noise
+    and the forward/backward-noise interleaving follow these positions, so a DP run draws for a
+    sample what one process measuring the same samples draws."""
+    step = sorted(d + dp_size * i for d in range(dp_size)
+                  for i in sample_microbatches(num_local, d, dp_size, k, multiple)[0])
+    at = {g: j for j, g in enumerate(step)}
+    return [at[dp_rank + dp_size * i] for i in sample_microbatches(num_local, dp_rank, dp_size, k, multiple)[0]]
+
+
 def summed_mask(table: StatsTable) -> np.ndarray:
     """Bool mask over `table.to_array()`: the fields that are sums over micro-batches (the
     run-level row is not)."""

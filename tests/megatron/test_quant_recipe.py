@@ -65,6 +65,19 @@ def test_matcher_refuses_a_linear_the_plan_lacks_and_bad_arguments():
         build_recipe(Plan.uniform(2, "fp8"), backend="tpu")
 
 
+def test_matcher_round_trips_through_its_config_dict():
+    """Megatron-Bridge writes quant_recipe into run_config.yaml through `to_cfg_dict` (and
+    instantiates `_target_` back): the plain form rebuilds an equal matcher."""
+    import importlib
+    import json
+
+    matcher = PlanMatcher(striped(4), layer_offset=2)
+    cfg = json.loads(json.dumps(matcher.to_cfg_dict()))  # plain JSON/YAML values only
+    module, cls, method = cfg.pop("_target_").rsplit(".", 2)
+    rebuilt = getattr(getattr(importlib.import_module(module), cls), method)(**cfg)
+    assert rebuilt.plan == matcher.plan and rebuilt.layer_offset == 2
+
+
 def test_plan_matcher_composes_with_other_matchers_first_match_wins():
     plan = Plan.uniform(2, "fp4")
     base = build_recipe(plan)

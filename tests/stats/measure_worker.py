@@ -39,8 +39,14 @@ LAYOUTS = {  # name -> (tp, pp, keep Megatron's own init, TransformerConfig over
     "tp2_sp_full": (2, 1, True, dict(sequence_parallel=True, **FULL_RECOMPUTE), None),
     "pp2_full": (1, 2, False, FULL_RECOMPUTE, None),
     # micro-batch sampling: one of two micro-batches in one process, one per replica of two
-    "single_k1": (1, 1, False, {}, 1), "dp2_k2": (1, 1, False, {}, 2),
+    "dp2_k2": (1, 1, False, {}, 2),
+    # a step of DP2_STEP micro-batches: dp2 and dp2_k2 deal it across two replicas, single4 measures
+    # it whole in one process, pair the two micro-batches dp2_k2 samples (its replicas' second ones)
+    "single4": (1, 1, False, {}, None), "pair": (1, 1, False, {}, None),
 }
+DP2_STEP = 4
+"""Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
+micro-batches r, r + 2, ...)."""
 
 
 @contextlib.contextmanager
@@ -124,6 +130,12 @@ def measure_layout(name: str):
     tp, pp, megatron_init, overrides, k = LAYOUTS[base]
     chunks = build(tp, pp, reinit=not megatron_init, **overrides)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
+    if base in ("dp2", "dp2_k2", "single4", "pair"):
+        data = batches(num=DP2_STEP)
+        if base.startswith("dp2"):
+            data = data[dist.get_rank()::dist.get_world_size()]
+        elif base == "pair":
+            data = data[2:]
     try:
         with cpu_current_device() if overrides.get("sequence_parallel") else contextlib.nullcontext():
             return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,

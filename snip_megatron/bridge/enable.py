@@ -1,0 +1,101 @@
+"""enable_snip: SNIP in a Megatron-Bridge pretrain() (the one call a user's script adds).
+
+    pretrain(cfg, forward_step, callbacks=enable_snip(cfg, SnipConfig(enabled=True, fp4_budget=0.75)))
+
+Everything a setting can break is checked here, before Bridge starts: the Bridge settings that
+fight a plan (snip_megatron.bridge.refusals), the SNIP settings against this run (the warm-up
+against `train.train_iters`, a saved plan against the model, the config's own quant_recipe), and
+the SNIP state of the checkpoint Bridge will resume, read before the model is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from snip_megatron.config import SnipConfig
+
+
+def enable_snip(cfg, snip: SnipConfig) -> list:
+    """Set `cfg` (a Bridge ConfigContainer) up for SNIP and return the callbacks for `pretrain`.
+
+    Sets `cfg.model.transformer_layer_spec` (SNIP's linears and each chunk's quant_recipe from the
+    plan) and `cfg.checkpoint.custom_manager_class` (SNIP's state with Bridge's checkpoints), and
+    wraps Bridge's train_step (the measurement needs the step's data). Raises ValueError listing
+    every setting to change. With `snip.enabled` false (and no `plan` or `baseline`, which switch
+    it on) it changes nothing and returns [].
+    """
+    from megatron.bridge.training.config import ConfigContainer
+
+    if not isinstance(cfg, ConfigContainer):
+        raise ValueError(f"enable_snip needs Bridge's ConfigContainer, got {type(cfg).__name__}")
+    if not isinstance(snip, SnipConfig):
+        raise ValueError(f"enable_snip needs a SnipConfig, got {type(snip).__name__}")
+    from snip_megatron.bridge.run import _print_rank_0
+
+    if not snip.enabled and (snip.plan is not None or snip.baseline is not None):
+        snip = dataclasses.replace(snip, enabled=True)  # asking for a plan is asking to run it
+    if not snip.enabled:
+        _print_rank_0("[snip] off (SnipConfig.enabled is false): Bridge trains the model as configured")
+        return []
+    run = prepare_run(cfg, snip)
+    return install(cfg, run)
+
+
+def prepare_run(cfg, snip: SnipConfig):
+    """The BridgeRun of `cfg`, after every check; changes nothing (ValueError listing what to change)."""
+    from snip_megatron.bridge.checkpoint import MANAGER, expected_resume
+    from snip_megatron.bridge.model import SnipLayerSpec, spec_for_backend
+    from snip_megatron.bridge.refusals import backend_of, refusals
+    from snip_megatron.bridge.run import BridgeRun
+    from snip_megatron.controller import initial_plan
+    from snip_megatron.plan import Plan
+    from snip_megatron.pretrain.model import check_user_recipe
+
+    model = cfg.model
+    if isinstance(getattr(model, "transformer_layer_spec", None), SnipLayerSpec):
+        raise ValueError("enable_snip was already called on this config; call it once per ConfigContainer")
+    backend = backend_of(model)
+    refused = refusals(cfg, snip, backend)
+    if refused:
+        raise ValueError("this Megatron-Bridge run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))
+    num_layers = model.num_layers
+    try:
+        snip.warmup_steps(cfg.train.train_iters)
+    except ValueError as e:
+        raise ValueError(f"{e} (Bridge's train.train_iters)") from None
+    initial_plan(snip, num_layers)  # a saved plan (snip.plan) must fit the model
+    check_user_recipe(getattr(model, "quant_recipe", None), num_layers, "model.quant_recipe")
+    iteration, state = expected_resume(cfg.checkpoint)
+    if state is not None:
+        where = f"the SNIP state of checkpoint iteration {iteration} under {cfg.checkpoint.load}"
+        try:
+            Plan.from_dict(state["plan"]).check_model(num_layers)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{where} does not fit this model ({e}); resume with the model it was "
+                             "trained with") from None
+    inner = cfg.checkpoint.custom_manager_class
+    return BridgeRun(cfg=cfg, snip=snip, backend=backend,
+                     user_spec=spec_for_backend(model.transformer_layer_spec, backend),
+                     user_recipe=getattr(model, "quant_recipe", None),
+                     inner_manager=None if inner == MANAGER else inner,
+                     resumed=state, resumed_iteration=iteration)
+
+
+def install(cfg, run) -> list:
+    """Make `run` the active SNIP run of `cfg`: layer spec, checkpoint manager, train_step seam."""
+    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+
+    from snip_megatron.bridge import seams
+    from snip_megatron.bridge.callbacks import SnipCallback
+    from snip_megatron.bridge.checkpoint import MANAGER
+    from snip_megatron.bridge.model import SnipLayerSpec
+    from snip_megatron.bridge.run import activate
+
+    seams.install()  # checks Bridge's train_step first: a changed Bridge stops here
+    # Bridge instantiates the checkpoint manager (and any _target_ in a run_config.yaml) only from
+    # allow-listed module prefixes.
+    register_allowed_target_prefix("snip_megatron.")
+    cfg.model.transformer_layer_spec = SnipLayerSpec(run.user_spec)
+    cfg.checkpoint.custom_manager_class = MANAGER
+    activate(run)
+    return [SnipCallback(run)]

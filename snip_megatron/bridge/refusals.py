@@ -1,0 +1,154 @@
+"""The Megatron-Bridge settings a SNIP run cannot honour, one line each with the field and the fix.
+
+A per-layer plan needs every planned linear free to run BF16, FP8 or FP4 and to switch between
+them: Bridge's global FP8/FP4 (its mixed-precision recipes or the model's own fields), fixed
+BF16 layers, FP8/FP4 parameter storage and CUDA graphs fight that. The measurement also reads
+each linear's full weight and gradient in an ordinary backward, which some features change.
+`refusals` reads the ConfigContainer only; it is run by `enable_snip` and again on the final
+model config right before the model is built (Bridge applies the mixed-precision recipe in between).
+"""
+
+from __future__ import annotations
+
+BACKENDS = ("emulated", "te")
+"""Planned-linear backends: SNIP's emulated linears (model.transformer_impl='local') or Megatron's
+Transformer Engine linears planned through quant_recipe (model.transformer_impl='transformer_engine')."""
+
+_FIX_MP = ("use mixed_precision='bf16_mixed' (or None); SNIP chooses FP8/FP4 per layer "
+           "(SnipConfig.precisions, initial_precision)")
+
+
+def backend_of(model) -> str:
+    """emulated for Megatron's local layers, te for its Transformer Engine layers."""
+    return "te" if getattr(model, "transformer_impl", None) == "transformer_engine" else "emulated"
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # absent, or a broken install (it raises RuntimeError without CUDA)
+        return False
+    return True
+
+
+def mixed_precision_of(cfg):
+    """cfg.mixed_precision as a MixedPrecisionConfig (a recipe name resolved, cfg unchanged), or None."""
+    mp = getattr(cfg, "mixed_precision", None)
+    if isinstance(mp, str):
+        from megatron.bridge.training.mixed_precision import get_mixed_precision_config
+
+        return get_mixed_precision_config(mp)  # a fresh object: cfg keeps its string
+    return mp
+
+
+def precision_fields(obj, where: str) -> list[str]:
+    """The global FP8/FP4 and BF16-layer settings of a model or mixed-precision config."""
+    out = []
+
+    def refuse(when, text):
+        if when:
+            out.append(text)
+
+    get = lambda name, default=None: getattr(obj, name, default)  # noqa: E731
+    refuse(get("fp8"), f"{where}.fp8={get('fp8')!r} turns on one global FP8 autocast (recipe "
+           f"{get('fp8_recipe')!r}), which fights SNIP's per-layer plan")
+    refuse(get("fp4"), f"{where}.fp4={get('fp4')!r} turns on one global FP4 autocast (recipe "
+           f"{get('fp4_recipe')!r}), which fights SNIP's per-layer plan")
+    for name in ("fp8_param", "fp8_param_gather", "fp4_param", "fp4_param_gather"):
+        refuse(get(name), f"{where}.{name}=True stores weights in {name[:3].upper()}, so a layer "
+               "cannot change precision")
+    refuse(get("reuse_grad_buf_for_mxfp8_param_ag"), f"{where}.reuse_grad_buf_for_mxfp8_param_ag=True "
+           "goes with MXFP8 parameter storage, so a layer cannot change precision")
+    refuse(get("first_last_layers_bf16"), f"{where}.first_last_layers_bf16=True keeps the first "
+           f"{get('num_layers_at_start_in_bf16')} and last {get('num_layers_at_end_in_bf16')} layers "
+           "in BF16 by rule (the planner decides instead; SnipConfig.baseline='first_last_k' is that rule)")
+    if not get("first_last_layers_bf16") and where == "mixed_precision":
+        # On the model config these counts act only with first_last_layers_bf16 (their default there is 1).
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            refuse(get(name, 0), f"{where}.{name}={get(name)} keeps layers in BF16 by rule")
+    refuse(get("fp8_dot_product_attention") or get("fp8_multi_head_attention"),
+           f"{where}.fp8_dot_product_attention / fp8_multi_head_attention run attention under a "
+           "global FP8 autocast")
+    return out
+
+
+def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
+    """Every setting of `cfg` this SNIP run cannot honour (empty: nothing to change)."""
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+
+    model = cfg.model
+    if not isinstance(model, GPTModelProvider):
+        return [f"model is a {type(model).__name__}: SNIP plans GPT models built by GPTModelProvider "
+                "(the gpt, llama, qwen ... recipes)"]
+    backend = backend or backend_of(model)
+    out = []
+
+    def refuse(when, text):
+        if when:
+            out.append(text)
+
+    # A mixed-precision config overwrites the model's, DDP's and optimizer's fields of the same
+    # names when pretrain() starts (MixedPrecisionConfig.setup): its values are the ones that act.
+    mp = mixed_precision_of(cfg)
+    if mp is not None:
+        name = cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else "MixedPrecisionConfig"
+        out += [f"mixed_precision={name!r}: {line}; {_FIX_MP}" for line in precision_fields(mp, "mixed_precision")]
+    else:
+        out += [f"{line}; set it off ({_FIX_MP})" for line in precision_fields(model, "model")]
+        for section in ("ddp", "optimizer"):
+            obj = getattr(cfg, section, None)
+            for name in ("fp8_param_gather", "fp4_param_gather", "reuse_grad_buf_for_mxfp8_param_ag"):
+                refuse(getattr(obj, name, False), f"{section}.{name}=True stores or gathers weights in "
+                       "FP8/FP4, so a layer cannot change precision; set it False")
+    refuse(getattr(model, "use_kitchen", False), "model.use_kitchen=True quantizes through NVIDIA "
+           "Kitchen instead of SNIP's plan; set it False")
+
+    refuse(getattr(model, "num_moe_experts", None), "model.num_moe_experts (MoE): SNIP plans dense GPT "
+           "layers only; expert linears would run unplanned. Train dense, or run without SNIP")
+    refuse(getattr(model, "multi_latent_attention", False), "model.multi_latent_attention: SNIP plans "
+           "linear_qkv/linear_proj attention only")
+    refuse(getattr(model, "mtp_num_layers", None), "model.mtp_num_layers (multi-token prediction): its "
+           "layers would run unplanned; set it None")
+    refuse(getattr(model, "use_transformer_engine_full_layer_spec", False), "model.use_transformer_engine_"
+           "full_layer_spec: TE's fused TransformerLayer has no planned linears; set it False")
+    impl = getattr(model, "transformer_impl", None)
+    refuse(impl not in ("local", "transformer_engine"), f"model.transformer_impl={impl!r}: SNIP needs "
+           "'local' (SNIP's emulated linears) or 'transformer_engine' (TE linears planned per module)")
+    refuse(backend == "te" and not te_available(), "model.transformer_impl='transformer_engine': "
+           "Transformer Engine is not installed here; use model.transformer_impl='local' (SNIP's "
+           "emulated linears) with model.transformer_layer_spec=local_layer_spec")
+    refuse(getattr(model, "cuda_graph_impl", "none") not in (None, "none")
+           or getattr(model, "enable_cuda_graph", False) or getattr(model, "external_cuda_graph", False),
+           "CUDA graphs (model.cuda_graph_impl / enable_cuda_graph) capture one precision per layer; "
+           "SNIP re-plans: set cuda_graph_impl='none'")
+    comm = getattr(cfg, "comm_overlap", None)
+    refuse(getattr(model, "tp_comm_overlap", False) or getattr(comm, "tp_comm_overlap", False),
+           "tp_comm_overlap (Transformer Engine userbuffers) does not support per-layer precision "
+           "switching; set model.tp_comm_overlap / comm_overlap.tp_comm_overlap False")
+    refuse(getattr(model, "delay_wgrad_compute", False), "model.delay_wgrad_compute: SNIP's measurement "
+           "reads each weight gradient in its own backward; set it False")
+    refuse(getattr(cfg, "peft", None) is not None, "peft: SNIP plans pretraining; PEFT wraps the "
+           "planned linears and freezes them. Run without SNIP, or without peft")
+
+    ckpt = cfg.checkpoint
+    refuse(getattr(ckpt, "non_persistent_save_interval", None), "checkpoint.non_persistent_save_interval: "
+           "SNIP writes its state beside persistent checkpoints only, so a resume from a non-persistent "
+           "one would lose the plan; use checkpoint.save_interval")
+
+    measures = snip.measures or snip.baseline == "min_rel_error"
+    fix = "or pin a plan (snip.plan=PATH snip.pin_plan=true)"
+    refuse(measures and getattr(model, "sequence_parallel", False), f"model.sequence_parallel: SNIP's "
+           f"measurement does not support it yet; set it False, {fix}")
+    refuse(measures and (getattr(model, "context_parallel_size", 1) or 1) > 1, "model.context_parallel_size "
+           f"> 1: SNIP's measurement does not support it yet; use 1, {fix}")
+    refuse(measures and getattr(model, "recompute_granularity", None), f"model.recompute_granularity="
+           f"{getattr(model, 'recompute_granularity', None)!r}: SNIP's measurement does not support "
+           f"activation recompute yet; set it None, {fix}")
+    dist = getattr(cfg, "dist", None)
+    refuse(measures and (getattr(dist, "use_megatron_fsdp", False) or getattr(dist, "use_torch_fsdp2", False)
+                         or getattr(cfg.ddp, "use_megatron_fsdp", False)),
+           f"FSDP (dist.use_megatron_fsdp / use_torch_fsdp2): SNIP's measurement reads each linear's "
+           f"full weight; use the distributed optimizer instead, {fix}")
+    refuse(measures and getattr(cfg.dataset, "dataloader_type", None) == "batch", "dataset.dataloader_type="
+           f"'batch' (variable-length finetuning batches): SNIP measures on pretraining micro-batches; {fix}")
+    return out

@@ -1,0 +1,85 @@
+"""The one Megatron-Bridge function SNIP wraps: `megatron.bridge.training.train.train_step`.
+
+Why: Bridge's callbacks (on_train_step_start and the rest) get the model and optimizer but no
+data iterator, and a measurement runs on the micro-batches of the step about to train. So, on
+every rank, before Bridge's train_step, the wrapper lets the controller read the step's
+micro-batches ahead (train_step then trains on exactly those: `MegatronStep` replays them), measure
+and apply a new plan, and it re-seeds the emulated linears' stochastic rounding for the step.
+Bridge's `train()` looks `train_step` up in its module when it starts, so the wrapper is installed
+there (by `enable_snip`, before pretrain) and passes through for any pretrain() that is not the
+active SNIP run's. Its parameters are checked against the ones this code was written for
+(`check_seams`) before anything is wrapped, so a Bridge that changed them fails at start-up with
+the function named, never mid-run (tests/bridge/test_seams.py fails too).
+"""
+
+from __future__ import annotations
+
+import functools
+
+MODULE = "megatron.bridge.training.train"
+WRAPPED = {
+    (MODULE, "train_step"):
+        ("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
+}
+"""The wrapped function and the leading parameters the wrapper relies on (Bridge 0.6.2)."""
+
+_ORIGINAL = None
+
+
+def check_seams() -> None:
+    """Raise RuntimeError naming the wrapped Bridge function if its parameters changed."""
+    from snip_megatron.pretrain.seams import check_seams as check
+
+    check(WRAPPED, loop="Megatron-Bridge")
+
+
+def install() -> None:
+    """Wrap Bridge's train_step (once per process; pass-through for runs without SNIP)."""
+    global _ORIGINAL
+    import importlib
+
+    if _ORIGINAL is not None:
+        return
+    check_seams()
+    train = importlib.import_module(MODULE)
+    original = train.train_step
+
+    @functools.wraps(original)
+    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,
+                   *args, **kwargs):
+        data_iterator = step_begin(forward_step_func, data_iterator, model, optimizer, global_state)
+        return original(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,
+                        *args, **kwargs)
+
+    train.train_step = train_step
+    _ORIGINAL = original
+
+
+def uninstall() -> None:
+    """Put Bridge's own train_step back."""
+    global _ORIGINAL
+    import importlib
+
+    if _ORIGINAL is not None:
+        importlib.import_module(MODULE).train_step = _ORIGINAL
+        _ORIGINAL = None
+
+
+def step_begin(forward_step_func, data_iterator, model, optimizer, global_state):
+    """The step boundary of the active SNIP run (if this pretrain() is it); returns what
+    train_step must read this step."""
+    from snip_megatron.bridge.run import active
+    from snip_megatron.megatron.sr_seed import reseed_stochastic_rounding
+
+    run = active(global_state.cfg)
+    if run is None:
+        return data_iterator
+    if run.state is not global_state or run.loop is None:
+        raise RuntimeError("this pretrain() runs a config enable_snip(cfg, snip) set up, but without "
+                           "its callbacks or its layer spec: call pretrain(cfg, forward_step, "
+                           "callbacks=enable_snip(cfg, snip)) and leave cfg.model.transformer_layer_spec as set")
+    step = global_state.train_state.step + 1  # Bridge's step counts the steps completed
+    data_iterator = run.loop.step_begin(step, forward_step_func, model, optimizer, data_iterator)
+    # Gradient stochastic rounding: a stream per (layer, step), so a resumed run rounds alike.
+    reseed_stochastic_rounding(model, step, global_state.cfg.rng.seed)
+    return data_iterator

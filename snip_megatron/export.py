@@ -1,0 +1,194 @@
+"""A run's plan as a static per-module precision config: for Megatron-LM, Megatron-Bridge, or JSON.
+
+    python -m snip_megatron.report export RUN_DIR --format megatron|bridge|json [--step N] [--out FILE]
+
+The plan is the final one of `RUN_DIR/snip_plans.jsonl`, or with `--step N` the one in force at
+step N (the last plan applied at or before N). Formats:
+
+- `megatron`: the YAML Megatron-LM's `--te-precision-config-file` reads
+  (`megatron.core.quantization.utils.load_quantization_recipe`): one config per precision and one
+  glob matcher per planned linear, its exact module path (`decoder.layers.<i>.mlp.linear_fc1`);
+- `bridge`: the same recipe as a Megatron-Bridge config override, `model.quant_recipe` with
+  `_target_`s (Bridge's run_config.yaml form): `--config-file FILE` of a Bridge script or of
+  snip-bridge-pretrain, or `process_config_with_overrides(cfg, FILE)`;
+- `json`: the plan itself (`Plan.to_dict`, plus the step and the source), which `snip.plan` /
+  `--snip-plan` read (pin it with `snip.pin_plan` / `--snip-pin-plan`).
+
+Module paths carry the layer index *local to the pipeline stage* (and virtual chunk), and one file
+configures every rank, so a matcher cannot tell layer 1 of the first stage from layer 1 of the
+second. The megatron and bridge exports are therefore for one layout: PP=1 by default, or
+`--pp N [--vpp V]` (Megatron's even split). For PP > 1 the export is written only when every
+stage-local path gets one precision across all stages that have it, and refused otherwise,
+naming the path and the layers that disagree (train with PP=1 paths in mind, export the JSON
+plan and pin it, or keep SNIP's own matcher, which knows each chunk's offset). The configs
+are Transformer Engine's (`--backend te`, for `--sm`, default 100: native FP8 and FP4) or SNIP's
+emulated linears' (`--backend emulated`); a plan with FP4 on a GPU without TE FP4 kernels is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from snip_megatron.formats.precision import Formats, Precision
+from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan
+
+FORMATS = ("megatron", "bridge", "json")
+DEFAULT_NAMES = {"megatron": "snip_precision_config.yaml", "bridge": "snip_quant_recipe.yaml",
+                 "json": "snip_plan.json"}
+"""Output file in the run folder when `--out` is not given."""
+
+
+def plan_at(run_dir: "str | Path", step: "int | None" = None) -> tuple[int, Plan]:
+    """(step it was applied, plan) of the run's final plan, or of the plan in force at `step`."""
+    from snip_megatron.report import load_plan_history
+
+    history = load_plan_history(Path(run_dir))
+    if step is None:
+        return history[-1]
+    before = [(s, p) for s, p in history if s <= step]
+    if not before:
+        raise ValueError(f"--step {step}: the run's first plan was applied at step {history[0][0]}")
+    return before[-1]
+
+
+def _chunks(num_layers: int, pp: int, vpp: "int | None") -> list[tuple[int, int | None, int, int]]:
+    """(pp rank, virtual stage, layer offset, layers) of every model chunk, by Megatron's own split."""
+    if pp == 1 and vpp is None:
+        return [(0, None, 0, num_layers)]
+    from snip_megatron.megatron.layout import chunk_layers, layout_config
+    from snip_megatron.shapes import ModelShape
+
+    # Only the layer count matters to the split; the other fields just make a valid config.
+    shape = ModelShape(name="export", num_layers=num_layers, hidden_size=64, ffn_hidden_size=64,
+                       num_attention_heads=1, num_query_groups=1)
+    config = layout_config(shape, pp=pp, vpp=vpp)
+    return [(rank, vp, *chunk_layers(config, rank, vp)) for rank in range(pp)
+            for vp in (range(vpp) if vpp else [None])]
+
+
+def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None) -> dict[str, Precision]:
+    """Stage-local module path -> precision for the layout; ValueError where one path would need
+    two precisions (see the module docstring)."""
+    from snip_megatron.megatron.layout import module_path
+
+    if not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"--pp must be a positive integer, got {pp!r}")
+    if vpp is not None and (pp < 2 or not isinstance(vpp, int) or vpp < 1):
+        raise ValueError(f"--vpp {vpp} needs --pp >= 2 and a positive integer")
+    out: dict[str, Precision] = {}
+    seen: dict[str, list] = {}
+    for _rank, _vp, offset, count in _chunks(plan.num_layers, pp, vpp):
+        for local in range(count):
+            for name in LINEAR_NAMES:
+                key = LayerKey(offset + local + 1, name)
+                path = module_path(local, name)
+                seen.setdefault(path, []).append((key, plan[key]))
+                out.setdefault(path, plan[key])
+    for path, entries in seen.items():
+        if len({p for _, p in entries}) > 1:
+            detail = ", ".join(f"layer {k.layer} {p.value}" for k, p in entries)
+            raise ValueError(f"the plan cannot be written as one per-module config for PP={pp}"
+                             + (f" VPP={vpp}" if vpp else "") + f": {path} is {detail} on the stages "
+                             "that hold it, and a matcher sees only the stage-local path. Export for "
+                             "PP=1, or use --format json with snip.plan / --snip-plan (SNIP's matcher "
+                             "knows each chunk's layer offset)")
+    return out
+
+
+def precision_configs(precisions, *, backend: str = "te", sm: int = 100, fp8_recipe: "str | None" = None,
+                      fp4_recipe: str = "nvfp4") -> dict[str, dict]:
+    """{precision name: the config dict a planned linear reads in finish_init}, for those precisions."""
+    from snip_megatron.te.options import TEOptions
+    from snip_megatron.te.translate import emulated_params, te_config_dict
+
+    names = sorted({Precision.parse(p).value for p in precisions}, key=[p.value for p in Precision].index)
+    if backend == "emulated":
+        formats = Formats(fp8_recipe=fp8_recipe or Formats().fp8_recipe, fp4_recipe=fp4_recipe)
+        return {n: emulated_params(n, formats) for n in names}
+    if backend != "te":
+        raise ValueError(f"--backend {backend!r} is unknown; valid: te, emulated")
+    configs = te_config_dict(sm=sm, options=TEOptions(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe))
+    emulated = [n for n in names if configs[n].backend != "te"]
+    if emulated:
+        raise ValueError(f"the plan runs {', '.join(emulated)} linears, which SM{sm} has no Transformer "
+                         f"Engine kernel for; export for --sm 100 (Blackwell) or --backend emulated")
+    return {n: configs[n].config for n in names}
+
+
+def megatron_config(paths: dict[str, Precision], configs: dict[str, dict]) -> dict:
+    """The `--te-precision-config-file` document (RecipeConfig.from_config_dict's layout)."""
+    matchers = {f"snip_{i:04d}": {"type": "glob", "pattern": path, "config": p.value, "enabled": True}
+                for i, (path, p) in enumerate(paths.items())}
+    return {"configs": configs, "matchers": matchers}
+
+
+def bridge_config(paths: dict[str, Precision], configs: dict[str, dict]) -> dict:
+    """A Bridge config override setting `model.quant_recipe` (instantiated from its `_target_`s)."""
+    from megatron.core.quantization.quant_config import GlobMatcher, RecipeConfig
+
+    glob = f"{GlobMatcher.__module__}.{GlobMatcher.__qualname__}"
+    recipe = {"_target_": f"{RecipeConfig.__module__}.{RecipeConfig.__qualname__}",
+              "matchers": [{"_target_": glob, "pattern": path, "config_key": p.value} for path, p in paths.items()],
+              "config_dict": configs}
+    return {"model": {"quant_recipe": recipe}}
+
+
+def export(run_dir: "str | Path", fmt: str, *, step: "int | None" = None, out: "str | Path | None" = None,
+           pp: int = 1, vpp: "int | None" = None, backend: str = "te", sm: int = 100,
+           fp8_recipe: "str | None" = None, fp4_recipe: str = "nvfp4") -> Path:
+    """Write the run's plan (final, or in force at `step`) in `fmt`; returns the file written."""
+    import yaml
+
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
+    run_dir = Path(run_dir)
+    applied, plan = plan_at(run_dir, step)
+    target = Path(out) if out is not None else run_dir / DEFAULT_NAMES[fmt]
+    if fmt == "json":
+        doc = {**plan.to_dict(), "step": applied, "source": str(run_dir / "snip_plans.jsonl")}
+        text = json.dumps(doc, indent=1)
+    else:
+        paths = path_precisions(plan, pp=pp, vpp=vpp)
+        configs = precision_configs(set(paths.values()), backend=backend, sm=sm, fp8_recipe=fp8_recipe,
+                                    fp4_recipe=fp4_recipe)
+        doc = (megatron_config if fmt == "megatron" else bridge_config)(paths, configs)
+        layout = f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
+        text = (f"# SNIP plan of {run_dir} applied at step {applied}, digest {plan.digest()[:12]}: "
+                f"{plan.counts()}; module paths for {layout}, {backend} configs"
+                + (f" for SM{sm}" if backend == "te" else "") + "\n"
+                + yaml.safe_dump(doc, sort_keys=False))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    return target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("run_dir", help="the run folder (holds snip_plans.jsonl)")
+    parser.add_argument("--format", required=True, choices=FORMATS,
+                        help="megatron: --te-precision-config-file YAML; bridge: a model.quant_recipe "
+                             "config override; json: the plan (snip.plan / --snip-plan)")
+    parser.add_argument("--step", type=int, default=None, help="the plan in force at this step (default: final)")
+    parser.add_argument("--out", default=None, help=f"output file (default: RUN_DIR/{DEFAULT_NAMES['megatron']}, ...)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages the module paths are for (default 1)")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+    parser.add_argument("--backend", default="te", choices=("te", "emulated"),
+                        help="configs for Transformer Engine linears (default) or SNIP's emulated linears")
+    parser.add_argument("--sm", type=int, default=100, help="GPU compute capability for --backend te (default 100)")
+    parser.add_argument("--fp8-recipe", default=None, help="FP8 recipe (default: by --sm for te, blockwise emulated)")
+    parser.add_argument("--fp4-recipe", default="nvfp4", help="FP4 recipe (default nvfp4)")
+    return parser
+
+
+def main(argv=None) -> None:
+    parser = add_arguments(argparse.ArgumentParser(
+        prog="python -m snip_megatron.report export",
+        description="Write a run's SNIP plan as a static per-module precision config."))
+    args = parser.parse_args(argv)
+    try:
+        path = export(args.run_dir, args.format, step=args.step, out=args.out, pp=args.pp, vpp=args.vpp,
+                      backend=args.backend, sm=args.sm, fp8_recipe=args.fp8_recipe, fp4_recipe=args.fp4_recipe)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"{args.format}: {path}")

@@ -1,0 +1,91 @@
+"""One Megatron-Bridge pretrain() of the tiny GPT with SNIP, on CPU, for the bridge lane's tests:
+one process (`python`) or several (`torchrun`, gloo). Each rank writes <out>/rank<R>.json: the
+losses it saw (last pipeline stage), the plan its own linears run at the end, and the
+controller's plan and history; `--kill-at K` ends the process abruptly when step K starts (after
+the checkpoints before it are written), as a crash would."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+from te_stub import lora_layers  # noqa: E402
+
+lora_layers.install()
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vpp", type=int, default=None)
+    p.add_argument("--distopt", action="store_true")
+    p.add_argument("--save", default=None)
+    p.add_argument("--load", default=None)
+    p.add_argument("--ckpt-step", type=int, default=None)
+    p.add_argument("--weights-only", action="store_true",
+                   help="load only the weights of --load (no optimizer or RNG state)")
+    p.add_argument("--save-interval", type=int, default=None)
+    p.add_argument("--kill-at", type=int, default=None)
+    p.add_argument("--snip", default="{}", help="SnipConfig fields as JSON (enabled is set)")
+    p.add_argument("--no-snip", action="store_true", help="plain Bridge (no SNIP)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    from tests.bridge import cpu, tiny
+
+    cpu.install()
+    from megatron.bridge.training.callbacks import Callback
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    from snip_megatron.bridge import enable_snip
+    from snip_megatron.bridge.run import active
+    from snip_megatron.config import SnipConfig
+    from snip_megatron.megatron.apply import current_plan
+
+    cfg = tiny.tiny_config(num_layers=args.layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
+                           distributed_optimizer=args.distopt, save=args.save, load=args.load,
+                           save_interval=args.save_interval)
+    cfg.checkpoint.ckpt_step = args.ckpt_step
+    if args.weights_only:
+        cfg.checkpoint.load_optim = cfg.checkpoint.load_rng = False
+    snip = SnipConfig(enabled=not args.no_snip, **json.loads(args.snip))
+    record = tiny.recorder()
+    callbacks = enable_snip(cfg, snip) + [record]
+    run = active(cfg)
+
+    class Kill(Callback):
+        def on_train_step_start(self, context):
+            if context.state.train_state.step + 1 == args.kill_at:
+                os._exit(17)  # no clean-up, no final checkpoint: a crash
+
+    if args.kill_at is not None:
+        callbacks.append(Kill())
+    pretrain(cfg, forward_step, callbacks=callbacks)
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = {"rank": rank, "losses": record.losses,
+           "local_plan": {str(k): p.value for k, p in current_plan(record.model).items()},
+           "plan": {str(k): p.value for k, p in run.controller.plan.items()} if run else None,
+           "history": run.controller.history if run else None,
+           "plan_source": run.controller.plan_source if run else None}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    cpu.uninstall()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""enable_snip in Bridge's own pretrain() on CPU: the real controller measures, the ILP (CBC)
+re-plans, every chunk's linears run that plan, and its state is written after each checkpoint;
+the checks enable_snip makes before Bridge starts."""
+
+import json
+import math
+
+import pytest
+
+from snip_megatron.config import SnipConfig
+from snip_megatron.plan import Plan
+from tests.bridge import tiny
+
+
+def test_a_short_run_replans_and_every_linear_runs_the_ilps_plan(bridge_on_cpu, tmp_path):
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    from snip_megatron.bridge import enable_snip
+    from snip_megatron.bridge.model import SnipLayerSpec
+    from snip_megatron.bridge.run import active
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
+    from snip_megatron.megatron.apply import current_plan, list_planned_linears
+
+    ckpt = tmp_path / "ckpt"
+    cfg = tiny.tiny_config(num_layers=2, iters=4, save=str(ckpt), save_interval=4)
+    snip = SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5)
+    record = tiny.recorder()
+    callbacks = enable_snip(cfg, snip)
+    assert isinstance(cfg.model.transformer_layer_spec, SnipLayerSpec)
+    run = active(cfg)
+    pretrain(cfg, forward_step, callbacks=callbacks + [record])
+
+    controller = run.controller
+    assert [h["event"] for h in controller.history] == ["initial", "update"]
+    assert controller.history[1]["step"] == 2  # measured on step 2's batch, applied before it trained (lag 0)
+    assert controller.plan != Plan.uniform(2, "fp8") and controller.plan.counts()["fp4"] > 0
+    # The ILP's plan reached every planned linear of every chunk.
+    planned = list_planned_linears(record.model)
+    assert len(planned) == 8
+    assert all(isinstance(pl.module, (QuantColumnParallelLinear, QuantRowParallelLinear)) for pl in planned)
+    assert current_plan(record.model) == controller.plan
+    rows = [json.loads(line) for line in (ckpt / "snip_plans.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and rows[-1]["solver"] == "cbc" and rows[-1]["status"] == "optimal"
+    assert rows[-1]["fp4_fraction"] >= 0.5  # the budget
+    # SNIP's state beside Bridge's checkpoint of iteration 4, with the plan now running.
+    state = json.loads((ckpt / "iter_0000004" / "snip_state.json").read_text())
+    assert state["iteration"] == 4 and Plan.from_dict(state["plan"]) == controller.plan
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert sorted(record.losses) == [1, 2, 3, 4] and all(math.isfinite(x) for x in record.losses.values())
+    assert active() is None  # on_train_end: the process has no SNIP run any more
+
+
+def test_disabled_snip_changes_nothing():
+    from snip_megatron.bridge import enable_snip
+
+    cfg = tiny.tiny_config()
+    spec = cfg.model.transformer_layer_spec
+    assert enable_snip(cfg, SnipConfig(enabled=False)) == []
+    assert cfg.model.transformer_layer_spec is spec and cfg.checkpoint.custom_manager_class is None
+
+
+def test_checks_against_the_run_before_bridge_starts(tmp_path):
+    from snip_megatron.bridge.enable import prepare_run
+
+    with pytest.raises(ValueError, match=r"fraction of the run.*train_iters=None \(Bridge's train.train_iters\)"):
+        cfg = tiny.tiny_config()
+        cfg.train.train_iters = None
+        prepare_run(cfg, SnipConfig(enabled=True, warmup=0.2))
+    Plan.uniform(3, "fp8").save(tmp_path / "plan.json")
+    with pytest.raises(ValueError, match="layer"):  # a 3-layer plan for a 2-layer model
+        prepare_run(tiny.tiny_config(num_layers=2), SnipConfig(enabled=True, plan=str(tmp_path / "plan.json")))
+    with pytest.raises(ValueError, match="needs a SnipConfig"):
+        from snip_megatron.bridge import enable_snip
+
+        enable_snip(tiny.tiny_config(), {"fp4_budget": 0.5})
+
+
+def test_a_user_quant_recipe_may_not_set_planned_linears():
+    from megatron.core.quantization.quant_config import GlobMatcher, RecipeConfig
+
+    from snip_megatron.bridge.enable import prepare_run
+
+    cfg = tiny.tiny_config()
+    cfg.model.quant_recipe = RecipeConfig([GlobMatcher("*linear_fc1", "mine")], {"mine": {}})
+    with pytest.raises(ValueError, match=r"model.quant_recipe sets decoder.layers.0.mlp.linear_fc1"):
+        prepare_run(cfg, SnipConfig(enabled=True))
+    cfg.model.quant_recipe = RecipeConfig([GlobMatcher("*output_layer", "mine")], {"mine": {}})
+    run = prepare_run(cfg, SnipConfig(enabled=True))
+    assert run.user_recipe is cfg.model.quant_recipe  # kept: merged after SNIP's matchers
+
+
+def test_called_twice_is_refused(bridge_on_cpu):
+    from snip_megatron.bridge import enable_snip
+
+    cfg = tiny.tiny_config()
+    enable_snip(cfg, SnipConfig(enabled=True))
+    with pytest.raises(ValueError, match="already called on this config"):
+        enable_snip(cfg, SnipConfig(enabled=True))

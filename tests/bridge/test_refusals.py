@@ -1,0 +1,112 @@
+"""Every Bridge setting that fights a per-layer plan is refused by enable_snip, naming the field and
+the fix; the measurement's limits only where SNIP measures (a pinned plan runs with them)."""
+
+import pytest
+import torch
+
+from snip_megatron.config import SnipConfig
+from tests.bridge import tiny
+
+
+def mp(**fields):
+    from megatron.bridge.training.mixed_precision import MixedPrecisionConfig
+
+    return MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **fields)
+
+
+def setter(path, value):
+    def apply(cfg):
+        obj = cfg
+        *parents, name = path.split(".")
+        for part in parents:
+            obj = getattr(obj, part)
+        setattr(obj, name, value() if callable(value) else value)
+    return apply
+
+
+REFUSED = [  # (what is set, the text the refusal must carry)
+    ("mixed_precision", "bf16_with_fp8_current_scaling_mixed",
+     r"mixed_precision='bf16_with_fp8_current_scaling_mixed': mixed_precision.fp8='hybrid' .*bf16_mixed"),
+    ("mixed_precision", "bf16_with_fp8_current_scaling_mixed", r"first_last_layers_bf16=True keeps the first 1 and last 1"),
+    ("mixed_precision", "bf16_with_fp8_current_scaling_mixed", r"fp8_param_gather=True stores weights in FP8"),
+    ("mixed_precision", "bf16_with_fp8_delayed_scaling_mixed", r"fp8='hybrid' .*recipe 'delayed'"),
+    ("mixed_precision", "bf16_with_fp8_subchannel_scaling_mixed", r"fp8='hybrid' .*recipe 'blockwise'"),
+    ("mixed_precision", "bf16_with_mxfp8_mixed", r"reuse_grad_buf_for_mxfp8_param_ag=True"),
+    ("mixed_precision", "bf16_with_nvfp4_mixed", r"mixed_precision.fp4='e2m1' .*global FP4"),
+    ("mixed_precision", "bf16_with_nvfp4_mixed", r"fp4_param_gather=True stores weights in FP4"),
+    ("mixed_precision", "nemotron_3_super_bf16_with_nvfp4_mixed", r"last 14 layers in BF16"),
+    ("mixed_precision", lambda: mp(num_layers_at_end_in_bf16=2), r"num_layers_at_end_in_bf16=2 keeps layers in BF16"),
+    ("mixed_precision", lambda: mp(num_layers_at_start_in_bf16=1), r"num_layers_at_start_in_bf16=1"),
+    ("mixed_precision", lambda: mp(fp8_dot_product_attention=True), r"fp8_dot_product_attention"),
+    ("model.fp8", "hybrid", r"model.fp8='hybrid' turns on one global FP8 autocast.*set it off"),
+    ("model.fp4", "e2m1", r"model.fp4='e2m1'"),
+    ("model.fp8_param", True, r"model.fp8_param=True stores weights in FP8"),
+    ("model.first_last_layers_bf16", True, r"model.first_last_layers_bf16=True"),
+    ("model.fp8_multi_head_attention", True, r"fp8_multi_head_attention"),
+    ("ddp.fp8_param_gather", True, r"ddp.fp8_param_gather=True"),
+    ("ddp.fp4_param_gather", True, r"ddp.fp4_param_gather=True"),
+    ("optimizer.reuse_grad_buf_for_mxfp8_param_ag", True, r"optimizer.reuse_grad_buf_for_mxfp8_param_ag"),
+    ("model.use_kitchen", True, r"model.use_kitchen=True"),
+    ("model.num_moe_experts", 4, r"model.num_moe_experts \(MoE\)"),
+    ("model.multi_latent_attention", True, r"model.multi_latent_attention"),
+    ("model.mtp_num_layers", 1, r"model.mtp_num_layers"),
+    ("model.use_transformer_engine_full_layer_spec", True, r"full_layer_spec"),
+    ("model.transformer_impl", "inference_optimized", r"model.transformer_impl='inference_optimized'"),
+    ("model.transformer_impl", "transformer_engine", r"Transformer Engine is not installed here"),
+    ("model.cuda_graph_impl", "transformer_engine", r"CUDA graphs"),
+    ("model.tp_comm_overlap", True, r"tp_comm_overlap"),
+    ("model.delay_wgrad_compute", True, r"delay_wgrad_compute"),
+    ("checkpoint.non_persistent_save_interval", 5, r"non_persistent_save_interval.*checkpoint.save_interval"),
+    ("peft", object(), r"peft: SNIP plans pretraining"),
+]
+MEASUREMENT = [  # refused only where SNIP measures
+    ("model.sequence_parallel", True, r"model.sequence_parallel"),
+    ("model.context_parallel_size", 2, r"model.context_parallel_size > 1"),
+    ("model.recompute_granularity", "full", r"model.recompute_granularity='full'"),
+    ("dist.use_torch_fsdp2", True, r"FSDP"),
+    ("dataset.dataloader_type", "batch", r"dataloader_type='batch'"),
+]
+
+
+@pytest.mark.parametrize("path, value, message", REFUSED + MEASUREMENT,
+                         ids=[f"{p}={v if isinstance(v, (str, int)) else 'set'}" for p, v, _ in REFUSED + MEASUREMENT])
+def test_a_conflicting_setting_is_refused_with_its_fix(path, value, message):
+    from snip_megatron.bridge import enable_snip
+
+    cfg = tiny.tiny_config()
+    setter(path, value)(cfg)
+    spec = cfg.model.transformer_layer_spec
+    with pytest.raises(ValueError, match=message) as e:
+        enable_snip(cfg, SnipConfig(enabled=True))
+    assert str(e.value).startswith("this Megatron-Bridge run cannot take SNIP as configured:")
+    assert cfg.model.transformer_layer_spec is spec  # nothing was changed
+
+
+@pytest.mark.parametrize("path, value, message", MEASUREMENT, ids=[p for p, _, _ in MEASUREMENT])
+def test_a_pinned_plan_runs_with_the_measurements_limits(tmp_path, path, value, message):
+    from snip_megatron.bridge.refusals import refusals
+    from snip_megatron.plan import Plan
+
+    Plan.uniform(2, "fp8").save(tmp_path / "plan.json")
+    cfg = tiny.tiny_config()
+    setter(path, value)(cfg)
+    pinned = SnipConfig(enabled=True, plan=str(tmp_path / "plan.json"), pin_plan=True)
+    assert refusals(cfg, pinned) == []
+
+
+def test_a_plain_bf16_recipe_and_the_defaults_pass():
+    from snip_megatron.bridge.refusals import refusals
+
+    cfg = tiny.tiny_config()
+    assert refusals(cfg, SnipConfig(enabled=True)) == []
+    cfg.mixed_precision = "bf16_mixed"
+    cfg.model.fp8 = "hybrid"  # bf16_mixed overwrites it with None when pretrain() starts
+    assert refusals(cfg, SnipConfig(enabled=True)) == []
+
+
+def test_every_refusal_is_listed_at_once():
+    from snip_megatron.bridge.refusals import refusals
+
+    cfg = tiny.tiny_config()
+    cfg.model.fp8, cfg.model.num_moe_experts, cfg.model.sequence_parallel = "e4m3", 2, True
+    assert len(refusals(cfg, SnipConfig(enabled=True))) == 3

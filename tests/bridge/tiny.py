@@ -1,0 +1,81 @@
+"""A tiny GPT in Megatron-Bridge's own recipe (vanilla GPT, GPTModelProvider), for the bridge
+lane's CPU tests and torchrun worker: Llama-like (RMSNorm, SwiGLU, RoPE, GQA), hidden 64,
+seq 32, fp32, mock data, no fused CUDA kernels, gloo."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+VOCAB = 256
+
+
+def tiny_config(layer_spec=None, *, num_layers: int = 2, iters: int = 8, tp: int = 1, pp: int = 1,
+                vpp: "int | None" = None, distributed_optimizer: bool = False, save=None, load=None,
+                save_interval: "int | None" = None, seed: int = 1234):
+    """The vanilla GPT recipe, shrunk (layer_spec None: Bridge's local spec)."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.bridge.recipes.gpt.vanilla_gpt import vanilla_gpt_pretrain_config
+
+    cfg = vanilla_gpt_pretrain_config()
+    m = cfg.model
+    m.num_layers, m.hidden_size, m.ffn_hidden_size = num_layers, 64, 128
+    m.num_attention_heads, m.num_query_groups = 4, 2
+    m.seq_length = 32
+    m.normalization, m.gated_linear_unit, m.activation_func = "RMSNorm", True, torch.nn.functional.silu
+    m.position_embedding_type, m.add_bias_linear = "rope", False
+    m.transformer_impl, m.transformer_layer_spec = "local", layer_spec or local_layer_spec
+    for fusion in ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                   "gradient_accumulation_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion",
+                   "persist_layer_norm"):
+        setattr(m, fusion, False)
+    m.use_cpu_initialization = True
+    m.attention_dropout = m.hidden_dropout = 0.0
+    m.bf16, m.params_dtype, m.pipeline_dtype = False, torch.float32, torch.float32
+    m.tensor_model_parallel_size, m.pipeline_model_parallel_size = tp, pp
+    m.virtual_pipeline_model_parallel_size = vpp
+    cfg.mixed_precision = None
+    cfg.rng.seed = seed
+    cfg.dataset.seq_length, cfg.dataset.num_workers = 32, 0
+    cfg.tokenizer.vocab_size = VOCAB
+    cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size = iters, 4, 1
+    cfg.validation.eval_interval, cfg.validation.eval_iters = 1000, 0
+    cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.bf16 = 3e-3, 3e-4, False
+    cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = distributed_optimizer
+    cfg.ddp.grad_reduce_in_fp32 = False
+    cfg.scheduler.lr_warmup_iters, cfg.scheduler.lr_decay_iters = 1, iters
+    cfg.checkpoint.save, cfg.checkpoint.load = save, load
+    cfg.checkpoint.save_interval = save_interval
+    cfg.checkpoint.ckpt_format = "torch_dist"
+    cfg.logger.tensorboard_dir, cfg.logger.log_interval = None, 1
+    cfg.dist.distributed_backend = "gloo"
+    return cfg
+
+
+def tiny_recipe():
+    """tiny_config as a recipe function (snip-bridge-pretrain --recipe tests.bridge.tiny:tiny_recipe)."""
+    return tiny_config(iters=4)
+
+
+def recorder():
+    """A Bridge callback recording each step's loss (last pipeline stage) and the model."""
+    from megatron.bridge.training.callbacks import Callback
+
+    class Record(Callback):
+        def __init__(self):
+            self.losses, self.model = {}, None
+
+        def on_train_start(self, context):
+            self.model = context.model
+
+        def on_train_step_end(self, context):
+            loss = (context.loss_dict or {}).get("lm loss")
+            if loss is not None:
+                self.losses[context.state.train_state.step + 1] = float(loss)
+
+    return Record()
+
+
+def finite(losses) -> bool:
+    return all(math.isfinite(x) for x in losses)
