@@ -120,9 +120,10 @@ def main():
         build_without_recipe()
     make = setup.make_controller
     setup.make_controller = lambda *a, **k: probe(make(*a, **k), out)
+    from snip_megatron.errors import run_cli
     from snip_megatron.pretrain.entry import main as pretrain_main
 
-    sys.exit(pretrain_main(sys.argv[2:]))
+    sys.exit(run_cli("snip-pretrain-gpt", pretrain_main, sys.argv[2:]))  # as the console script runs it
 
 
 if __name__ == "__main__":

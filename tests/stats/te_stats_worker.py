@@ -4,8 +4,8 @@ unquantized while measured and their plan back after.
 
     torchrun --nproc_per_node N tests/stats/te_stats_worker.py --out DIR [--tp N]
 
-Needs `tests/te_double` on PYTHONPATH and NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 (tests/stats/
-test_measure_te.py sets both). Every rank writes DIR/rank<R>.json.
+Needs `tests/te_double` on PYTHONPATH (tests/stats/test_measure_te.py sets it). Both models are
+measured with the same MeasureConfig formats, so TE's own scale format does not enter. Every rank writes DIR/rank<R>.json.
 """
 
 import argparse

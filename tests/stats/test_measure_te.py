@@ -18,8 +18,7 @@ DOUBLE = ROOT / "tests" / "te_double"
 @pytest.mark.parametrize("tp", [1, 2])
 def test_te_spec_statistics_equal_the_local_spec(tmp_path, tp):
     run_distributed([WORKER, "--out", str(tmp_path), "--tp", str(tp)], nproc=tp, timeout=600,
-                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(DOUBLE)]),
-                         "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"})
+                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(DOUBLE)])})
     for rank in range(tp):
         r = json.loads((Path(tmp_path) / f"rank{rank}.json").read_text())
         bad = {f: w for f, w in r["worst"].items() if not w <= 1e-5}
