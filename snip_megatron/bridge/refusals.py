@@ -137,13 +137,8 @@ def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
 
     measures = snip.measures or snip.baseline == "min_rel_error"
     fix = "or pin a plan (snip.plan=PATH snip.pin_plan=true)"
-    refuse(measures and getattr(model, "sequence_parallel", False), f"model.sequence_parallel: SNIP's "
-           f"measurement does not support it yet; set it False, {fix}")
-    refuse(measures and (getattr(model, "context_parallel_size", 1) or 1) > 1, "model.context_parallel_size "
-           f"> 1: SNIP's measurement does not support it yet; use 1, {fix}")
-    refuse(measures and getattr(model, "recompute_granularity", None), f"model.recompute_granularity="
-           f"{getattr(model, 'recompute_granularity', None)!r}: SNIP's measurement does not support "
-           f"activation recompute yet; set it None, {fix}")
+    # Sequence and context parallelism and activation recompute are measured as on Megatron-LM
+    # (stats/measure.py; docs/method.md section 10).
     dist = getattr(cfg, "dist", None)
     refuse(measures and (getattr(dist, "use_megatron_fsdp", False) or getattr(dist, "use_torch_fsdp2", False)
                          or getattr(cfg.ddp, "use_megatron_fsdp", False)),

@@ -28,6 +28,7 @@ def parse(argv=None):
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=None)
     p.add_argument("--distopt", action="store_true")
+    p.add_argument("--recompute", action="store_true", help="full activation recompute, every layer")
     p.add_argument("--save", default=None)
     p.add_argument("--load", default=None)
     p.add_argument("--ckpt-step", type=int, default=None)
@@ -58,6 +59,9 @@ def main(argv=None) -> None:
                            distributed_optimizer=args.distopt, save=args.save, load=args.load,
                            save_interval=args.save_interval)
     cfg.checkpoint.ckpt_step = args.ckpt_step
+    if args.recompute:
+        cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = \
+            "full", "uniform", 1
     if args.weights_only:
         cfg.checkpoint.load_optim = cfg.checkpoint.load_rng = False
     snip = SnipConfig(enabled=not args.no_snip, **json.loads(args.snip))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,21 @@ def worker(out: Path, *args: str, nproc: int = 1, snip: "dict | None" = None, ch
     else:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        # Output to files and a session of its own: a killed run leaves Bridge's checkpoint writer
+        # process behind, which would hold a pipe open; the session's leftovers are killed after.
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with open(Path(out) / "stdout.txt", "w+") as so, open(Path(out) / "stderr.txt", "w+") as se:
+            child = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=so, stderr=se,
+                                     start_new_session=True)
+            try:
+                child.wait(timeout=timeout)
+            finally:
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            so.seek(0), se.seek(0)
+            proc = subprocess.CompletedProcess(child.args, child.returncode, so.read(), se.read())
         if check and proc.returncode != 0:
             raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     results = {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))}

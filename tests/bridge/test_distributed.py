@@ -51,6 +51,16 @@ def test_layout_gives_the_single_process_plan(base, single, tmp_path, layout):
     assert sorted(losses(result)) == [2, 3]
 
 
+def test_full_activation_recompute_gives_the_single_process_plan(base, single, tmp_path):
+    """The 70B setting's recompute: SNIP measures under it (its statistics come from each layer's
+    recompute), and plans and losses are those of the run without it."""
+    result = worker(tmp_path / "recompute", "--iters", "3", "--load", str(base), "--weights-only", "--recompute",
+                    snip=SNIP)["ranks"][0]
+    assert result["history"] == single["history"] and result["plan"] == single["plan"]
+    for step, loss in single["losses"].items():
+        assert result["losses"][step] == pytest.approx(loss, abs=1e-6), step
+
+
 def test_distributed_optimizer_resumes_exactly(base, tmp_path):
     """DP=2 with the distributed optimizer: a resume from step 2 trains steps 3-4 as the run that
     went on (megatron-core without apex/TE needs the two loader fixes of tests/bridge/cpu.py)."""

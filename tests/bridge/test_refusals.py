@@ -60,9 +60,6 @@ REFUSED = [  # (what is set, the text the refusal must carry)
     ("peft", object(), r"peft: SNIP plans pretraining"),
 ]
 MEASUREMENT = [  # refused only where SNIP measures
-    ("model.sequence_parallel", True, r"model.sequence_parallel"),
-    ("model.context_parallel_size", 2, r"model.context_parallel_size > 1"),
-    ("model.recompute_granularity", "full", r"model.recompute_granularity='full'"),
     ("dist.use_torch_fsdp2", True, r"FSDP"),
     ("dataset.dataloader_type", "batch", r"dataloader_type='batch'"),
 ]
@@ -108,5 +105,15 @@ def test_every_refusal_is_listed_at_once():
     from snip_megatron.bridge.refusals import refusals
 
     cfg = tiny.tiny_config()
-    cfg.model.fp8, cfg.model.num_moe_experts, cfg.model.sequence_parallel = "e4m3", 2, True
+    cfg.model.fp8, cfg.model.num_moe_experts, cfg.model.delay_wgrad_compute = "e4m3", 2, True
     assert len(refusals(cfg, SnipConfig(enabled=True))) == 3
+
+
+def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
+    from snip_megatron.bridge.refusals import refusals
+
+    cfg = tiny.tiny_config(tp=2)
+    cfg.model.sequence_parallel, cfg.model.context_parallel_size = True, 2
+    cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
+    cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = True
+    assert refusals(cfg, SnipConfig(enabled=True)) == []
