@@ -307,7 +307,7 @@ class Trainer:
         # The distributed optimizer's own DP-sharded layout (Megatron-LM's default): no gather.
         metadata = {"distrib_optim_sharding_type": "dp_reshardable"} if self.config.distributed_optimizer else None
         if is_loading and self.config.distributed_optimizer:
-            _init_adam_state(self.optimizer)
+            init_adam_state(self.optimizer)
         state["optimizer"] = self.optimizer.sharded_state_dict(state, is_loading=is_loading, metadata=metadata)
         state["scheduler"] = self.scheduler.state_dict()
         state["trainer"] = {
@@ -367,14 +367,16 @@ class Trainer:
         runtime.destroy()
 
 
-def _init_adam_state(optimizer) -> None:
+def init_adam_state(optimizer) -> None:
     """Give a fresh optimizer zero Adam state, as its first step would.
 
     Without TE/apex, Megatron's distributed optimizer reads Adam's 'step' out of existing state to
     build even the state dict that a checkpoint is loaded into, and fails on a fresh optimizer.
     """
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state[p]

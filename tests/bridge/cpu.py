@@ -12,7 +12,7 @@ TE in a fourth; `install()` patches them for the test process only (`uninstall()
   `DistributedOptimizer.state_dict` reads Adam's 'step' out of the existing state
   (`assert len(steps) == 1`), even to build the state dict a checkpoint is loaded into, and a
   freshly built optimizer has none. Bridge's `load_checkpoint` gets the zero Adam state a first
-  step would make (as the compact loop's `_init_adam_state` does), and afterwards each parameter
+  step would make (the compact loop's `init_adam_state`), and afterwards each parameter
   its own Adam step (`own_adam_steps`: the loader hands all parameters one shared step tensor,
   which made the second step after a resume differ). With TE or apex (any GPU install)
   megatron-core keeps 'step' in the param groups instead and neither arises.
@@ -24,24 +24,9 @@ from __future__ import annotations
 
 import functools
 
+from snip_megatron.train.loop import init_adam_state
+
 _UNDO: list = []
-
-
-def init_adam_state(optimizer) -> None:
-    """Zero Adam state for parameters that have none (what the first step would create)."""
-    import torch
-
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None:
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p.data)
-                    state["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
 def own_adam_steps(optimizer) -> None:
