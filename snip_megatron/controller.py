@@ -158,7 +158,7 @@ class SnipController(StepHook):
         """Take the loop's context and apply the current plan to this rank's linears."""
         self.ctx = ctx
         self._apply(ctx, self.plan)
-        if step == 0 and not self.history:
+        if not self.history:  # a fresh controller (also on weights of a checkpoint without SNIP's state)
             self._record(step, self.plan, previous=None, info={"event": "initial"})
 
     # -- step hooks -----------------------------------------------------------------------------

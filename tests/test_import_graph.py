@@ -29,6 +29,7 @@ RULES = {
     "report": {"controller", "stats", "estimate", "train", "pretrain", "cli", "megatron"},
     "train": {"pretrain", "cli", "bridge"},
     "pretrain": {"train", "cli", "bridge"},
+    "bridge": {"train", "cli"},  # Bridge's loop builds on the Megatron-LM one's pieces, not the compact loop
 }
 """The two training loops (train, pretrain) sit side by side; adapters (megatron) never reach up to
 the controller, the measurement or the CLI; planner and estimate never import each other."""

@@ -35,7 +35,8 @@ def single(base, tmp_path_factory):
 def test_layout_gives_the_single_process_plan(base, single, tmp_path, layout):
     result = worker(tmp_path / layout, "--iters", "3", "--load", str(base), "--weights-only", *LAYOUTS[layout],
                     snip=SNIP, nproc=2)
-    assert [(h["step"], h["event"]) for h in single["history"]] == [(0, "initial"), (3, "update")]
+    # Bridge continues from the base checkpoint's iteration 1: the initial plan is recorded there
+    assert [(h["step"], h["event"]) for h in single["history"]] == [(1, "initial"), (3, "update")]
     assert single["plan"] != single["history"][0]["plan"]  # a real re-plan
     ranks = result["ranks"]
     assert sorted(ranks) == [0, 1]
