@@ -21,8 +21,10 @@ second. The megatron and bridge exports are therefore for one layout: PP=1 by de
 stage-local path gets one precision across all stages that have it, and refused otherwise,
 naming the path and the layers that disagree (train with PP=1 paths in mind, export the JSON
 plan and pin it, or keep SNIP's own matcher, which knows each chunk's offset). The configs
-are Transformer Engine's (`--backend te`, for `--sm`, default 100: native FP8 and FP4) or SNIP's
-emulated linears' (`--backend emulated`); a plan with FP4 on a GPU without TE FP4 kernels is refused.
+are Transformer Engine's (`--backend te`: what a SNIP run on SM`--sm`, default 100, gives its TE
+linears in TE's default environment; on Hopper FP4 goes through TE's reference quantizer, for
+accuracy only) or SNIP's emulated linears' (`--backend emulated`); a recipe TE cannot run on that
+GPU (MXFP4; MXFP8 before SM100) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -99,22 +101,28 @@ def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None) -> dic
 
 def precision_configs(precisions, *, backend: str = "te", sm: int = 100, fp8_recipe: "str | None" = None,
                       fp4_recipe: str = "nvfp4") -> dict[str, dict]:
-    """{precision name: the config dict a planned linear reads in finish_init}, for those precisions."""
-    from snip_megatron.te.options import TEOptions
+    """{precision name: the config dict a planned linear reads in finish_init}, for those precisions.
+
+    TE configs are those a SNIP run on SM`sm` would give its TE linears in TE's default
+    environment (`te.resolve.te_formats`: on Hopper FP4 through TE's reference quantizer, no
+    speed-up); a recipe TE cannot run there is refused with the reason."""
+    from snip_megatron.te.resolve import te_formats
     from snip_megatron.te.translate import emulated_params, te_config_dict
 
     names = sorted({Precision.parse(p).value for p in precisions}, key=[p.value for p in Precision].index)
+    fp8_recipe = fp8_recipe or Formats().fp8_recipe
     if backend == "emulated":
-        formats = Formats(fp8_recipe=fp8_recipe or Formats().fp8_recipe, fp4_recipe=fp4_recipe)
+        formats = Formats(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
         return {n: emulated_params(n, formats) for n in names}
     if backend != "te":
         raise ValueError(f"--backend {backend!r} is unknown; valid: te, emulated")
-    configs = te_config_dict(sm=sm, options=TEOptions(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe))
-    emulated = [n for n in names if configs[n].backend != "te"]
-    if emulated:
-        raise ValueError(f"the plan runs {', '.join(emulated)} linears, which SM{sm} has no Transformer "
-                         f"Engine kernel for; export for --sm 100 (Blackwell) or --backend emulated")
-    return {n: configs[n].config for n in names}
+    try:
+        formats = te_formats(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, sm=sm, uses=names, environ={},
+                             name_of=lambda f: "--" + f.replace("_", "-"))
+    except ValueError as e:
+        raise ValueError(f"{e}\n(or export with --backend emulated for SNIP's emulated linears)") from None
+    configs = te_config_dict(formats=formats, sm=sm)
+    return {n: configs[n] for n in names}
 
 
 def megatron_config(paths: dict[str, Precision], configs: dict[str, dict]) -> dict:
@@ -176,7 +184,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="te", choices=("te", "emulated"),
                         help="configs for Transformer Engine linears (default) or SNIP's emulated linears")
     parser.add_argument("--sm", type=int, default=100, help="GPU compute capability for --backend te (default 100)")
-    parser.add_argument("--fp8-recipe", default=None, help="FP8 recipe (default: by --sm for te, blockwise emulated)")
+    parser.add_argument("--fp8-recipe", default=None, help="FP8 recipe (default: SnipConfig's, blockwise)")
     parser.add_argument("--fp4-recipe", default="nvfp4", help="FP4 recipe (default nvfp4)")
     return parser
 

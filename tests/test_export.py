@@ -107,11 +107,18 @@ def test_bridge_format_instantiates_to_the_same_recipe(tmp_path):
             assert qc.config["training_recipe"]["fp8_quantization_recipe"] == "blockwise"
 
 
-def test_fp4_without_te_kernels_is_refused(tmp_path):
+def test_te_configs_are_what_a_snip_run_on_that_gpu_gives_its_te_linears(tmp_path):
     run = run_dir(tmp_path, [(0, striped(2))])
-    with pytest.raises(ValueError, match="SM90 has no Transformer Engine kernel.*--sm 100"):
-        export(run, "megatron", sm=90)
-    assert export(run, "megatron", sm=90, backend="emulated").is_file()
+    hopper = load_quantization_recipe(str(export(run, "megatron", sm=90, out=tmp_path / "sm90.yaml")))
+    fp4_key = next(k for k in all_keys(2) if striped(2)[k] is Precision.FP4)
+    recipe = get_quant_config_or_none(module_path(fp4_key.layer - 1, fp4_key.name), hopper).config["training_recipe"]
+    assert recipe["fp4_quantization_recipe"] == "custom"  # TE's reference NVFP4 quantizer before SM100
+    assert recipe["custom_recipe_factory"].endswith("nvfp4_ref_rht_2d_quantizer_factory")
+    with pytest.raises(ValueError, match=r"(?s)--fp4-recipe='mxfp4'.*no Transformer Engine recipe.*--backend emulated"):
+        export(run, "megatron", sm=100, fp4_recipe="mxfp4")
+    with pytest.raises(ValueError, match=r"--fp8-recipe='mxfp8'.*SM100"):
+        export(run, "megatron", sm=90, fp8_recipe="mxfp8")
+    assert export(run, "megatron", sm=90, backend="emulated", fp4_recipe="mxfp4").is_file()
 
 
 def test_pipelined_export_only_where_every_stage_local_path_has_one_precision(tmp_path):
