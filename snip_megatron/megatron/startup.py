@@ -46,6 +46,12 @@ ABSENCES = (
 CUDA_LOGGER = "torch.utils.cpp_extension"
 CUDA_MESSAGE = "No CUDA runtime is found"
 MEGATRON_MODULES = r"megatron"  # megatron.core, megatron.training and the vendored megatron_fsdp
+# Megatron-Core's own notices that its defaults raise on every run, whatever the user sets
+# (0.19.2: a default TransformerConfig counts as the deprecated "full" CUDA-graph scope; an
+# experimental MIMO config class warns when imported; every GPTModel logs that GPTModel is
+# deprecated). Nothing to act on for a SNIP user: filtered too, by message and megatron's modules.
+MEGATRON_NOTICES = (r"full scope is deprecated", r"MimoModelConfig is experimental")
+GPT_LOGGER, GPT_MESSAGE = "megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"
 
 _done = False
 
@@ -70,6 +76,11 @@ def quiet_startup(stream=None) -> list[str]:
         notices.append(absence.notice)
         if say:
             print(f"[snip] {absence.notice}", file=stream, flush=True)
+    for message in MEGATRON_NOTICES:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=MEGATRON_MODULES)
+    gpt_logger = logging.getLogger(GPT_LOGGER)
+    gpt_logger.filters[:] = [f for f in gpt_logger.filters if not isinstance(f, _DropMessage)]
+    gpt_logger.addFilter(_DropMessage(GPT_MESSAGE))
     cuda_logger = logging.getLogger(CUDA_LOGGER)
     for old in [f for f in cuda_logger.filters if isinstance(f, _NoCudaRuntime)]:
         cuda_logger.removeFilter(old)  # one notice filter, however often the state was reset
@@ -82,6 +93,17 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except Exception:  # a broken install counts as installed: its own errors must show
         return True
+
+
+class _DropMessage(logging.Filter):
+    """Drops the records whose message starts with `start`."""
+
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
 
 
 class _NoCudaRuntime(logging.Filter):

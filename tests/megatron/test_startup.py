@@ -89,6 +89,38 @@ def test_only_the_replaced_warnings_are_filtered(fresh, monkeypatch):
     assert quiet_startup(stream=out) == [] and len(out.getvalue().splitlines()) == 1  # idempotent
 
 
+def test_megatrons_notices_about_its_own_defaults_are_filtered(fresh, monkeypatch):
+    monkeypatch.setattr(startup, "_installed", lambda module: True)
+    gpt_logger = logging.getLogger(startup.GPT_LOGGER)
+    before = list(gpt_logger.filters)
+    try:
+        quiet_startup(stream=io.StringIO())
+        warn_from("megatron.core.transformer.transformer_config",
+                  "full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer.")
+        warn_from("megatron.core.models.mimo.config.base_configs", "MimoModelConfig is experimental and still ...")
+        warn_from("megatron.core.transformer.transformer_config", "another deprecation")  # kept
+        assert [str(w.message) for w in fresh] == ["another deprecation"]
+        record = logging.LogRecord(startup.GPT_LOGGER, logging.WARNING, "gpt_model.py", 1,
+                                   "GPTModel IS DEPRECATED. GPTModel is only accepting ...", None, None)
+        other = logging.LogRecord(startup.GPT_LOGGER, logging.WARNING, "gpt_model.py", 1, "other", None, None)
+        assert not gpt_logger.filter(record) and gpt_logger.filter(other)
+    finally:
+        gpt_logger.filters[:] = before
+
+
+def test_building_the_demo_model_prints_only_snips_lines(tmp_path):
+    code = ("from snip_megatron.megatron.startup import quiet_startup; quiet_startup()\n"
+            "from snip_megatron.megatron import runtime\n"
+            "from snip_megatron.megatron.model import build_gpt_model\n"
+            "from snip_megatron.shapes import PRESETS\n"
+            "runtime.init_process_group(backend='gloo'); runtime.initialize_model_parallel()\n"
+            "build_gpt_model(PRESETS['llama_tiny'], backend='emulated')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert all(line.startswith("[snip] ") for line in proc.stderr.splitlines()), proc.stderr
+
+
 def test_cuda_home_record_becomes_one_line(fresh, monkeypatch):
     monkeypatch.setattr(startup, "_installed", lambda module: True)
     out = io.StringIO()
