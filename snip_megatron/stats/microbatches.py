@@ -34,20 +34,26 @@ def _share(d: int, num_local: int, dp_size: int, k: int, multiple: int) -> int:
     return mine
 
 
+def _replica_picks(num_local: int, dp_size: int, k: "int | None", multiple: int) -> "list[list[int]] | None":
+    """Each replica's sampled micro-batches (indices among its `num_local`); None: every one."""
+    if num_local < 1:
+        raise ValueError(f"a measured step needs at least one micro-batch, got {num_local}")
+    if not k or k >= num_local * dp_size:
+        return None
+    shares = [_share(d, num_local, dp_size, k, multiple) for d in range(dp_size)]
+    return [[((2 * i + 1) * num_local) // (2 * mine) for i in range(mine)] for mine in shares]
+
+
 def sample_microbatches(num_local: int, dp_rank: int, dp_size: int, k: "int | None",
                         multiple: int = 1) -> tuple[list[int], int]:
     """(indices of this replica's sampled micro-batches among its `num_local`, K measured in all).
     k None or 0, or k >= dp * num_local: every micro-batch. `multiple`: a replica that measures
     any measures a multiple of it (or all), e.g. the interleaved pipeline schedule's group of
     micro-batches per virtual stage; K counts what is measured."""
-    if num_local < 1:
-        raise ValueError(f"a measured step needs at least one micro-batch, got {num_local}")
-    total = num_local * dp_size
-    if not k or k >= total:
-        return list(range(num_local)), total
-    mine = _share(dp_rank, num_local, dp_size, k, multiple)
-    measured = sum(_share(d, num_local, dp_size, k, multiple) for d in range(dp_size))
-    return [((2 * i + 1) * num_local) // (2 * mine) for i in range(mine)], measured
+    picks = _replica_picks(num_local, dp_size, k, multiple)
+    if picks is None:
+        return list(range(num_local)), num_local * dp_size
+    return picks[dp_rank], sum(len(p) for p in picks)
 
 
 def step_positions(num_local: int, dp_rank: int, dp_size: int, k: "int | None",
@@ -57,10 +63,11 @@ def step_positions(num_local: int, dp_rank: int, dp_size: int, k: "int | None",
     d + dp * i (Megatron's sampler deals each global micro-batch across the replicas). The noise
     and the forward/backward-noise interleaving follow these positions, so a DP run draws for a
     sample what one process measuring the same samples draws."""
-    step = sorted(d + dp_size * i for d in range(dp_size)
-                  for i in sample_microbatches(num_local, d, dp_size, k, multiple)[0])
-    at = {g: j for j, g in enumerate(step)}
-    return [at[dp_rank + dp_size * i] for i in sample_microbatches(num_local, dp_rank, dp_size, k, multiple)[0]]
+    picks = _replica_picks(num_local, dp_size, k, multiple)
+    if picks is None:  # every micro-batch: the position is the step-wide index itself
+        return [dp_rank + dp_size * i for i in range(num_local)]
+    at = {g: j for j, g in enumerate(sorted(d + dp_size * i for d, mine in enumerate(picks) for i in mine))}
+    return [at[dp_rank + dp_size * i] for i in picks[dp_rank]]
 
 
 def summed_mask(table: StatsTable) -> np.ndarray:

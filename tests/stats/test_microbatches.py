@@ -4,7 +4,7 @@ import pytest
 
 from snip_megatron.plan import all_keys
 from snip_megatron.stats.config import MeasureConfig
-from snip_megatron.stats.microbatches import sample_microbatches, summed_mask
+from snip_megatron.stats.microbatches import sample_microbatches, step_positions, summed_mask
 from snip_megatron.stats.table import StatsTable
 
 
@@ -23,6 +23,19 @@ def test_k_spread_over_replicas_and_the_step():
 @pytest.mark.parametrize("k", [None, 0, 8, 100])
 def test_all_microbatches(k):
     assert sample_microbatches(4, 1, 2, k) == ([0, 1, 2, 3], 8)
+
+
+@pytest.mark.parametrize("m, dp, k", [(4, 1, None), (2, 2, None), (3, 4, 100), (2, 2, 2), (16, 4, 8), (5, 3, 7),
+                                      (64, 16, 8), (8, 2, 1)])
+def test_positions_number_the_steps_sample_in_the_steps_order(m, dp, k):
+    """Replica d's micro-batch i is the step's d + dp * i; the positions number the sampled ones of
+    all replicas 0..K-1 in that order, whatever the replica."""
+    step_ids = sorted(d + dp * i for d in range(dp) for i in sample_microbatches(m, d, dp, k)[0])
+    for d in range(dp):
+        picked, total = sample_microbatches(m, d, dp, k)
+        assert step_positions(m, d, dp, k) == [step_ids.index(d + dp * i) for i in picked]
+    every = sorted(p for d in range(dp) for p in step_positions(m, d, dp, k))
+    assert every == list(range(total))
 
 
 def test_summed_fields_and_bad_k():
