@@ -72,19 +72,14 @@ def quiet_startup(stream=None) -> list[str]:
         if _installed(absence.module):
             continue
         for message in absence.messages:
-            warnings.filterwarnings("ignore", message=message, category=UserWarning, module=MEGATRON_MODULES)
+            _ignore_megatron_warning(message)
         notices.append(absence.notice)
         if say:
             print(f"[snip] {absence.notice}", file=stream, flush=True)
     for message in MEGATRON_NOTICES:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=MEGATRON_MODULES)
-    gpt_logger = logging.getLogger(GPT_LOGGER)
-    gpt_logger.filters[:] = [f for f in gpt_logger.filters if not isinstance(f, _DropMessage)]
-    gpt_logger.addFilter(_DropMessage(GPT_MESSAGE))
-    cuda_logger = logging.getLogger(CUDA_LOGGER)
-    for old in [f for f in cuda_logger.filters if isinstance(f, _NoCudaRuntime)]:
-        cuda_logger.removeFilter(old)  # one notice filter, however often the state was reset
-    cuda_logger.addFilter(_NoCudaRuntime(stream if say else None))
+        _ignore_megatron_warning(message)
+    _set_filter(GPT_LOGGER, _DropMessage(GPT_MESSAGE))
+    _set_filter(CUDA_LOGGER, _NoCudaRuntime(stream if say else None))
     return notices
 
 
@@ -93,6 +88,18 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except Exception:  # a broken install counts as installed: its own errors must show
         return True
+
+
+def _ignore_megatron_warning(message: str) -> None:
+    warnings.filterwarnings("ignore", message=message, category=UserWarning, module=MEGATRON_MODULES)
+
+
+def _set_filter(logger_name: str, new: logging.Filter) -> None:
+    """`new` on the logger, replacing one of its kind an earlier call left (one filter, however
+    often the state was reset)."""
+    logger = logging.getLogger(logger_name)
+    logger.filters[:] = [f for f in logger.filters if type(f) is not type(new)]
+    logger.addFilter(new)
 
 
 class _DropMessage(logging.Filter):
@@ -106,16 +113,16 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.start)
 
 
-class _NoCudaRuntime(logging.Filter):
+class _NoCudaRuntime(_DropMessage):
     """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." record for one line of ours."""
 
     def __init__(self, stream):
-        super().__init__()
+        super().__init__(CUDA_MESSAGE)
         self.stream = stream
         self.said = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith(CUDA_MESSAGE):
+        if super().filter(record):
             return True
         if self.stream is not None and not self.said:
             self.said = True
