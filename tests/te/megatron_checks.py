@@ -112,7 +112,7 @@ def check_plan_reaches_te_quant_params():
     modules = worker.planned_linears(model)
     assert sorted(modules) == sorted(f"{layer}.{name}" for layer, name in worker.PLAN_TABLE)
     for key, module in modules.items():
-        precision = worker.PLAN_TABLE[(int(key.split(".")[0]), key.split(".")[1])]
+        precision = _planned(key)
         recipe = module.te_quant_params.training_recipe
         assert recipe.override_quantized_autocast and recipe.override_nonquantized_autocast, key
         want8 = Fp8Recipe.blockwise if precision == "fp8" else None
@@ -237,21 +237,14 @@ def check_hopper_plan_trains_with_fp4_through_tes_custom_recipe():
         assert formats.fp4_gradient_rounding == "nearest"
         modules = worker.planned_linears(model)
         for key, module in modules.items():
-            precision = worker.PLAN_TABLE[(int(key.split(".")[0]), key.split(".")[1])]
+            precision = _planned(key)
             recipe = module.te_quant_params.training_recipe
             assert (recipe.fp4_quantization_recipe == "custom") == (precision == "fp4"), key
         g = torch.Generator().manual_seed(6)
         for key, module in modules.items():
-            precision = worker.PLAN_TABLE[(int(key.split(".")[0]), key.split(".")[1])]
+            precision = _planned(key)
             fmt = worker.EXPECTED_LABEL[precision]
-            x = torch.randn(worker.SHAPE.seq_length, 2, module.in_features, generator=g)
-            gy = torch.randn(worker.SHAPE.seq_length, 2, module.out_features, generator=g)
-            state = module.sr_generator.get_state()
-            xg = x.clone().requires_grad_()
-            y, _ = module(xg)
-            y.backward(gy)
-            got = [y.detach(), xg.grad, module.weight.grad] + (
-                [module.layer_norm_weight.grad] if hasattr(module, "layer_norm_weight") else [])
+            x, gy, state, got, _ = _forward_backward(module, g)
             assert module.last_run.label == fmt, (key, module.last_run)
             assert all(torch.equal(a, b) for a, b in zip(got, _reference(module, x, gy, fmt, state, sm=90))), key
             if precision == "fp4":
@@ -272,6 +265,27 @@ def make_config():
 def _rms(x, gamma, eps):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * gamma.float()).to(x.dtype)
+
+
+def _planned(key: str) -> str:
+    """The precision worker.plan() gives the linear `key` ("<layer>.<name>")."""
+    layer, name = key.split(".")
+    return worker.PLAN_TABLE[(int(layer), name)]
+
+
+def _forward_backward(module, g):
+    """One forward and backward of a planned linear on random X and G_Y: (X, G_Y, the module's
+    stochastic-rounding generator state before it ran, [Y, dX, dW(, dgamma)], the returned bias)."""
+    x = torch.randn(worker.SHAPE.seq_length, 2, module.in_features, generator=g)
+    gy = torch.randn(worker.SHAPE.seq_length, 2, module.out_features, generator=g)
+    state = module.sr_generator.get_state()
+    xg = x.clone().requires_grad_()
+    y, bias = module(xg)
+    y.backward(gy)
+    got = [y.detach(), xg.grad, module.weight.grad]
+    if hasattr(module, "layer_norm_weight"):
+        got.append(module.layer_norm_weight.grad)
+    return x, gy, state, got, bias
 
 
 def _reference(module, x, gy, fmt, generator_state, sm: int = 100):
@@ -306,19 +320,11 @@ def check_planned_modules_compute_our_emulation_bit_exactly():
     g = torch.Generator().manual_seed(5)
     report = {}
     for key, module in worker.planned_linears(model).items():
-        precision = worker.PLAN_TABLE[(int(key.split(".")[0]), key.split(".")[1])]
+        precision = _planned(key)
         fmt = worker.EXPECTED_LABEL[precision]
-        x = torch.randn(worker.SHAPE.seq_length, 2, module.in_features, generator=g)
-        gy = torch.randn(worker.SHAPE.seq_length, 2, module.out_features, generator=g)
-        state = module.sr_generator.get_state()
-        xg = x.clone().requires_grad_()
-        y, bias = module(xg)
+        x, gy, state, got, bias = _forward_backward(module, g)
         assert bias is None
-        y.backward(gy)
         assert module.last_run.label == fmt, (key, module.last_run)
-        got = [y.detach(), xg.grad, module.weight.grad]
-        if hasattr(module, "layer_norm_weight"):
-            got.append(module.layer_norm_weight.grad)
         want = _reference(module, x, gy, fmt, state)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), key
         if fmt != "high_precision":  # the comparison is not vacuous: quantized != plain
