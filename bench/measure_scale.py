@@ -127,8 +127,8 @@ def _install_hook_tagging() -> None:
     collector = importlib.import_module("snip_megatron.stats.collector")
     plain = collector._plain
 
-    def tagging(fn):
-        inner = plain(fn)
+    def tagging(fn, *args, **kwargs):  # _plain's own arguments (the error list, the layer) pass through
+        inner = plain(fn, *args, **kwargs)
         name = getattr(getattr(fn, "func", fn), "__name__", "")
         if name not in HOOKS:
             return inner
