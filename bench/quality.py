@@ -48,15 +48,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # quality_oracle, also where this file is loaded by path
 
 HEURISTICS = ("first_last_k", "last_fraction", "layer_type", "min_rel_error", "random")
 QUICK_HEURISTICS = ("first_last_k", "last_fraction", "min_rel_error")
 SNIP_METHODS = ("snip_once", "snip_periodic")
 FORMAT_FREE = ("bf16", "uniform_fp8")  # never touch the FP4 format: one run per seed serves every format
+PINNED = ("single_fp4", "oracle")
+"""Methods that train a pinned plan (bench/quality_oracle.py): one linear in FP4, or the oracle's set."""
 # Defaults sized to about 2 hours on 2 CPU cores (quick: about 10 minutes): every method continues a
 # 400-step BF16 prefix for 300 quantized steps (quick: 120), mid-way down the cosine schedule.
 STEPS, QUICK_STEPS, PREFIX_STEPS = 700, 520, 400
-METHODS = FORMAT_FREE + ("uniform_fp4",) + HEURISTICS + SNIP_METHODS
+METHODS = FORMAT_FREE + ("uniform_fp4",) + HEURISTICS + SNIP_METHODS + ("oracle",)
 
 
 def at_root(path: str) -> Path:
@@ -79,12 +82,21 @@ class RunSpec:
     run_dir: str
     prefix_steps: int = 0
     """Steps of a shared BF16 prefix: every method of a seed continues from its checkpoint (0: none)."""
+    fp4_linears: tuple = ()
+    """single_fp4 and oracle: the linears ("3.linear_fc1") their pinned plan holds in FP4, the others FP8."""
 
     @property
     def name(self) -> str:
         b = "" if self.budget is None else f"_{round(self.budget * 100)}"
         p = f"_from{self.prefix_steps}" if self.prefix_steps else ""
+        if self.method == "single_fp4":  # one run per linear: the linear names it
+            return f"{self.fp4_recipe}_single_{self.fp4_linears[0].replace('.', '_')}{p}_s{self.seed}"
         return f"{self.fp4_recipe}_{self.method}{b}{p}_s{self.seed}"
+
+    @property
+    def plan_path(self) -> Path:
+        """Where a pinned method's plan is written (run_one) and read (its SnipConfig.plan)."""
+        return at_root(self.run_dir) / self.name / "pinned_plan.json"
 
     @property
     def prefix_dir(self) -> Path:
@@ -114,6 +126,9 @@ def snip_config(spec: RunSpec):
         return SnipConfig(**common, fp4_budget=budget, interval=spec.steps)
     if spec.method == "snip_periodic":
         return SnipConfig(**common, fp4_budget=budget, interval=max(2, (spec.steps - spec.warmup) // 3))
+    if spec.method in PINNED:  # the plan from the first quantized step on, never re-planned
+        return SnipConfig(**common, fp4_budget=budget, interval=spec.steps, plan=str(spec.plan_path),
+                          pin_plan=True)
     raise ValueError(f"unknown method {spec.method!r}")
 
 
@@ -186,6 +201,10 @@ def run_one(spec: RunSpec) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("*.jsonl"):
         stale.unlink()
+    if spec.method in PINNED:
+        from quality_oracle import pinned_plan
+
+        pinned_plan(shape.num_layers, spec.fp4_linears).save(spec.plan_path)
     train = train_config(spec, metrics_path=str(run_dir / "metrics.jsonl"))
     ctrl = SnipController(snip_config(spec), shape, total_steps=spec.steps, run_dir=run_dir,
                           tokens_per_step=spec.micro_batch_size * shape.seq_length, log=lambda m: None)
@@ -223,12 +242,13 @@ def read_log(path: Path) -> list[dict]:
 
 def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
     """The runs of `specs` already in the results log (a run counts only with identical settings)."""
-    wanted = {s.name: asdict(s) for s in specs}
+    wanted = {s.name: json.loads(json.dumps(asdict(s))) for s in specs}  # as the log stores it
     finished = {}
     for r in read_log(path):
         if not isinstance(r.get("spec"), dict):
             continue  # an invocation record (load_invocations)
         r["spec"].setdefault("prefix_steps", 0)  # logs written before the shared prefix existed
+        r["spec"].setdefault("fp4_linears", [])  # ... and before the oracle
         if wanted.get(r.get("name")) == r["spec"]:
             finished[r["name"]] = r
     return list(finished.values())
@@ -262,6 +282,11 @@ def heuristics_of(args) -> tuple[str, ...]:
     return rules if args.methods is None else tuple(m for m in HEURISTICS if m in args.methods)
 
 
+def wants_oracle(args) -> bool:
+    """The oracle runs in the full benchmark, and with --quick or --methods only when named."""
+    return "oracle" in args.methods if args.methods is not None else not args.quick
+
+
 def budget_methods(args) -> tuple[str, ...]:
     """The methods run at each FP4 budget: the rules, then SNIP (--quick: periodic only)."""
     snip = ("snip_periodic",) if args.quick else SNIP_METHODS
@@ -270,14 +295,23 @@ def budget_methods(args) -> tuple[str, ...]:
     return heuristics_of(args) + snip
 
 
-def build_specs(args) -> list[RunSpec]:
+def common_settings(args) -> dict:
+    """The RunSpec fields every run of this invocation shares."""
     model = dict(name="quality", num_layers=args.layers, hidden_size=args.hidden,
                  ffn_hidden_size=args.ffn, num_attention_heads=args.heads, num_query_groups=args.groups,
                  vocab_size=args.vocab, seq_length=args.seq)
-    common = dict(steps=args.steps, warmup=warmup_of(args), model=model, data_cache=args.data_cache,
-                  max_bytes=args.max_bytes, micro_batch_size=args.micro_batch_size,
-                  run_dir=args.run_dir, prefix_steps=args.prefix_steps)
+    return dict(steps=args.steps, warmup=warmup_of(args), model=model, data_cache=args.data_cache,
+                max_bytes=args.max_bytes, micro_batch_size=args.micro_batch_size,
+                run_dir=args.run_dir, prefix_steps=args.prefix_steps)
+
+
+def build_specs(args) -> list[RunSpec]:
+    """Every run that does not depend on another's result (the oracle's do: oracle_specs)."""
+    from snip_megatron.plan import all_keys
+
+    common = common_settings(args)
     methods = budget_methods(args)
+    oracle = wants_oracle(args)
     main = args.formats[0]
     specs = []
     for fmt in args.formats:
@@ -285,19 +319,61 @@ def build_specs(args) -> list[RunSpec]:
         for seed in range(args.seeds):
             shared = FORMAT_FREE if fmt == main else ()  # filed under the main format
             for method in shared + ("uniform_fp4",):
-                if method == "bf16" or args.methods is None or method in args.methods:
+                # the oracle's harms are taken to uniform FP8
+                if method == "bf16" or args.methods is None or method in args.methods \
+                        or (method == "uniform_fp8" and oracle):
                     specs.append(RunSpec(method=method, budget=None, seed=seed, fp4_recipe=fmt, **common))
             for budget in budgets:
                 for method in methods:
                     specs.append(RunSpec(method=method, budget=budget, seed=seed, fp4_recipe=fmt, **common))
+            if oracle and budgets:
+                specs += [RunSpec(method="single_fp4", budget=None, seed=seed, fp4_recipe=fmt,
+                                  fp4_linears=(str(key),), **common) for key in all_keys(args.layers)]
     return specs
+
+
+def oracle_specs(args, results: list[dict]) -> tuple[list[RunSpec], list[str]]:
+    """The oracle's runs that the finished single-linear runs allow (per format, seed and budget: the
+    knapsack over that seed's harms), and the names of those still waiting for their singles."""
+    from quality_oracle import oracle_fp4_linears, single_harms
+
+    from snip_megatron.plan import all_keys
+    from snip_megatron.shapes import ModelShape
+
+    if not wants_oracle(args):
+        return [], []
+    common = common_settings(args)
+    shape = ModelShape(**common["model"])
+    keys = [str(k) for k in all_keys(shape.num_layers)]
+    fp8 = {r["spec"]["seed"]: r["val_bf16"] for r in results if r["spec"]["method"] == "uniform_fp8"}
+    specs, waiting = [], []
+    for fmt in args.formats:
+        for seed in range(args.seeds):
+            singles = {r["spec"]["fp4_linears"][0]: r["val_bf16"] for r in results
+                       if r["spec"]["method"] == "single_fp4" and r["spec"]["fp4_recipe"] == fmt
+                       and r["spec"]["seed"] == seed}
+            for budget in budgets_of(args, fmt):
+                spec = RunSpec(method="oracle", budget=budget, seed=seed, fp4_recipe=fmt, **common)
+                if seed not in fp8 or set(singles) != set(keys):
+                    waiting.append(spec.name)
+                    continue
+                fp4 = oracle_fp4_linears(single_harms(singles, fp8[seed]), shape, budget,
+                                         tokens=args.micro_batch_size * args.seq)
+                specs.append(RunSpec(**{**asdict(spec), "fp4_linears": fp4}))
+    return specs, waiting
 
 
 # -- aggregation ---------------------------------------------------------------------------------
 
+RECIPES = ("last_fraction", "min_rel_error")
+"""The recipes a user would reach for first: NVIDIA's NVFP4 recipe (the last layers high), and FP4 for
+the linears it quantizes best."""
+
+
 def summarize(results: list[dict], fmt: str, budgets, heuristics) -> dict:
+    mine = [r for r in results if r["spec"]["fp4_recipe"] == fmt or r["spec"]["method"] in FORMAT_FREE]
     by = {(r["spec"]["method"], r["spec"]["budget"], r["spec"]["seed"]): r
-          for r in results if r["spec"]["fp4_recipe"] == fmt or r["spec"]["method"] in FORMAT_FREE}
+          for r in mine if r["spec"]["method"] != "single_fp4"}
     seeds = sorted({s for (_, _, s) in by})
     bf16 = {s: by[("bf16", None, s)]["val_bf16"] for s in seeds if ("bf16", None, s) in by}
 
@@ -309,14 +385,15 @@ def summarize(results: list[dict], fmt: str, budgets, heuristics) -> dict:
                 out[s] = (r[key] - bf16[s]) / bf16[s]
         return out
 
-    rows = []
+    rows, all_gaps = [], {}
     snip_main = "snip_periodic"
     cells = [("uniform_fp8", None), ("uniform_fp4", None)] + [
-        (m, b) for b in budgets for m in heuristics + SNIP_METHODS]
+        (m, b) for b in budgets for m in heuristics + SNIP_METHODS + ("oracle",)]
     for method, budget in cells:
         g = gaps(method, budget)
         if not g:
             continue
+        all_gaps[(method, budget)] = g
         g_plan = gaps(method, budget, "val_plan")
         snip = gaps(snip_main, budget) if budget is not None else {}
         paired = [g[s] - snip[s] for s in g if s in snip]
@@ -333,9 +410,33 @@ def summarize(results: list[dict], fmt: str, budgets, heuristics) -> dict:
             "diverged": sum(r["diverged"] for r in runs),
             "seeds": len(g),
         })
+    fp8 = gaps("uniform_fp8", None)
+    harms = {}  # linear -> seed -> its single-FP4 gap minus uniform FP8's (relative to BF16)
+    for r in mine:
+        s = r["spec"]
+        if s["method"] == "single_fp4" and s["seed"] in fp8:
+            harms.setdefault(s["fp4_linears"][0], {})[s["seed"]] = \
+                (r["val_bf16"] - bf16[s["seed"]]) / bf16[s["seed"]] - fp8[s["seed"]]
     bf = list(bf16.values())
-    return {"rows": rows, "bf16": bf16,
+    return {"rows": rows, "bf16": bf16, "gaps": all_gaps, "harms": harms,
             "noise": statistics.pstdev(bf) / statistics.fmean(bf) if len(bf) > 1 else math.nan}
+
+
+def recipe_of(summary: dict, budget: float) -> str | None:
+    """The recipe with the smaller mean gap at `budget` (None when neither ran)."""
+    ran = [(statistics.fmean(summary["gaps"][(m, budget)].values()), m) for m in RECIPES
+           if (m, budget) in summary["gaps"]]
+    return min(ran)[1] if ran else None
+
+
+def oracle_share_at(summary: dict, budget: float) -> float:
+    """SNIP's (periodic) share of the oracle's gain over the recipe at `budget`, paired by seed."""
+    from quality_oracle import oracle_share
+
+    recipe, g = recipe_of(summary, budget), summary["gaps"]
+    if recipe is None or ("snip_periodic", budget) not in g or ("oracle", budget) not in g:
+        return math.nan
+    return oracle_share(g[(recipe, budget)], g[("snip_periodic", budget)], g[("oracle", budget)])
 
 
 def result_line(summary: dict, heuristics) -> str:
@@ -349,11 +450,12 @@ def result_line(summary: dict, heuristics) -> str:
     for b in (0.75, 0.8):
         tag = round(b * 100)
         best = min((gap(h, b) for h in heuristics if (h, b) in rows), default=math.nan)
-        recipe = min((gap(h, b) for h in ("last_fraction", "min_rel_error") if (h, b) in rows),
-                     default=math.nan)
+        recipe = recipe_of(summary, b)
         parts += [f"snip_gap_{tag}={gap('snip_periodic', b):.5f}", f"best_baseline_gap_{tag}={best:.5f}",
-                  f"recipe_gap_{tag}={recipe:.5f}"]
-    parts += [f"uniform_fp4_gap={gap('uniform_fp4', None):.5f}", f"noise={summary['noise']:.5f}"]
+                  f"recipe_gap_{tag}={gap(recipe, b):.5f}"]
+    parts += [f"uniform_fp4_gap={gap('uniform_fp4', None):.5f}", f"noise={summary['noise']:.5f}",
+              f"oracle_gap_75={gap('oracle', 0.75):.5f}", f"oracle_share_75={oracle_share_at(summary, 0.75):.3f}",
+              f"oracle_share_80={oracle_share_at(summary, 0.8):.3f}"]
     return "RESULT " + " ".join(parts)
 
 
@@ -366,6 +468,32 @@ def format_table(summary: dict) -> str:
         vs = "-" if math.isnan(r["vs_snip_mean"]) else f"{r['vs_snip_mean']:+.3%} ± {r['vs_snip_spread']:.3%}"
         lines.append(f"| {r['method']} | {b} | {r['fp4']:.1%} | {r['gap_mean']:+.3%} ± {r['gap_spread']:.3%} | "
                      f"{r['gap_abs_mean']:+.5f} | {r['gap_plan_mean']:+.3%} | {vs} | {r['diverged']}/{r['seeds']} |")
+    return "\n".join(lines)
+
+
+def format_oracle(summary: dict, budgets) -> str:
+    """The oracle against the recipe and SNIP per budget, then each linear's single-FP4 harm."""
+    g = summary["gaps"]
+    if not summary["harms"]:
+        return ""
+    lines = ["| FP4 budget | recipe | recipe gap | SNIP periodic gap | oracle gap | SNIP's share of the oracle's gain |",
+             "|---|---|---|---|---|---|"]
+
+    def mean(cell):
+        return f"{statistics.fmean(g[cell].values()):+.3%}" if cell in g else "-"
+
+    for b in budgets:
+        recipe = recipe_of(summary, b)
+        share = oracle_share_at(summary, b)
+        lines.append(f"| {b:.0%} | {recipe or '-'} | {mean((recipe, b))} | {mean(('snip_periodic', b))} | "
+                     f"{mean(('oracle', b))} | {'-' if math.isnan(share) else f'{share:.2f}'} |")
+    from snip_megatron.plan import forward_order, parse_key
+
+    lines += ["", "| linear | FP4 harm alone (rel. gap minus uniform FP8's; mean ± spread) | seeds |", "|---|---|---|"]
+    for key in sorted(summary["harms"], key=lambda k: forward_order(parse_key(k))):
+        h = list(summary["harms"][key].values())
+        spread = statistics.pstdev(h) if len(h) > 1 else 0.0
+        lines.append(f"| {key} | {statistics.fmean(h):+.3%} ± {spread:.3%} | {len(h)} |")
     return "\n".join(lines)
 
 
@@ -462,7 +590,14 @@ def write_results(path: Path, args, results, summaries, lines) -> None:
                  f"(`{' '.join(['python bench/quality.py'] + [a for a in args.argv if a != '--report-only'] + ['--resume'])}` "
                  "runs them); the tables below hold the runs that have.", ""]
     for fmt, summary in summaries.items():
-        text += [f"## {fmt}", "", format_table(summary), "",
+        oracle = format_oracle(summary, budgets_of(args, fmt))
+        text += [f"## {fmt}", "", format_table(summary), ""]
+        if oracle:
+            text += ["The oracle: each linear alone in FP4 from the prefix checkpoint over the quantized "
+                     "phase (the others FP8), then the knapsack over those harms at each budget, trained "
+                     "pinned. SNIP's share is (recipe - SNIP) / (recipe - oracle), differences paired by "
+                     "seed.", "", oracle, ""]
+        text += [
                  f"BF16 validation loss per seed: {', '.join(f'{v:.4f}' for v in summary['bf16'].values())} "
                  f"(relative spread {summary['noise']:.4f}).", "", "```", lines[fmt], "```", ""]
     if curves:
@@ -547,6 +682,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def train_runs(args, todo: list[RunSpec], results: list[dict], log_path: Path, total: int) -> None:
+    """Train `todo` (their seeds' prefixes first), appending each finished run to `results` and the log."""
+    if not todo:
+        return
+    if args.prefix_steps:
+        prefixes = list({s.seed: s for s in todo}.values())  # one per seed that still has runs
+        # Not a Pool: its workers are daemonic, and Megatron's checkpoint save starts a process.
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            for r in pool.map(train_prefix, prefixes):
+                args.prefix_seconds += r["seconds"]
+                print(f"prefix {r['prefix']}: " + ("reused" if r["reused"] else
+                      f"val {r['val_loss']:.4f}, {r['seconds']:.0f} s"), flush=True)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, log_path.open("a") as log:
+        for r in pool.imap_unordered(run_one, todo):
+            results.append(r)
+            log.write(json.dumps(r) + "\n")
+            log.flush()
+            print(f"[{len(results)}/{total}] {r['name']}: val(bf16) {r['val_bf16']:.4f} "
+                  f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     heuristics = heuristics_of(args)
@@ -563,32 +720,27 @@ def main(argv=None) -> None:
         log_path.unlink()
     done = {r["name"] for r in results}
     todo = [] if args.report_only else [s for s in specs if s.name not in done]
-    args.missing = [s.name for s in specs if s.name not in done] if args.report_only else []
-    print(f"{len(specs)} runs ({len(results)} already done), {args.jobs} at a time", flush=True)
+    oracle_runs = len(args.formats) * args.seeds * max(len(args.budgets), len(args.other_budgets)) \
+        if wants_oracle(args) else 0
+    total = len(specs) + oracle_runs
+    print(f"{len(specs)} runs ({len(results)} already done)"
+          + (f", then up to {oracle_runs} oracle runs" if oracle_runs else "") + f", {args.jobs} at a time", flush=True)
     start = time.perf_counter()
     args.prefix_seconds = 0.0
-    if todo and args.prefix_steps:
-        prefixes = list({s.seed: s for s in todo}.values())  # one per seed that still has runs
-        # Not a Pool: its workers are daemonic, and Megatron's checkpoint save starts a process.
-        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            for r in pool.map(train_prefix, prefixes):
-                args.prefix_seconds += r["seconds"]
-                print(f"prefix {r['prefix']}: " + ("reused" if r["reused"] else
-                      f"val {r['val_loss']:.4f}, {r['seconds']:.0f} s"), flush=True)
-    if todo:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, log_path.open("a") as log:
-            for r in pool.imap_unordered(run_one, todo):
-                results.append(r)
-                log.write(json.dumps(r) + "\n")
-                log.flush()
-                print(f"[{len(results)}/{len(specs)}] {r['name']}: val(bf16) {r['val_bf16']:.4f} "
-                      f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
+    train_runs(args, todo, results, log_path, total)
+    # The oracle's plans are the knapsack over the single-linear runs just finished.
+    oracle, waiting = oracle_specs(args, results)
+    results += load_finished(log_path, oracle) if log_path.exists() else []
+    done = {r["name"] for r in results}
+    oracle_todo = [] if args.report_only else [s for s in oracle if s.name not in done]
+    train_runs(args, oracle_todo, results, log_path, total)
+    args.missing = ([s.name for s in specs if s.name not in done] + waiting
+                    + [s.name for s in oracle if s.name not in done]) if args.report_only else []
     wall = time.perf_counter() - start
-    if todo:
+    if todo or oracle_todo:
         with log_path.open("a") as log:
             log.write(json.dumps({"invocation": {"argv": args.argv, "wall_s": wall, "prefix_s": args.prefix_seconds,
-                                                 "runs": len(todo)}}) + "\n")
+                                                 "runs": len(todo) + len(oracle_todo)}}) + "\n")
     args.invocations = load_invocations(log_path)
     summaries, lines = {}, {}
     for fmt in args.formats:

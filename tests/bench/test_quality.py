@@ -38,7 +38,8 @@ def test_full_run_shares_format_free_runs_and_gives_every_method_each_budget(qua
         for method in quality.HEURISTICS + quality.SNIP_METHODS:
             assert all(f"{main}_{method}_{b}{p}" in names for b in (50, 75, 80, 90))
             assert f"{other}_{method}_75{p}" in names and f"{other}_{method}_80{p}" not in names
-    assert len(specs) == 3 * (3 + 4 * 7) + 3 * (1 + 7)
+    # ... and the oracle's 24 single-linear runs per seed and format (its own runs follow them)
+    assert len(specs) == 3 * (3 + 4 * 7) + 3 * (1 + 7) + 2 * 3 * 24
 
 
 def test_heuristics_run_relaxed_at_the_same_budget(quality):
@@ -164,6 +165,12 @@ def test_a_run_from_the_shared_prefix_equals_the_uninterrupted_run(quality, tmp_
     one BF16 run over all the steps does, and a quantized method continues from the same weights."""
     import torch
 
+    from snip_megatron.formats.precision import Precision
+    from snip_megatron.plan import LayerKey, Plan
+    from snip_megatron.planner.flops import flop_table
+    from snip_megatron.report import load_plan_history
+    from snip_megatron.shapes import ModelShape
+
     threads = torch.get_num_threads()
     model = dict(name="quality_test", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                  num_query_groups=2, vocab_size=512, seq_length=32)
@@ -184,6 +191,17 @@ def test_a_run_from_the_shared_prefix_equals_the_uninterrupted_run(quality, tmp_
         steps = [json.loads(line)["step"] for line in
                  (tmp_path / "runs" / fp4["name"] / "metrics.jsonl").read_text().splitlines()]
         assert min(s for s in steps if s) == 4  # it trained only the steps after the prefix
+        # The oracle's single-linear run: its pinned plan from the first step after the prefix on.
+        single = quality.RunSpec(**{**asdict(branch), "method": "single_fp4", "fp4_linears": ("2.linear_fc1",)})
+        one = quality.run_one(single)
+        flops = flop_table(ModelShape(**model))
+        key = LayerKey(2, "linear_fc1")
+        assert one["fp4_fraction"] == pytest.approx(flops[key] / sum(flops.values()))
+        assert one["val_bf16"] not in (whole["val_bf16"], fp4["val_bf16"])
+        plan = Plan.load(single.plan_path)
+        assert plan[key] is Precision.FP4 and sum(p is Precision.FP4 for p in plan.values()) == 1
+        history = load_plan_history(tmp_path / "runs" / one["name"])
+        assert history and all(p == plan for _, p in history)  # never re-planned
     finally:
         torch.set_num_threads(threads)
 
@@ -203,3 +221,68 @@ def test_every_run_gives_snip_and_the_trainer_the_same_formats(quality, formats)
         assert snip.formats == train.formats, spec.name
         ctrl = SnipController(snip, ModelShape(**spec.model), total_steps=spec.steps, log=lambda m: None)
         ctrl.on_train_start(SimpleNamespace(formats=train.formats, step=0, set_plan=lambda plan: None))
+
+
+def test_the_oracle_runs_singles_first_then_the_knapsack_of_their_harms(quality, tmp_path):
+    args = quality.parse_args(["--layers", "2", "--seeds", "2", "--budgets", "0.5,0.75", "--run-dir", str(tmp_path)])
+    specs = quality.build_specs(args)
+    singles = [s for s in specs if s.method == "single_fp4"]
+    # one run per linear, seed and format, each holding only its linear in FP4
+    assert len(singles) == 8 * 2 * 2 and len({s.name for s in singles}) == len(singles)
+    assert {s.fp4_linears for s in singles} == {(f"{layer}.{n}",) for layer in (1, 2) for n in
+                                                ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")}
+    assert "nvfp4_single_2_linear_fc1_from400_s1" in {s.name for s in singles}
+    assert quality.snip_config(singles[0]).pin_plan and quality.snip_config(singles[0]).plan == str(singles[0].plan_path)
+    assert not any(s.method in quality.PINNED for s in quality.build_specs(quality.parse_args(["--quick"])))
+    named = quality.build_specs(quality.parse_args(["--quick", "--layers", "2", "--methods", "oracle"]))
+    assert {s.method for s in named} == {"bf16", "uniform_fp8", "single_fp4"}  # its harms need uniform FP8
+
+    # Synthetic results: linear i's harm is i * 1e-3, except a strongly harmful 1.linear_fc1.
+    shape_keys = [s.fp4_linears[0] for s in singles if s.seed == 0 and s.fp4_recipe == "nvfp4"]
+    results = []
+    for s in specs:
+        if s.method in ("bf16", "uniform_fp8", "single_fp4"):
+            val = {"bf16": 4.0, "uniform_fp8": 4.01}.get(s.method)
+            if val is None:
+                i = shape_keys.index(s.fp4_linears[0])
+                val = 4.01 + (0.5 if s.fp4_linears[0] == "1.linear_fc1" else i * 1e-3)
+            results.append({"name": s.name, "spec": asdict(s), "val_bf16": val, "val_plan": val,
+                            "fp4_fraction": 0.1, "diverged": False})
+    assert results[-1]["name"].startswith("mxfp4_single_") and results[-1]["name"].endswith("_s1")
+    oracle, waiting = quality.oracle_specs(args, results[:-1])  # one single missing: its seed's oracle waits
+    assert waiting == ["mxfp4_oracle_75_from400_s1"] and len(oracle) == 5
+    oracle, waiting = quality.oracle_specs(args, results)
+    assert not waiting and len(oracle) == 2 * 2 + 2  # nvfp4: 2 budgets, mxfp4: 1 (the other budgets)
+    o = next(s for s in oracle if s.name == "nvfp4_oracle_75_from400_s0")
+    assert "1.linear_fc1" not in o.fp4_linears and o.budget == 0.75
+    from snip_megatron.plan import all_keys
+    from snip_megatron.planner.flops import flop_table
+    from snip_megatron.shapes import ModelShape
+
+    flops = flop_table(ModelShape(**o.model))
+    assert sum(flops[k] for k in all_keys(2) if str(k) in o.fp4_linears) >= 0.75 * sum(flops.values()) * (1 - 1e-9)
+
+    # Resume: an oracle run counts only with the same FP4 set (the log stores the tuple as a list).
+    log = tmp_path / "results.jsonl"
+    other = quality.RunSpec(**{**asdict(o), "fp4_linears": o.fp4_linears[1:]})
+    log.write_text(json.dumps({"name": o.name, "spec": asdict(o), "val_bf16": 4.02}) + "\n")
+    assert [r["name"] for r in quality.load_finished(log, [o])] == [o.name]
+    assert quality.load_finished(log, [other]) == []
+
+    # The summary: each linear's harm, and the oracle's row and share in the RESULT line.
+    results += [_result("oracle", 0.75, seed, 4.0 * 1.002, fmt="nvfp4", fp4=0.75) for seed in (0, 1)]
+    results += [_result("snip_periodic", 0.75, seed, 4.0 * 1.004, fmt="nvfp4", fp4=0.75) for seed in (0, 1)]
+    results += [_result("last_fraction", 0.75, seed, 4.0 * 1.006, fmt="nvfp4", fp4=0.75) for seed in (0, 1)]
+    results += [_result("min_rel_error", 0.75, seed, 4.0 * 1.010, fmt="nvfp4", fp4=0.75) for seed in (0, 1)]
+    for r in results:
+        r["spec"].setdefault("fp4_linears", [])
+    summary = quality.summarize(results, "nvfp4", [0.75], ("last_fraction", "min_rel_error"))
+    assert summary["harms"]["1.linear_fc1"] == {0: pytest.approx(0.5 / 4), 1: pytest.approx(0.5 / 4)}
+    assert summary["harms"]["1.linear_qkv"][0] == pytest.approx(0.0, abs=1e-12)
+    assert quality.recipe_of(summary, 0.75) == "last_fraction"  # the better recipe
+    line = quality.result_line(summary, ("last_fraction", "min_rel_error"))
+    assert "oracle_gap_75=0.00200" in line and "oracle_share_75=0.500" in line and "oracle_share_80=nan" in line
+    assert "recipe_gap_75=0.00600" in line
+    table = quality.format_oracle(summary, [0.75])
+    assert "| 75% | last_fraction | +0.600% | +0.400% | +0.200% | 0.50 |" in table
+    assert "| 1.linear_fc1 | +12.500% ± 0.000% | 2 |" in table
