@@ -604,6 +604,9 @@ def write_results(path: Path, args, results, summaries, lines) -> None:
         text += [f"![validation loss]({curves.name})", ""]
     if heat:
         text += [f"![SNIP plan over training]({heat.name})", ""]
+    regimes = docs / "quality_regimes.md"  # bench/quality_regimes.py's map, beside this report
+    if regimes.exists():
+        text += [regimes.read_text()]
     path.write_text("\n".join(text))
 
 

@@ -10,7 +10,7 @@ recipe difference with their seed spreads, names the cheapest regime where unifo
 includes it) and one results log per regime under docs/regimes/ (`--resume` is always on: a regime
 whose runs are logged is read, not rerun).
 
-    python bench/quality_regimes.py                  # every regime (about 2.5 hours on 2 cores)
+    python bench/quality_regimes.py                  # every regime (about 2 hours on 2 cores)
     python bench/quality_regimes.py --only h64_q600  # one regime
     python bench/quality_regimes.py --report-only    # the report from the logs
 
@@ -67,7 +67,8 @@ REGIMES = (
     Regime("h128_q700", ("--steps", "1100", "--prefix-steps", "400")),
     Regime("h64_q300", (*NARROW, "--steps", "700", "--prefix-steps", "400")),
     Regime("h64_q600", (*NARROW, "--steps", "3000", "--prefix-steps", "2400")),
-    Regime("h64_q1500", (*NARROW, "--steps", "3900", "--prefix-steps", "2400")),
+    # Twice the tokens per parameter at the same quantized phase; twice the corpus, so no text repeats.
+    Regime("h64_q600_long", (*NARROW, "--steps", "6000", "--prefix-steps", "5400", "--max-bytes", "12000000")),
 )
 
 
