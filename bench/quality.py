@@ -39,6 +39,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import queue
 import statistics
 import sys
 import time
@@ -332,6 +333,9 @@ def build_specs(args) -> list[RunSpec]:
     return specs
 
 
+_ORACLE_SETS: dict = {}
+
+
 def oracle_specs(args, results: list[dict]) -> tuple[list[RunSpec], list[str]]:
     """The oracle's runs that the finished single-linear runs allow (per format, seed and budget: the
     knapsack over that seed's harms), and the names of those still waiting for their singles."""
@@ -357,8 +361,12 @@ def oracle_specs(args, results: list[dict]) -> tuple[list[RunSpec], list[str]]:
                 if seed not in fp8 or set(singles) != set(keys):
                     waiting.append(spec.name)
                     continue
-                fp4 = oracle_fp4_linears(single_harms(singles, fp8[seed]), shape, budget,
-                                         tokens=args.micro_batch_size * args.seq)
+                harms = single_harms(singles, fp8[seed])
+                key = (tuple(sorted(harms.items())), shape, budget)
+                if key not in _ORACLE_SETS:  # asked after every finished run: solve each knapsack once
+                    _ORACLE_SETS[key] = oracle_fp4_linears(harms, shape, budget,
+                                                           tokens=args.micro_batch_size * args.seq)
+                fp4 = _ORACLE_SETS[key]
                 specs.append(RunSpec(**{**asdict(spec), "fp4_linears": fp4}))
     return specs, waiting
 
@@ -685,10 +693,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def train_runs(args, todo: list[RunSpec], results: list[dict], log_path: Path, total: int) -> None:
-    """Train `todo` (their seeds' prefixes first), appending each finished run to `results` and the log."""
+def train_runs(args, todo: list[RunSpec], results: list[dict], log_path: Path, total: int,
+               follow_up=None) -> int:
+    """Train `todo` (their seeds' prefixes first), appending each finished run to `results` and the log.
+    `follow_up(results)` names the runs a finished one made possible (the oracle's, once a seed's
+    singles are in): they go first, so an interrupted benchmark leaves whole comparisons behind.
+    Returns the number of runs trained."""
     if not todo:
-        return
+        return 0
     if args.prefix_steps:
         prefixes = list({s.seed: s for s in todo}.values())  # one per seed that still has runs
         # Not a Pool: its workers are daemonic, and Megatron's checkpoint save starts a process.
@@ -698,13 +710,28 @@ def train_runs(args, todo: list[RunSpec], results: list[dict], log_path: Path, t
                 print(f"prefix {r['prefix']}: " + ("reused" if r["reused"] else
                       f"val {r['val_loss']:.4f}, {r['seconds']:.0f} s"), flush=True)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    ready, seen, trained = list(todo), {s.name for s in todo} | {r["name"] for r in results}, 0
+    finished = queue.SimpleQueue()
     with mp.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool, log_path.open("a") as log:
-        for r in pool.imap_unordered(run_one, todo):
+        running = 0
+        while ready or running:
+            while ready and running < args.jobs:  # at most `jobs` queued: follow-ups can go first
+                pool.apply_async(run_one, (ready.pop(0),), callback=finished.put, error_callback=finished.put)
+                running += 1
+            r = finished.get()
+            running -= 1
+            if isinstance(r, BaseException):
+                raise r
             results.append(r)
+            trained += 1
             log.write(json.dumps(r) + "\n")
             log.flush()
             print(f"[{len(results)}/{total}] {r['name']}: val(bf16) {r['val_bf16']:.4f} "
                   f"val(plan) {r['val_plan']:.4f} fp4 {r['fp4_fraction']:.1%} {r['seconds']:.0f} s", flush=True)
+            new = [s for s in (follow_up(results) if follow_up else []) if s.name not in seen]
+            seen |= {s.name for s in new}
+            ready[:0] = new
+    return trained
 
 
 def main(argv=None) -> None:
@@ -723,27 +750,37 @@ def main(argv=None) -> None:
         log_path.unlink()
     done = {r["name"] for r in results}
     todo = [] if args.report_only else [s for s in specs if s.name not in done]
-    oracle_runs = len(args.formats) * args.seeds * max(len(args.budgets), len(args.other_budgets)) \
-        if wants_oracle(args) else 0
+    oracle_runs = args.seeds * sum(len(budgets_of(args, f)) for f in args.formats) if wants_oracle(args) else 0
     total = len(specs) + oracle_runs
     print(f"{len(specs)} runs ({len(results)} already done)"
           + (f", then up to {oracle_runs} oracle runs" if oracle_runs else "") + f", {args.jobs} at a time", flush=True)
     start = time.perf_counter()
     args.prefix_seconds = 0.0
-    train_runs(args, todo, results, log_path, total)
-    # The oracle's plans are the knapsack over the single-linear runs just finished.
+    # The oracle's plans are the knapsack over a seed's single-linear runs: those already logged are
+    # read, the rest run as soon as their seed's singles are in.
+    logged = {}
+
+    def oracle_runs_ready(results):
+        oracle, _ = oracle_specs(args, results)
+        fresh = [s for s in oracle if s.name not in logged]
+        for r in load_finished(log_path, fresh) if fresh and log_path.exists() else []:
+            logged[r["name"]] = r
+            results.append(r)
+        done = {r["name"] for r in results}
+        return [s for s in oracle if s.name not in done]
+
+    oracle_todo = oracle_runs_ready(results)
+    trained = 0 if args.report_only else train_runs(args, oracle_todo + todo, results, log_path, total,
+                                                    follow_up=oracle_runs_ready)
     oracle, waiting = oracle_specs(args, results)
-    results += load_finished(log_path, oracle) if log_path.exists() else []
     done = {r["name"] for r in results}
-    oracle_todo = [] if args.report_only else [s for s in oracle if s.name not in done]
-    train_runs(args, oracle_todo, results, log_path, total)
     args.missing = ([s.name for s in specs if s.name not in done] + waiting
                     + [s.name for s in oracle if s.name not in done]) if args.report_only else []
     wall = time.perf_counter() - start
-    if todo or oracle_todo:
+    if trained:
         with log_path.open("a") as log:
             log.write(json.dumps({"invocation": {"argv": args.argv, "wall_s": wall, "prefix_s": args.prefix_seconds,
-                                                 "runs": len(todo) + len(oracle_todo)}}) + "\n")
+                                                 "runs": trained}}) + "\n")
     args.invocations = load_invocations(log_path)
     summaries, lines = {}, {}
     for fmt in args.formats:

@@ -286,3 +286,36 @@ def test_the_oracle_runs_singles_first_then_the_knapsack_of_their_harms(quality,
     table = quality.format_oracle(summary, [0.75])
     assert "| 75% | last_fraction | +0.600% | +0.400% | +0.200% | 0.50 |" in table
     assert "| 1.linear_fc1 | +12.500% ± 0.000% | 2 |" in table
+
+
+def test_the_oracle_trains_the_knapsack_of_the_singles_it_just_ran_and_resumes(quality, tmp_path):
+    """End to end on a tiny model, as a user runs it: BF16, uniform FP8, the 4 singles, then the
+    oracle's run at 50%, whose FP4 set is the knapsack over the logged singles' harms; a rerun with
+    --resume trains nothing."""
+    import subprocess
+
+    from snip_megatron.shapes import ModelShape
+
+    argv = [sys.executable, str(ROOT / "bench" / "quality.py"), "--methods", "oracle", "--layers", "1",
+            "--hidden", "64", "--ffn", "128", "--heads", "4", "--groups", "2", "--vocab", "512", "--seq", "32",
+            "--micro-batch-size", "2", "--max-bytes", "300000", "--steps", "6", "--prefix-steps", "3",
+            "--seeds", "1", "--formats", "nvfp4", "--budgets", "0.5", "--data-cache", str(tmp_path / "data"),
+            "--run-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "results.md")]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    log = tmp_path / "runs" / "results.jsonl"
+    runs = [r for r in quality.read_log(log) if "spec" in r]
+    assert sorted(r["spec"]["method"] for r in runs) == ["bf16", "oracle"] + ["single_fp4"] * 4 + ["uniform_fp8"]
+    by = {r["spec"]["method"]: r for r in runs if r["spec"]["method"] != "single_fp4"}
+    singles = {r["spec"]["fp4_linears"][0]: r["val_bf16"] for r in runs if r["spec"]["method"] == "single_fp4"}
+    from quality_oracle import oracle_fp4_linears, single_harms
+
+    shape = ModelShape(**by["oracle"]["spec"]["model"])
+    expected = oracle_fp4_linears(single_harms(singles, by["uniform_fp8"]["val_bf16"]), shape, 0.5)
+    assert tuple(by["oracle"]["spec"]["fp4_linears"]) == expected
+    assert by["oracle"]["fp4_fraction"] >= 0.5
+    assert "SNIP's share" in (tmp_path / "results.md").read_text() and "oracle_gap_75=nan" in first.stdout
+    again = subprocess.run(argv + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "6 runs (6 already done), then up to 1 oracle runs" in again.stdout
+    assert len([r for r in quality.read_log(log) if "spec" in r]) == len(runs)  # nothing ran again
