@@ -1,24 +1,12 @@
 """bench/estimator_fidelity.py scoring: Spearman with ties, the scores of a result, rescoring a saved run."""
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def fidelity():
-    spec = importlib.util.spec_from_file_location("bench_fidelity", ROOT / "bench" / "estimator_fidelity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
 
 
 def test_spearman_ranks_with_ties_and_drops_nan(fidelity):

@@ -1,6 +1,5 @@
 """bench/quality.py bookkeeping: which runs exist, resuming, and the paired gap arithmetic."""
 
-import importlib.util
 import json
 import math
 import sys
@@ -10,16 +9,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def quality():
-    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "bench" / "quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
 
 
 def test_full_run_shares_format_free_runs_and_gives_every_method_each_budget(quality):

@@ -1,11 +1,8 @@
 """bench/quality_oracle.py: the pinned plans, the knapsack over single-linear harms, SNIP's share."""
 
-import importlib.util
 import itertools
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,17 +10,6 @@ from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import all_keys
 from snip_megatron.planner.flops import flop_table
 from snip_megatron.shapes import ModelShape
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def oracle():
-    spec = importlib.util.spec_from_file_location("bench_quality_oracle", ROOT / "bench" / "quality_oracle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 SHAPE = ModelShape(name="oracle_test", num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=2,
                    num_query_groups=1, vocab_size=512, seq_length=32)

@@ -1,25 +1,6 @@
 """bench/quality_regimes.py: every regime is a valid quality benchmark, and the choice of the harsh one."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def regimes():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("bench_quality_regimes", ROOT / "bench" / "quality_regimes.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
-    sys.path.remove(str(ROOT / "bench"))
 
 
 def test_every_regime_runs_the_maps_methods_in_both_formats(regimes):
