@@ -9,8 +9,8 @@ so every method runs at the same FP4 budget. BF16 and uniform FP8 do not depend 
 and run once per seed.
 
     python bench/quality.py --quick   # main format, budgets 75/80, 3 heuristics, 2 seeds (~10 min)
-    python bench/quality.py           # main format (NVFP4): budgets 50/75/80/90, every method, 3 seeds;
-                                      # the other format (MXFP4): budget 75, every method (~2 h)
+    python bench/quality.py           # main format (NVFP4): budgets 50/75/80/90, the other (MXFP4):
+                                      # 75/80/90; every method and the oracle, 3 seeds (~4 h)
 
 Every seed trains its first `--prefix-steps` (default 400 of 700) once, in BF16, checkpoints them,
 and every method continues from that checkpoint (SNIP applied to a pretrained checkpoint, the
@@ -25,10 +25,17 @@ interrupted benchmark continues where it stopped, and `--report-only` rewrites t
 log. `--methods` runs a subset (e.g. `--methods snip_once,snip_periodic --seeds 8` for more seeds of
 one comparison; BF16 always runs, every gap is taken to it).
 
-Writes docs/results.md (tables, loss curves, the SNIP plan heat map, the command, machine, wall
-time) and ends with
+The full benchmark (and `--methods ...,oracle`) also runs the oracle (bench/quality_oracle.py): each
+planned linear alone in FP4 from the seed's prefix checkpoint (24 runs per seed and format), then,
+as soon as a seed's singles are in, the knapsack over their harms at each budget, trained pinned.
+
+Writes docs/results.md (tables, the oracle comparison and single-linear harms, loss curves, the SNIP
+plan heat map, the command, machine, wall time; and bench/quality_regimes.py's map of where FP4
+hurts when docs/quality_regimes.md exists) and ends with
 `RESULT snip_gap_75=.. best_baseline_gap_75=.. recipe_gap_75=.. snip_gap_80=.. best_baseline_gap_80=..
-recipe_gap_80=.. uniform_fp4_gap=.. noise=..` for the main format (relative validation-loss gaps to BF16).
+recipe_gap_80=.. uniform_fp4_gap=.. noise=.. oracle_gap_75=.. oracle_share_75=.. oracle_share_80=..`
+for the main format (relative validation-loss gaps to BF16; the shares are SNIP's share of the
+oracle's gain over the recipe, (recipe - SNIP) / (recipe - oracle), differences paired by seed).
 """
 
 from __future__ import annotations
@@ -646,7 +653,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--formats", default=None,
                    help="comma list, main format first (default nvfp4,mxfp4; quick: nvfp4)")
     p.add_argument("--budgets", default=None, help="FP4 fractions for the main format (default 0.5,0.75,0.8,0.9)")
-    p.add_argument("--other-budgets", default="0.75", help="FP4 fractions for the other formats")
+    p.add_argument("--other-budgets", default="0.75,0.8,0.9", help="FP4 fractions for the other formats")
     p.add_argument("--methods", default=None,
                    help="comma list: run only these methods (BF16 always runs: every gap is taken to it); "
                         f"any of {', '.join(METHODS)}")

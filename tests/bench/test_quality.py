@@ -26,9 +26,10 @@ def test_full_run_shares_format_free_runs_and_gives_every_method_each_budget(qua
         assert f"{main}_uniform_fp4{p}" in names and f"{other}_uniform_fp4{p}" in names
         for method in quality.HEURISTICS + quality.SNIP_METHODS:
             assert all(f"{main}_{method}_{b}{p}" in names for b in (50, 75, 80, 90))
-            assert f"{other}_{method}_75{p}" in names and f"{other}_{method}_80{p}" not in names
+            assert all(f"{other}_{method}_{b}{p}" in names for b in (75, 80, 90))
+            assert f"{other}_{method}_50{p}" not in names
     # ... and the oracle's 24 single-linear runs per seed and format (its own runs follow them)
-    assert len(specs) == 3 * (3 + 4 * 7) + 3 * (1 + 7) + 2 * 3 * 24
+    assert len(specs) == 3 * (3 + 4 * 7) + 3 * (1 + 3 * 7) + 2 * 3 * 24
 
 
 def test_heuristics_run_relaxed_at_the_same_budget(quality):
@@ -213,7 +214,8 @@ def test_every_run_gives_snip_and_the_trainer_the_same_formats(quality, formats)
 
 
 def test_the_oracle_runs_singles_first_then_the_knapsack_of_their_harms(quality, tmp_path):
-    args = quality.parse_args(["--layers", "2", "--seeds", "2", "--budgets", "0.5,0.75", "--run-dir", str(tmp_path)])
+    args = quality.parse_args(["--layers", "2", "--seeds", "2", "--budgets", "0.5,0.75", "--other-budgets", "0.75",
+                               "--run-dir", str(tmp_path)])
     specs = quality.build_specs(args)
     singles = [s for s in specs if s.method == "single_fp4"]
     # one run per linear, seed and format, each holding only its linear in FP4
