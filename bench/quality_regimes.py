@@ -90,6 +90,7 @@ def regime_row(regime: Regime, args, results: list[dict], fmt: str) -> dict:
         "regime": regime.name, "format": fmt, "hidden": args.hidden, "steps": args.steps,
         "quantized_steps": args.steps - args.prefix_steps, "tokens_per_param": tokens / params,
         "fp4_gap": _mean(fp4.values()), "fp4_spread": _spread(fp4.values()),
+        "snip_gap": _mean(snip.values()), "recipe_gap": _mean(recipe.values()),
         "snip_minus_recipe": _mean(diff), "snip_minus_recipe_spread": _spread(diff),
         "seeds": min(len(fp4), len(diff)), "process_minutes": minutes,
     }
@@ -118,13 +119,14 @@ def harsh_regime(rows: list[dict]) -> tuple[str | None, str]:
 
 def format_rows(rows: list[dict]) -> str:
     lines = ["| regime | width | quantized steps | tokens per linear parameter | format | uniform FP4 gap "
-             "(mean ± spread) | SNIP minus recipe, paired (mean ± spread) | seeds | process-minutes |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(mean ± spread) | recipe gap | SNIP gap | SNIP minus recipe, paired (mean ± spread) | seeds | "
+             "process-minutes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['regime']} | {r['hidden']} | {r['quantized_steps']} | {r['tokens_per_param']:.2f} | "
-                     f"{r['format']} | {r['fp4_gap']:+.3%} ± {r['fp4_spread']:.3%} | "
-                     f"{r['snip_minus_recipe']:+.3%} ± {r['snip_minus_recipe_spread']:.3%} | {r['seeds']} | "
-                     f"{r['process_minutes']:.0f} |")
+                     f"{r['format']} | {r['fp4_gap']:+.3%} ± {r['fp4_spread']:.3%} | {r['recipe_gap']:+.3%} | "
+                     f"{r['snip_gap']:+.3%} | {r['snip_minus_recipe']:+.3%} ± {r['snip_minus_recipe_spread']:.3%} | "
+                     f"{r['seeds']} | {r['process_minutes']:.0f} |")
     return "\n".join(lines)
 
 
