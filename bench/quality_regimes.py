@@ -131,6 +131,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def draw(rows: list[dict], out: Path) -> Path:
+    """Both figures against tokens per linear parameter (log), each point labelled by its quantized steps."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,21 +140,23 @@ def draw(rows: list[dict], out: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for (fmt, hidden), marker in zip([(f, h) for f in FORMATS for h in (128, 64)], "osD^"):
         sel = sorted((r for r in rows if r["format"] == fmt and r["hidden"] == hidden),
-                     key=lambda r: r["quantized_steps"])
+                     key=lambda r: r["tokens_per_param"])
         if not sel:
             continue
-        x = [r["quantized_steps"] for r in sel]
-        label = f"{fmt}, hidden {hidden}"
-        axes[0].errorbar(x, [100 * r["fp4_gap"] for r in sel], yerr=[100 * r["fp4_spread"] for r in sel],
-                         marker=marker, capsize=3, label=label)
-        axes[1].errorbar(x, [100 * r["snip_minus_recipe"] for r in sel],
-                         yerr=[100 * r["snip_minus_recipe_spread"] for r in sel], marker=marker, capsize=3,
-                         label=label)
+        x = [r["tokens_per_param"] for r in sel]
+        for ax, key in zip(axes, ("fp4_gap", "snip_minus_recipe")):
+            y = [100 * r[key] for r in sel]
+            ax.errorbar(x, y, yerr=[100 * r[key.replace("_gap", "") + "_spread"] for r in sel], marker=marker,
+                        capsize=3, label=f"{fmt}, hidden {hidden}")
+            for xi, yi, r in zip(x, y, sel):
+                ax.annotate(f"{r['quantized_steps']}", (xi, yi), textcoords="offset points", xytext=(4, 4),
+                            fontsize=6)
     axes[0].set_title("uniform FP4, gap to BF16 (paired)")
     axes[1].set_title(f"SNIP periodic minus {RECIPE} at 75% (paired)")
     for ax in axes:
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xlabel("quantized steps after the shared BF16 prefix")
+        ax.set_xscale("log")
+        ax.set_xlabel("tokens per linear parameter (labels: quantized steps)")
         ax.set_ylabel("relative validation-loss gap (%)")
         ax.legend(fontsize=7)
     fig.tight_layout()
