@@ -565,7 +565,7 @@ def timing_text(args, results: list[dict]) -> str:
 
 
 def write_results(path: Path, args, results, summaries, lines) -> None:
-    from snip_megatron.report import draw_heatmap, load_plan_history
+    from snip_megatron.report import PLANS_FILE, draw_heatmap, load_plan_history
 
     docs = path.parent
     docs.mkdir(parents=True, exist_ok=True)
@@ -574,7 +574,7 @@ def write_results(path: Path, args, results, summaries, lines) -> None:
     heat = None
     snip_runs = [r for r in results if r["spec"]["method"] == "snip_periodic" and r["spec"]["fp4_recipe"] == main_fmt
                  and r["spec"]["seed"] == 0 and r["spec"]["budget"] == 0.75]
-    if snip_runs:
+    if snip_runs and (at_root(snip_runs[0]["run_dir"]) / PLANS_FILE).exists():  # a report from the log alone: none
         heat = draw_heatmap(load_plan_history(at_root(snip_runs[0]["run_dir"])), docs / "quality_snip_heatmap.png",
                             args.steps)
     cpu = _cpu_name()

@@ -310,3 +310,21 @@ def test_the_oracle_trains_the_knapsack_of_the_singles_it_just_ran_and_resumes(q
     assert again.returncode == 0, again.stderr[-3000:]
     assert "6 runs (6 already done), then up to 1 oracle runs" in again.stdout
     assert len([r for r in quality.read_log(log) if "spec" in r]) == len(runs)  # nothing ran again
+
+
+def test_a_report_from_the_log_alone_needs_no_run_folders(quality, tmp_path):
+    """--report-only on a fresh clone: the log is committed, the run folders are not."""
+    argv = ["--quick", "--methods", "snip_periodic", "--seeds", "1", "--max-bytes", "300000", "--vocab", "512",
+            "--data-cache", str(tmp_path / "data"), "--run-dir", str(tmp_path / "gone"),
+            "--log", str(tmp_path / "log.jsonl"), "--out", str(tmp_path / "docs" / "results.md")]
+    specs = quality.build_specs(quality.parse_args(argv))
+    (tmp_path / "log.jsonl").write_text("".join(
+        json.dumps({"name": s.name, "spec": asdict(s), "val_bf16": 4.0 + 0.01 * i, "val_plan": 4.0, "seconds": 1.0,
+                    "fp4_fraction": 0.75, "diverged": False, "run_dir": str(tmp_path / "gone" / s.name)}) + "\n"
+        for i, s in enumerate(specs)))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "quality_regimes.md").write_text("## Where FP4 hurts\n\nthe map\n")
+    quality.main(argv + ["--report-only"])
+    text = (tmp_path / "docs" / "results.md").read_text()
+    assert "| snip_periodic | 75% |" in text and "SNIP plan over training" not in text
+    assert text.rstrip().endswith("the map")  # the regime map, included
