@@ -18,21 +18,14 @@ def _loaded(name: str, file: str):
     sys.modules.pop(name, None)
 
 
-@pytest.fixture(scope="module")
-def quality():
-    yield from _loaded("bench_quality", "quality.py")
+def _bench_fixture(fixture: str, module: str, file: str):
+    @pytest.fixture(scope="module", name=fixture)
+    def load():
+        yield from _loaded(module, file)
+    return load
 
 
-@pytest.fixture(scope="module")
-def oracle():
-    yield from _loaded("bench_quality_oracle", "quality_oracle.py")
-
-
-@pytest.fixture(scope="module")
-def regimes():
-    yield from _loaded("bench_quality_regimes", "quality_regimes.py")
-
-
-@pytest.fixture(scope="module")
-def fidelity():
-    yield from _loaded("bench_fidelity", "estimator_fidelity.py")
+quality = _bench_fixture("quality", "bench_quality", "quality.py")
+oracle = _bench_fixture("oracle", "bench_quality_oracle", "quality_oracle.py")
+regimes = _bench_fixture("regimes", "bench_quality_regimes", "quality_regimes.py")
+fidelity = _bench_fixture("fidelity", "bench_fidelity", "estimator_fidelity.py")
