@@ -491,8 +491,9 @@ def format_oracle(summary: dict, budgets) -> str:
     g = summary["gaps"]
     if not summary["harms"]:
         return ""
-    lines = ["| FP4 budget | recipe | recipe gap | SNIP periodic gap | oracle gap | SNIP's share of the oracle's gain |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| FP4 budget | recipe | recipe gap | SNIP periodic gap | oracle gap | oracle seeds | "
+             "SNIP's share of the oracle's gain (the oracle's seeds) |",
+             "|---|---|---|---|---|---|---|"]
 
     def mean(cell):
         return f"{statistics.fmean(g[cell].values()):+.3%}" if cell in g else "-"
@@ -501,7 +502,8 @@ def format_oracle(summary: dict, budgets) -> str:
         recipe = recipe_of(summary, b)
         share = oracle_share_at(summary, b)
         lines.append(f"| {b:.0%} | {recipe or '-'} | {mean((recipe, b))} | {mean(('snip_periodic', b))} | "
-                     f"{mean(('oracle', b))} | {'-' if math.isnan(share) else f'{share:.2f}'} |")
+                     f"{mean(('oracle', b))} | {len(g.get(('oracle', b), {}))} | "
+                     f"{'-' if math.isnan(share) else f'{share:.2f}'} |")
     from snip_megatron.plan import forward_order, parse_key
 
     lines += ["", "| linear | FP4 harm alone (rel. gap minus uniform FP8's; mean ± spread) | seeds |", "|---|---|---|"]

@@ -275,7 +275,7 @@ def test_the_oracle_runs_singles_first_then_the_knapsack_of_their_harms(quality,
     assert "oracle_gap_75=0.00200" in line and "oracle_share_75=0.500" in line and "oracle_share_80=nan" in line
     assert "recipe_gap_75=0.00600" in line
     table = quality.format_oracle(summary, [0.75])
-    assert "| 75% | last_fraction | +0.600% | +0.400% | +0.200% | 0.50 |" in table
+    assert "| 75% | last_fraction | +0.600% | +0.400% | +0.200% | 2 | 0.50 |" in table
     assert "| 1.linear_fc1 | +12.500% ± 0.000% | 2 |" in table
 
 
