@@ -682,7 +682,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Relative paths are taken from the repository root (and stored so in the results log).
     p.add_argument("--data-cache", default=".cache/snip-data")
     p.add_argument("--run-dir", default="runs/quality")
-    p.add_argument("--out", default=str(ROOT / "docs" / "results.md"))
+    p.add_argument("--out", default="docs/results.md", help="the report (relative paths from the repository root)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.formats = (args.formats or ("nvfp4" if args.quick else "nvfp4,mxfp4")).split(",")
@@ -796,7 +796,7 @@ def main(argv=None) -> None:
         summaries[fmt] = summarize(results, fmt, budgets_of(args, fmt), heuristics)
         lines[fmt] = result_line(summaries[fmt], heuristics)
         print(f"\n## {fmt}\n{format_table(summaries[fmt])}\n{lines[fmt]}")
-    write_results(Path(args.out), args, results, summaries, lines)
+    write_results(at_root(args.out), args, results, summaries, lines)
     print(f"wrote {args.out}; {timing_text(args, results)}")
     print(lines[args.formats[0]])
 

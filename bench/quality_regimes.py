@@ -56,7 +56,7 @@ class Regime:
         return [*self.flags, "--methods", METHODS, "--budgets", "0.75", "--formats", ",".join(FORMATS),
                 "--other-budgets", "0.75", "--seeds", "2", "--run-dir", run_dir,
                 "--log", self.log or f"docs/regimes/{self.name}.jsonl",
-                "--out", str(ROOT / run_dir / "results.md"), "--resume"] \
+                "--out", f"{run_dir}/results.md", "--resume"] \
             + (["--report-only"] if report_only else [])
 
 
