@@ -766,15 +766,15 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     args.prefix_seconds = 0.0
     # The oracle's plans are the knapsack over a seed's single-linear runs: those already logged are
-    # read, the rest run as soon as their seed's singles are in.
-    logged = {}
+    # read (each looked up in the log once: its seed's singles, and so its plan, are final), the rest
+    # run as soon as their seed's singles are in.
+    looked_up = set()
 
     def oracle_runs_ready(results):
         oracle, _ = oracle_specs(args, results)
-        fresh = [s for s in oracle if s.name not in logged]
-        for r in load_finished(log_path, fresh) if fresh and log_path.exists() else []:
-            logged[r["name"]] = r
-            results.append(r)
+        fresh = [s for s in oracle if s.name not in looked_up]
+        looked_up.update(s.name for s in fresh)
+        results += load_finished(log_path, fresh) if fresh and log_path.exists() else []
         done = {r["name"] for r in results}
         return [s for s in oracle if s.name not in done]
 

@@ -38,7 +38,7 @@ NARROW = ["--hidden", "64", "--ffn", "176", "--heads", "2", "--groups", "1"]
 """A quarter of the default width's linear parameters: more tokens per parameter at a step's cost."""
 METHODS = "uniform_fp4,last_fraction,snip_periodic"
 FORMATS = ("nvfp4", "mxfp4")
-RECIPE = "last_fraction"
+RECIPE = quality.RECIPES[0]  # last_fraction: NVIDIA's NVFP4 recipe, the last layers high
 
 
 @dataclass(frozen=True)

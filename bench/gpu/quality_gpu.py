@@ -33,7 +33,6 @@ sys.path.insert(0, str(ROOT / "bench"))
 CPU_LOG = ROOT / "docs" / "quality_runs.jsonl"
 """The CPU quality benchmark's results log: where the best fixed rule comes from."""
 BUDGET = 0.8
-RECIPE = "last_fraction"
 
 # Multiples of 128 everywhere: FP8 blocks and FP4 blocks never straddle a tensor-parallel shard.
 GPU_DEFAULTS = [
@@ -64,8 +63,11 @@ def best_cpu_rule(log: Path = CPU_LOG, fmt: str = "nvfp4", budget: float = BUDGE
 def gpu_argv(argv: list[str]) -> list[str]:
     """The GPU defaults and method subset, then the user's flags (argparse keeps the last value of a
     repeated flag; --methods replaces the subset)."""
+    import quality
+
+    recipe = quality.RECIPES[0]  # last_fraction: the last layers high
     methods = [] if "--methods" in argv else \
-        ["--methods", ",".join(dict.fromkeys(["uniform_fp4", RECIPE, best_cpu_rule(), "snip_periodic"]))]
+        ["--methods", ",".join(dict.fromkeys(["uniform_fp4", recipe, best_cpu_rule(), "snip_periodic"]))]
     return GPU_DEFAULTS[:] + methods + argv
 
 
