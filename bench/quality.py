@@ -22,7 +22,7 @@ warm-up measurement at 20% of the run).
 Each finished run is appended to <run-dir>/results.jsonl, and each invocation that ran something
 adds a record of its wall time; `--resume` skips the runs found there (same settings), so an
 interrupted benchmark continues where it stopped, and `--report-only` rewrites the report from the
-log. `--methods` runs a subset (e.g. `--methods snip_once,snip_periodic --seeds 8` for more seeds of
+log (a log with finished runs is only replaced with `--fresh`). `--methods` runs a subset (e.g. `--methods snip_once,snip_periodic --seeds 8` for more seeds of
 one comparison; BF16 always runs, every gap is taken to it).
 
 The full benchmark (and `--methods ...,oracle`) also runs the oracle (bench/quality_oracle.py): each
@@ -660,6 +660,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list: run only these methods (BF16 always runs: every gap is taken to it); "
                         f"any of {', '.join(METHODS)}")
     p.add_argument("--resume", action="store_true", help="skip runs already in the results log")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over: delete the results log first (a log with finished runs is never replaced without it)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: report the runs in the results log (an unfinished benchmark says so)")
     p.add_argument("--log", default=None, help="results log (JSONL; default <run-dir>/results.jsonl)")
@@ -696,6 +698,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = [m for m in args.methods if m not in METHODS]
         if unknown or not args.methods:
             p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
+    args.log_path = at_root(args.log) if args.log else at_root(args.run_dir) / "results.jsonl"
+    if args.fresh and (args.resume or args.report_only):
+        p.error("--fresh deletes the results log; it cannot go with --resume or --report-only")
     if not 0 <= args.prefix_steps < args.steps - 1:
         p.error(f"--prefix-steps {args.prefix_steps} must leave at least 2 of the {args.steps} steps "
                 f"(pass a smaller --prefix-steps, or 0 for none)")
@@ -743,8 +748,17 @@ def train_runs(args, todo: list[RunSpec], results: list[dict], log_path: Path, t
     return trained
 
 
+def refuse_to_replace(args) -> None:
+    """A results log with finished runs (hours of them) is only deleted when --fresh says so."""
+    if not (args.fresh or args.resume or args.report_only) and any("spec" in r for r in read_log(args.log_path)):
+        raise SystemExit(f"bench/quality.py: error: {args.log_path} already holds finished runs: pass --resume "
+                         f"to continue it, --report-only to report it, --fresh to delete it and start over, "
+                         f"or --log for another log")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    refuse_to_replace(args)
     heuristics = heuristics_of(args)
 
     # Tokenize once, before the workers start (they would race on the cache otherwise).
@@ -752,7 +766,7 @@ def main(argv=None) -> None:
     prepare(DataConfig(corpus="stdlib", vocab_size=args.vocab, max_bytes=args.max_bytes, cache_dir=str(at_root(args.data_cache))))
 
     specs = build_specs(args)
-    log_path = at_root(args.log) if args.log else at_root(args.run_dir) / "results.jsonl"
+    log_path = args.log_path
     keep = args.resume or args.report_only
     results = load_finished(log_path, specs) if keep else []
     if not keep and log_path.exists():

@@ -328,3 +328,16 @@ def test_a_report_from_the_log_alone_needs_no_run_folders(quality, tmp_path):
     text = (tmp_path / "docs" / "results.md").read_text()
     assert "| snip_periodic | 75% |" in text and "SNIP plan over training" not in text
     assert text.rstrip().endswith("the map")  # the regime map, included
+
+
+def test_a_log_with_finished_runs_is_only_replaced_with_fresh(quality, tmp_path):
+    log = tmp_path / "results.jsonl"
+    log.write_text(json.dumps({"invocation": {"argv": [], "wall_s": 1.0, "prefix_s": 0.0, "runs": 0}}) + "\n")
+    quality.refuse_to_replace(quality.parse_args(["--log", str(log)]))  # no runs in it: nothing to lose
+    log.write_text(json.dumps({"name": "nvfp4_bf16_s0", "spec": {}, "val_bf16": 1.0}) + "\n")
+    with pytest.raises(SystemExit, match="already holds finished runs: pass --resume"):
+        quality.refuse_to_replace(quality.parse_args(["--log", str(log)]))
+    for flag in ("--resume", "--report-only", "--fresh"):
+        quality.refuse_to_replace(quality.parse_args(["--log", str(log), flag]))
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--log", str(log), "--fresh", "--resume"])
