@@ -22,8 +22,9 @@ warm-up measurement at 20% of the run).
 Each finished run is appended to <run-dir>/results.jsonl, and each invocation that ran something
 adds a record of its wall time; `--resume` skips the runs found there (same settings), so an
 interrupted benchmark continues where it stopped, and `--report-only` rewrites the report from the
-log (a log with finished runs is only replaced with `--fresh`). `--methods` runs a subset (e.g. `--methods snip_once,snip_periodic --seeds 8` for more seeds of
-one comparison; BF16 always runs, every gap is taken to it).
+log (a log with finished runs is only replaced with `--fresh`). `--methods` runs a subset (e.g.
+`--methods snip_once,snip_periodic --seeds 8` for more seeds of one comparison; BF16 always runs,
+every gap is taken to it).
 
 The full benchmark (and `--methods ...,oracle`) also runs the oracle (bench/quality_oracle.py): each
 planned linear alone in FP4 from the seed's prefix checkpoint (24 runs per seed and format), then,
