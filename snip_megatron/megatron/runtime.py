@@ -67,11 +67,24 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None,
     from megatron.core import parallel_state as ps
 
     cpu_shim.install()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    destroy()
+    before = set(_registered_groups())
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp)
+    _megatron_groups[:] = [g for g in _registered_groups() if g not in before]
     seed_all(seed)
+
+
+# The process groups the last initialize_model_parallel created, in creation order. Megatron's
+# destroy_model_parallel forgets most of them without destroying them; on gloo each keeps its
+# worker threads, so repeated in-process runs (the test suite, the benchmarks) would pile them up.
+_megatron_groups: list = []
+
+
+def _registered_groups() -> list:
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_map)
 
 
 def seed_all(seed: int) -> None:
@@ -88,6 +101,13 @@ def destroy(process_group: bool = False) -> None:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        # Newest first, as torch shuts groups down; every rank holds the same order.
+        left = set(_registered_groups())
+        for group in reversed(_megatron_groups):
+            if group in left:
+                dist.destroy_process_group(group)
+    _megatron_groups.clear()
     if process_group and dist.is_initialized():
         dist.destroy_process_group()
 
