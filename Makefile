@@ -24,14 +24,15 @@ env-bridge:
 demo: env-prod
 	.venv-prod/bin/python -m snip_megatron.demo
 
-test: env
+# run_tests.sh creates each lane's environment if missing, beside the lanes already testing.
+test:
 	@scripts/run_tests.sh $(LANES) -- $(PYTEST_ARGS)
 
-test-prod: env-prod
+test-prod:
 	@scripts/run_tests.sh prod -- $(PYTEST_ARGS)
-test-compat: env-compat
+test-compat:
 	@scripts/run_tests.sh compat -- $(PYTEST_ARGS)
-test-bridge: env-bridge
+test-bridge:
 	@scripts/run_tests.sh bridge -- $(PYTEST_ARGS)
 
 clean:

@@ -43,7 +43,7 @@ if command -v "python$want" >/dev/null 2>&1 && "python$want" -c 'import sys' >/d
   py=$(command -v "python$want")
 else
   pyenv_root=${PYENV_ROOT:-$HOME/.pyenv}
-  for cand in $(ls -d "$pyenv_root"/versions/"$want".* 2>/dev/null | sort -V -r); do
+  for cand in $(printf '%s\n' "$pyenv_root"/versions/"$want".* | sort -V -r); do
     if [ -x "$cand/bin/python" ]; then py="$cand/bin/python"; break; fi
   done
 fi

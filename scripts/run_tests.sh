@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Run the test suite in each named lane: `scripts/run_tests.sh prod compat bridge -- [pytest options]`.
-# Each lane runs its own tests: prod and compat the whole suite but tests/bridge, bridge only
-# tests/bridge (Megatron-Bridge is installed in that lane alone). Options after `--` go to every lane.
+# Each lane first gets its environment (scripts/make_env.sh: returns at once when it is current), then
+# runs its own tests: prod and compat the whole suite but tests/bridge, bridge only tests/bridge
+# (Megatron-Bridge is installed in that lane alone). Options after `--` go to every lane.
+#
+# Lanes run side by side, SNIP_TEST_JOBS at a time (default 2): one lane alone leaves about a third
+# of two cores idle while its tests wait on the processes they start. Each lane's output is printed
+# whole when the lane ends, then a summary of every lane.
 # Fails if any lane fails or collects no test (pytest exit 5 counts as a failure).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -9,20 +14,62 @@ cd "$root" || exit 1
 lanes=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do lanes+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-export PYTHONWARNINGS=ignore OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-status=0
+[ ${#lanes[@]} -gt 0 ] || { echo "usage: scripts/run_tests.sh LANE [LANE ...] [-- pytest options]" >&2; exit 2; }
 for lane in "${lanes[@]}"; do
+  case "$lane" in
+    prod|compat|bridge) ;;
+    *) echo "unknown lane '$lane' (valid: prod, compat, bridge)" >&2; exit 2 ;;
+  esac
+done
+max_jobs=${SNIP_TEST_JOBS:-2}
+case "$max_jobs" in
+  ''|*[!0-9]*|0) echo "SNIP_TEST_JOBS must be a positive integer, got '$max_jobs'" >&2; exit 2 ;;
+esac
+export PYTHONWARNINGS=ignore OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+
+run_lane() {  # $1 lane, then pytest options; writes $logs/LANE.log, then $logs/LANE.rc
+  local lane=$1 rc start=$SECONDS paths
+  shift
   case "$lane" in
     prod|compat) paths=(tests --ignore=tests/bridge) ;;
     bridge) paths=(tests/bridge) ;;
-    *) echo "unknown lane '$lane' (valid: prod, compat, bridge)" >&2; exit 2 ;;
   esac
-  echo "=== lane: $lane ($(".venv-$lane/bin/python" --version 2>&1))"
-  start=$SECONDS
-  ".venv-$lane/bin/python" -m pytest "${paths[@]}" "$@"
-  rc=$?
-  if [ $rc -eq 5 ]; then echo "lane $lane: no tests collected -- failing"; rc=1; fi
-  echo "=== lane $lane: exit $rc in $((SECONDS - start)) s"
-  [ $rc -eq 0 ] || status=1
+  {
+    if scripts/make_env.sh "$lane"; then
+      echo "=== lane: $lane ($(".venv-$lane/bin/python" --version 2>&1))"
+      ".venv-$lane/bin/python" -m pytest "${paths[@]}" "$@"
+      rc=$?
+      if [ $rc -eq 5 ]; then echo "lane $lane: no tests collected -- failing"; rc=1; fi
+    else
+      rc=$?
+      echo "lane $lane: its environment could not be created (scripts/make_env.sh $lane)"
+    fi
+    echo "=== lane $lane: exit $rc in $((SECONDS - start)) s"
+  } > "$logs/$lane.log" 2>&1
+  echo "$rc" > "$logs/$lane.rc"
+}
+
+status=0
+print_finished() {  # each lane that has ended and is not printed yet
+  local lane
+  for lane in "${lanes[@]}"; do
+    if [ -f "$logs/$lane.rc" ] && [ ! -f "$logs/$lane.printed" ]; then
+      cat "$logs/$lane.log"
+      touch "$logs/$lane.printed"
+      [ "$(cat "$logs/$lane.rc")" -eq 0 ] || status=1
+    fi
+  done
+}
+
+echo "=== lanes ${lanes[*]}, $max_jobs at a time; each lane's output follows when it ends"
+for lane in "${lanes[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$max_jobs" ]; do wait -n; print_finished; done
+  run_lane "$lane" "$@" &
 done
+wait
+print_finished
+echo "=== summary"
+for lane in "${lanes[@]}"; do tail -n 1 "$logs/$lane.log"; done
 exit $status
