@@ -27,6 +27,7 @@ lane=$(basename "$(dirname "$(dirname "$0")")"); lane=${lane#.venv-}
 [ "$1" = "--version" ] && { echo "Python 3.fake"; exit 0; }
 shift 2
 echo "pytest of $lane: $*"
+echo "$OMP_NUM_THREADS" > "$OUT/$lane.threads"
 sleep "${SLEEP:-0}"
 date +%s.%N > "$OUT/$lane.end"
 var="EXIT_$lane"; exit "${!var:-0}"
@@ -92,6 +93,24 @@ def test_lanes_run_side_by_side_and_each_output_stays_whole(fake_root):
         start = body.index(f"=== lane: {lane}")
         assert body.index(f"pytest of {lane}", start) < body.index(f"=== lane {lane}: exit", start)
         assert "=== lane:" not in body[start + 1:body.index(f"=== lane {lane}: exit", start)]
+
+
+@pytest.mark.parametrize("jobs, lanes", [("2", ("prod", "compat", "bridge")), ("1", ("prod", "compat")),
+                                         ("3", ("prod",))])
+def test_each_lane_gets_its_share_of_the_cores(fake_root, jobs, lanes):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(["bash", str(fake_root / "scripts" / "run_tests.sh"), *lanes], capture_output=True,
+                          text=True, timeout=60, env={**env, "OUT": str(fake_root), "SNIP_TEST_JOBS": jobs})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    side_by_side = min(int(jobs), len(lanes))
+    want = max(1, len(os.sched_getaffinity(0)) // side_by_side)
+    assert {(fake_root / f"{lane}.threads").read_text().strip() for lane in lanes} == {str(want)}
+
+
+def test_a_thread_count_the_user_sets_is_kept(fake_root):
+    proc = run(fake_root, "prod", "compat", OMP_NUM_THREADS="7")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (fake_root / "compat.threads").read_text().strip() == "7"
 
 
 def test_one_job_runs_the_lanes_one_after_the_other(fake_root):
