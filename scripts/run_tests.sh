@@ -69,7 +69,7 @@ print_finished() {  # each lane that has ended and is not printed yet
   done
 }
 
-echo "=== lanes ${lanes[*]}, $max_jobs at a time, $OMP_NUM_THREADS threads each; each lane's output follows when it ends"
+echo "=== lanes ${lanes[*]}, $max_jobs at a time, OMP_NUM_THREADS=$OMP_NUM_THREADS; each lane's output follows when it ends"
 for lane in "${lanes[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$max_jobs" ]; do wait -n; print_finished; done
   run_lane "$lane" "$@" &
