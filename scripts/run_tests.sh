@@ -15,11 +15,15 @@ lanes=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do lanes+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#lanes[@]} -gt 0 ] || { echo "usage: scripts/run_tests.sh LANE [LANE ...] [-- pytest options]" >&2; exit 2; }
-for lane in "${lanes[@]}"; do
-  case "$lane" in
-    prod|compat|bridge) ;;
-    *) echo "unknown lane '$lane' (valid: prod, compat, bridge)" >&2; exit 2 ;;
+lane_paths() {  # $1 lane -> `paths`, what its pytest runs; fails for an unknown lane
+  case "$1" in
+    prod|compat) paths=(tests --ignore=tests/bridge) ;;
+    bridge) paths=(tests/bridge) ;;
+    *) return 1 ;;
   esac
+}
+for lane in "${lanes[@]}"; do
+  lane_paths "$lane" || { echo "unknown lane '$lane' (valid: prod, compat, bridge)" >&2; exit 2; }
 done
 max_jobs=${SNIP_TEST_JOBS:-2}
 case "$max_jobs" in
@@ -38,10 +42,7 @@ trap 'rm -rf "$logs"' EXIT
 run_lane() {  # $1 lane, then pytest options; writes $logs/LANE.log, then $logs/LANE.rc
   local lane=$1 rc start=$SECONDS paths
   shift
-  case "$lane" in
-    prod|compat) paths=(tests --ignore=tests/bridge) ;;
-    bridge) paths=(tests/bridge) ;;
-  esac
+  lane_paths "$lane"
   {
     if scripts/make_env.sh "$lane"; then
       echo "=== lane: $lane ($(".venv-$lane/bin/python" --version 2>&1))"

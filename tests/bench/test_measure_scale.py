@@ -16,7 +16,7 @@ MEGATRON_019 = tuple(int(x) for x in version("megatron-core").split(".")[:2]) >=
 
 
 def test_quick_run_prints_its_result_line(tmp_path):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",  # OMP_NUM_THREADS: the lane's (tests/conftest.py)
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "measure_scale.py"), "--quick"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=900)
