@@ -16,7 +16,7 @@ from typing import Optional
 from snip_megatron.formats.precision import (FP4_GRADIENT_ROUNDINGS, FP4_RECIPES, FP8_BLOCK_SCALES, FP8_FORMATS,
                                              FP8_RECIPES, Formats, Precision)
 from snip_megatron.planner.baselines import BASELINES
-from snip_megatron.planner.config import BUDGETS, DEFAULT_GEMM_COST
+from snip_megatron.planner.config import BUDGETS, DEFAULT_FP4_FRACTION, DEFAULT_FP8_FRACTION, DEFAULT_GEMM_COST
 
 PRECISIONS = tuple(p.value for p in Precision)
 CHOICES = {"fp8_recipe": FP8_RECIPES, "fp4_recipe": FP4_RECIPES, "initial_precision": PRECISIONS,
@@ -24,6 +24,12 @@ CHOICES = {"fp8_recipe": FP8_RECIPES, "fp4_recipe": FP4_RECIPES, "initial_precis
            "fp8_block_scales": FP8_BLOCK_SCALES, "fp4_gradient_rounding": FP4_GRADIENT_ROUNDINGS,
            "budget": BUDGETS}
 """The valid values of SnipConfig's choice fields (the flags offer the same lists)."""
+FP4_PLAN_PRECISIONS = ("fp8", "fp4")
+"""SnipConfig.precisions when unset where FP4 runs (the paper's choice: FP8 or FP4 per linear)."""
+FP8_PLAN_PRECISIONS = ("bf16", "fp8")
+"""SnipConfig.precisions when unset on Transformer Engine before SM100 (no FP4 there)."""
+FP4_FREE_BASELINES = ("uniform_bf16", "uniform_fp8")
+"""Baselines that put no linear in FP4 (the others are rules for an FP4 budget)."""
 BACKENDS = ("emulated", "te")
 """Where the planned linears run: SNIP's emulated linears, or Transformer Engine's (SnipConfig.resolved)."""
 
@@ -60,32 +66,57 @@ def _format_costs(costs: dict) -> str:
     return ",".join(f"{p.value}={costs[p]:g}" for p in Precision)
 
 
+@dataclass(frozen=True)
+class PlanChoices:
+    """What the planner chooses from and the budget it meets (SnipConfig.plan_choices)."""
+
+    precisions: list
+    budget: str
+    fp4_budget: Optional[float]
+    fp8_budget: Optional[float]
+
+    def as_fields(self) -> dict:
+        """As SnipConfig field values."""
+        return {"precisions": list(self.precisions), "budget": self.budget, "fp4_budget": self.fp4_budget,
+                "fp8_budget": self.fp8_budget}
+
+
 @dataclass(kw_only=True)
 class SnipConfig:
     """How SNIP plans and re-plans the precision of every linear layer during training."""
 
     enabled: bool = False
     """Run SNIP at all. Off: every linear keeps the model's own precision (plain BF16 run)."""
-    budget: str = "fp4_fraction"
+    budget: Optional[str] = None
     """What a plan must achieve: fp4_fraction (at least `fp4_budget` of the linear FLOPs in FP4, the
-    paper's budget) or speedup (the modelled linear-GEMM time at least `speedup` times faster than
-    all-BF16, with `gemm_cost`; plans BF16 vs FP8 for speed, e.g. with precisions bf16,fp8 on Hopper)."""
-    fp4_budget: float = 0.75
-    """Fraction of the planned linear FLOPs that must run in FP4, in [0, 1] (the paper's rho)."""
+    paper's budget), fp8_fraction (at least `fp8_budget` of them in FP8 or FP4: the BF16-or-FP8
+    question of Hopper's Transformer Engine backend) or speedup (the modelled linear-GEMM time at
+    least `speedup` times faster than all-BF16, with `gemm_cost`); none: fp8_fraction when
+    `fp8_budget` is set or the precisions have no fp4, else fp4_fraction."""
+    fp4_budget: Optional[float] = None
+    """Fraction of the planned linear FLOPs that must run in FP4, in [0, 1] (the paper's rho; budget
+    fp4_fraction); none: 0.75. Setting it asks for FP4, so the precisions then default to fp8,fp4
+    on every GPU."""
+    fp8_budget: Optional[float] = None
+    """Fraction of the planned linear FLOPs that must run in FP8 or FP4, in [0, 1] (budget
+    fp8_fraction); none: 0.9."""
     speedup: float = 1.5
     """budget=speedup: the modelled speed-up of the linear GEMMs over all-BF16 a plan must reach (>= 1)."""
     gemm_cost: Optional[str] = None
     """Relative GEMM time per precision for the modelled speed-up, e.g. bf16=1,fp8=0.5,fp4=0.25; none:
-    what the run's GPU runs (Transformer Engine backend: by GPU generation, FP4 through TE's reference
-    quantizer before SM100 no faster than BF16), else that Blackwell-like model."""
+    what the run's GPU runs (Transformer Engine backend: by GPU generation), else that
+    Blackwell-like model."""
     interval: int = 1000
     """Steps between two measurements (statistics step + two noise passes + solve)."""
     lag: int = 10
     """Steps between a measurement and applying its plan; the solve runs in the background meanwhile."""
     warmup: float = 0.2
     """Steps before the first measurement: a fraction of the run if < 1, else a step count."""
-    precisions: list[str] = ("fp8", "fp4")  # type: ignore[assignment]  # a list after __post_init__
-    """Precisions the planner may choose from (at least two of bf16, fp8, fp4); budget=fp4_fraction needs fp4."""
+    precisions: Optional[list[str]] = None
+    """Precisions the planner may choose from (at least two of bf16, fp8, fp4); budget=fp4_fraction
+    needs fp4. None: what the planned linears run: fp8,fp4 on SNIP's emulated linears and on
+    Transformer Engine from SM100 (Blackwell); bf16,fp8 on Transformer Engine before SM100 (Hopper
+    runs FP4 only in emulation), unless an FP4 budget is asked."""
     fp8_recipe: str = "blockwise"
     """FP8 format: blockwise (1x128 / 128x128, DeepSeek-V3), tensorwise (current scaling) or mxfp8."""
     fp4_recipe: str = "nvfp4"
@@ -144,8 +175,10 @@ class SnipConfig:
         for name in ("enabled", "per_stage_budget", "pin_plan", "baseline_relax"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SnipConfig.{name} must be true or false, got {getattr(self, name)!r}")
-        if not _is_number(self.fp4_budget) or not 0.0 <= self.fp4_budget <= 1.0:
-            raise ValueError(f"SnipConfig.fp4_budget must be a fraction in [0, 1], got {self.fp4_budget!r}")
+        for name in ("fp4_budget", "fp8_budget"):
+            v = getattr(self, name)
+            if v is not None and (not _is_number(v) or not 0.0 <= v <= 1.0):
+                raise ValueError(f"SnipConfig.{name} must be a fraction in [0, 1], got {v!r}")
         for name in ("interval", "loss_guard_window", "baseline_k"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
@@ -163,8 +196,10 @@ class SnipConfig:
         if self.warmup >= 1 and float(self.warmup) != int(self.warmup):
             raise ValueError(f"SnipConfig.warmup={self.warmup!r} is >= 1, so it is a step count and "
                              "must be a whole number (use a value < 1 for a fraction of the run)")
-        self._check_choice("budget")
-        self.precisions = self._check_precisions(self.precisions, self.budget)
+        if self.budget is not None:
+            self._check_choice("budget")
+        if self.precisions is not None:
+            self.precisions = self._check_precisions(self.precisions)
         for name in ("fp8_recipe", "fp4_recipe", "initial_precision"):
             self._check_choice(name)
         for name in ("fp8_format", "fp8_block_scales", "fp4_gradient_rounding"):
@@ -177,14 +212,7 @@ class SnipConfig:
         if not _is_number(self.speedup) or self.speedup < 1:
             raise ValueError(f"SnipConfig.speedup must be a number >= 1 (1: no speed-up asked), got {self.speedup!r}")
         self.gemm_cost = None if self.gemm_cost is None else _format_costs(_parse_costs(self.gemm_cost))
-        if self.budget == "speedup":
-            self._check_speedup_reachable(self.gemm_costs())
-            if self.baseline is not None:
-                raise ValueError(f"SnipConfig.baseline={self.baseline!r} is a rule for an FP4 budget: it needs "
-                                 "SnipConfig.budget='fp4_fraction'")
-        if self.initial_precision != "bf16" and self.initial_precision not in self.precisions:
-            raise ValueError(f"SnipConfig.initial_precision={self.initial_precision!r} is not one of "
-                             f"SnipConfig.precisions={self.precisions} (nor bf16)")
+        self._check_plan_choices(self.plan_choices())
         if self.baseline is not None:
             self._check_choice("baseline")
         if self.plan is not None and (not isinstance(self.plan, str) or not self.plan.strip()):
@@ -215,7 +243,7 @@ class SnipConfig:
             raise ValueError(f"SnipConfig.{name}={v!r} is not valid; choose one of: {', '.join(valid)}")
 
     @staticmethod
-    def _check_precisions(value, budget: str = "fp4_fraction") -> list[str]:
+    def _check_precisions(value) -> list[str]:
         items = value.split(",") if isinstance(value, str) else list(value)
         out = []
         for p in items:
@@ -225,19 +253,64 @@ class SnipConfig:
                                  f"valid: {', '.join(PRECISIONS)}")
             if p not in out:
                 out.append(p)
-        if budget == "fp4_fraction" and "fp4" not in out:
-            raise ValueError(f"SnipConfig.precisions={out} must include fp4: the FP4 budget needs it (or set "
-                             "SnipConfig.budget='speedup' to plan for a modelled speed-up)")
         if len(out) < 2:
             raise ValueError(f"SnipConfig.precisions={out} leaves the planner no choice; list two or more")
         # A fixed order, so equal sets compare and print equal.
         return [p for p in PRECISIONS if p in out]
 
-    def _check_speedup_reachable(self, costs: dict) -> None:
-        best = costs[Precision.BF16] / min(costs[Precision.parse(p)] for p in self.precisions)
+    @property
+    def asks_fp4(self) -> bool:
+        """True when a setting asks for FP4 by itself: an FP4 budget, an FP4 format variant, or a
+        baseline rule of FP4 (all but uniform_bf16 and uniform_fp8)."""
+        return (self.budget == "fp4_fraction" or self.fp4_budget is not None or self.fp4_recipe != FP4_RECIPES[0]
+                or self.fp4_gradient_rounding is not None or self._fp4_baseline)
+
+    @property
+    def _fp4_baseline(self) -> bool:
+        return self.baseline is not None and self.baseline not in FP4_FREE_BASELINES
+
+    def plan_choices(self, fp4_runs: bool = True) -> "PlanChoices":
+        """The precisions and budget the planner works with, each field left unset filled for linears
+        that run FP4 (`fp4_runs`: SNIP's emulated linears, Transformer Engine from SM100) or not
+        (Transformer Engine before SM100): the one place these defaults are decided."""
+        precisions = self.precisions
+        if precisions is None:
+            precisions = list(FP4_PLAN_PRECISIONS if fp4_runs or self.asks_fp4 else FP8_PLAN_PRECISIONS)
+        budget = self.budget
+        if budget is None:
+            budget = "fp8_fraction" if self.fp8_budget is not None or "fp4" not in precisions else "fp4_fraction"
+        fp4_budget, fp8_budget = self.fp4_budget, self.fp8_budget
+        if budget == "fp4_fraction" and fp4_budget is None:
+            fp4_budget = DEFAULT_FP4_FRACTION
+        if budget == "fp8_fraction" and fp8_budget is None:
+            fp8_budget = DEFAULT_FP8_FRACTION
+        return PlanChoices(precisions=list(precisions), budget=budget, fp4_budget=fp4_budget, fp8_budget=fp8_budget)
+
+    def _check_plan_choices(self, c: "PlanChoices") -> None:
+        if self.fp4_budget is not None and self.fp8_budget is not None and self.budget is None:
+            raise ValueError("SnipConfig.fp4_budget and SnipConfig.fp8_budget are both set: set SnipConfig.budget "
+                             "to fp4_fraction or fp8_fraction (or drop one of them)")
+        for name, kind in (("fp4_budget", "fp4_fraction"), ("fp8_budget", "fp8_fraction")):
+            if getattr(self, name) is not None and c.budget != kind:
+                raise ValueError(f"SnipConfig.{name} is set but the budget is {c.budget}: drop SnipConfig.{name}, "
+                                 f"or set SnipConfig.budget='{kind}'")
+        if c.budget == "fp4_fraction" and "fp4" not in c.precisions:
+            raise ValueError(f"SnipConfig.precisions={c.precisions} must include fp4: the FP4 budget needs it (or "
+                             "set SnipConfig.budget='fp8_fraction' or 'speedup' to plan without FP4)")
+        if c.budget == "speedup":
+            self._check_speedup_reachable(self.gemm_costs(), c.precisions)
+        if self._fp4_baseline and c.budget != "fp4_fraction":
+            raise ValueError(f"SnipConfig.baseline={self.baseline!r} is a rule for an FP4 budget: it needs "
+                             "SnipConfig.budget='fp4_fraction'")
+        if self.initial_precision != "bf16" and self.initial_precision not in c.precisions:
+            raise ValueError(f"SnipConfig.initial_precision={self.initial_precision!r} is not one of "
+                             f"SnipConfig.precisions={c.precisions} (nor bf16)")
+
+    def _check_speedup_reachable(self, costs: dict, precisions: list[str]) -> None:
+        best = costs[Precision.BF16] / min(costs[Precision.parse(p)] for p in precisions)
         if self.speedup > best + 1e-9:
             raise ValueError(f"SnipConfig.speedup={self.speedup} cannot be reached: every linear in the "
-                             f"fastest of {','.join(self.precisions)} gives {best:.2f}x with gemm_cost "
+                             f"fastest of {','.join(precisions)} gives {best:.2f}x with gemm_cost "
                              f"{_format_costs(costs)}; ask for at most {best:.2f}")
 
     def warmup_steps(self, train_iters: int) -> int:
@@ -258,7 +331,13 @@ class SnipConfig:
     @property
     def uses(self) -> tuple[Precision, ...]:
         """The precisions a linear of this run may be put in (the planner's and the initial one)."""
-        return tuple(p for p in Precision if p.value in self.precisions or p.value == self.initial_precision)
+        precisions = self.plan_choices().precisions
+        return tuple(p for p in Precision if p.value in precisions or p.value == self.initial_precision)
+
+    @property
+    def uses_names(self) -> tuple[str, ...]:
+        """`uses` by name."""
+        return tuple(p.value for p in self.uses)
 
     @property
     def formats(self) -> Formats:
@@ -272,24 +351,36 @@ class SnipConfig:
         """`gemm_cost` as {Precision: relative GEMM time}; unset: the default model (BF16 1, FP8 1/2, FP4 1/4)."""
         return dict(DEFAULT_GEMM_COST) if self.gemm_cost is None else _parse_costs(self.gemm_cost)
 
-    def resolved(self, backend: str = "emulated", *, sm: "int | None" = None, environ=None) -> "SnipConfig":
+    def resolved(self, backend: str = "emulated", *, sm: "int | None" = None, environ=None,
+                 support=None) -> "SnipConfig":
         """This config with every setting left to the hardware made explicit, for `backend`:
-        "emulated" (unchanged: SNIP's emulated linears run the recipes' own variants) or "te"
-        (Transformer Engine on compute capability `sm`: TE's scale and rounding variants, read from
-        `environ` as TE does at import, and the GEMM cost model of that GPU). ValueError listing
-        every setting TE cannot run there, each with its fix, fields named SnipConfig.<field>."""
+        "emulated" (SNIP's emulated linears: the plan's precisions and budget filled where FP4 runs,
+        the recipes' own variants) or "te" (Transformer Engine on compute capability `sm`: the plan's
+        precisions and budget of that GPU (no FP4 before SM100), TE's scale and rounding variants,
+        read from `environ` as TE does at import, and the GEMM cost model of that GPU; `support`,
+        the installed TE's own answers (snip_megatron.te.installed.TESupport), refuses what that TE
+        cannot run here). ValueError listing every setting TE cannot run there, each with its fix,
+        fields named SnipConfig.<field>. Resolve the config the user gave, once."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-        if backend == "emulated" or not self.enabled:
+        if not self.enabled:
             return self
+        fp4_runs = True
+        if backend == "te":
+            from snip_megatron.te.gpu import fp4_unavailable
+
+            fp4_runs = fp4_unavailable(FP4_RECIPES[0], sm) is None
+        filled = dataclasses.replace(self, **self.plan_choices(fp4_runs).as_fields())
+        if backend == "emulated":
+            return filled
         from snip_megatron.te import gemm_cost, te_formats
 
         formats = te_formats(fp8_recipe=self.fp8_recipe, fp4_recipe=self.fp4_recipe, fp8_format=self.fp8_format,
                              fp8_block_scales=self.fp8_block_scales,
-                             fp4_gradient_rounding=self.fp4_gradient_rounding, sm=sm, uses=self.uses,
-                             environ=environ, name_of=lambda f: f"SnipConfig.{f}")
+                             fp4_gradient_rounding=self.fp4_gradient_rounding, sm=sm, uses=filled.uses,
+                             environ=environ, support=support, name_of=lambda f: f"SnipConfig.{f}")
         costs = self.gemm_cost or _format_costs(gemm_cost(sm))
-        return dataclasses.replace(self, fp8_block_scales=formats.fp8_block_scales,
+        return dataclasses.replace(filled, fp8_block_scales=formats.fp8_block_scales,
                                    fp4_gradient_rounding=formats.fp4_gradient_rounding, gemm_cost=costs)
 
     def what_runs(self, sm: int) -> str:
@@ -300,18 +391,27 @@ class SnipConfig:
         return f"{what_runs(self.formats, sm, self.uses)}; {self.budget_str()}"
 
     def budget_str(self) -> str:
-        """The plan budget in words, e.g. "plan budget >= 75% of linear FLOPs in FP4 (GEMM cost
-        bf16=1,fp8=0.5,fp4=0.25)"."""
-        what = (f">= {self.fp4_budget:.0%} of linear FLOPs in FP4" if self.budget == "fp4_fraction"
-                else f"modelled linear-GEMM speed-up >= {self.speedup:g}x over BF16")
-        return f"plan budget {what}, from {','.join(self.precisions)} (GEMM cost {_format_costs(self.gemm_costs())})"
+        """The plan budget in words, e.g. "plan budget >= 75% of linear FLOPs in FP4, from fp8,fp4
+        (GEMM cost bf16=1,fp8=0.5,fp4=0.25)"; the costs of the precisions the plan chooses from."""
+        c = self.plan_choices()
+        if c.budget == "fp4_fraction":
+            what = f">= {c.fp4_budget:.0%} of linear FLOPs in FP4"
+        elif c.budget == "fp8_fraction":
+            what = f">= {c.fp8_budget:.0%} of linear FLOPs in FP8{' or FP4' if 'fp4' in c.precisions else ''}"
+        else:
+            what = f"modelled linear-GEMM speed-up >= {self.speedup:g}x over BF16"
+        costs = self.gemm_costs()
+        listed = ",".join(f"{p.value}={costs[p]:g}" for p in Precision if p.value in c.precisions or p is Precision.BF16)
+        return f"plan budget {what}, from {','.join(c.precisions)} (GEMM cost {listed})"
 
     def measure_config(self):
-        """The measurement's settings (snip_megatron.stats.MeasureConfig)."""
+        """The measurement's settings (snip_megatron.stats.MeasureConfig): the quantization errors
+        of the FP8/FP4 precisions the plan chooses from."""
         from snip_megatron.stats.config import MeasureConfig
 
+        quantized = tuple(p for p in self.plan_choices().precisions if p != Precision.BF16.value)
         return MeasureConfig(noise_frac=self.noise_scale, seed=self.seed, formats=self.formats,
-                             micro_batches=self.measure_micro_batches or None)
+                             micro_batches=self.measure_micro_batches or None, precisions=quantized)
 
     def estimate_config(self):
         """The cost estimator's settings (snip_megatron.estimate.EstimateConfig)."""
@@ -323,8 +423,11 @@ class SnipConfig:
         """One re-plan's budget and solver settings (snip_megatron.planner.PlannerConfig)."""
         from snip_megatron.planner.config import PlannerConfig
 
-        return PlannerConfig(budget=self.budget, rho=self.fp4_budget, speedup=self.speedup,
-                             gemm_cost=self.gemm_costs(), allowed=tuple(Precision.parse(p) for p in self.precisions),
+        c = self.plan_choices()
+        fraction = {"fp4_fraction": c.fp4_budget, "fp8_fraction": c.fp8_budget}.get(c.budget)
+        return PlannerConfig(budget=c.budget, **({} if fraction is None else {"rho": fraction}),
+                             speedup=self.speedup, gemm_cost=self.gemm_costs(),
+                             allowed=tuple(Precision.parse(p) for p in c.precisions),
                              per_stage=self.per_stage_budget, switch_penalty=self.switch_penalty,
                              time_limit_s=self.solver_time_limit_s, gap_rel=self.solver_gap)
 

@@ -109,6 +109,7 @@ class SnipController(StepHook):
     def __init__(self, config: SnipConfig, shape: ModelShape, *, total_steps: int,
                  run_dir: str | Path | None = None, tokens_per_step: int | None = None,
                  stages: Mapping[LayerKey, int] | None = None, log: Callable[[str], None] = print,
+                 excluded: Mapping[LayerKey, Mapping] | None = None,
                  measure: Callable | None = None, estimate: Callable | None = None,
                  solve: Callable | None = None, apply: Callable | None = None):
         from snip_megatron.planner.flops import flop_table
@@ -120,14 +121,21 @@ class SnipController(StepHook):
         self.flops = flop_table(shape, tokens_per_step)
         self.stages = dict(stages) if stages else None
         self._log = log
-        self.plan_log = PlanLog(run_dir, self.flops, log=log, gemm_cost=config.gemm_costs())
+        self.plan_log = PlanLog(run_dir, self.flops, log=log, gemm_cost=config.gemm_costs(),
+                                budget=config.plan_choices().budget)
         self._measure = measure or _default_measure(config)
         self._estimate = estimate or _default_estimate(config)
         self._solve = solve or _default_solve(config)
         self._apply = apply or (lambda ctx, plan: ctx.set_plan(plan))
         self.schedule = Schedule(first=config.warmup_steps(total_steps), interval=config.interval,
                                  lag=config.lag)
+        self.excluded = {parse_key(k): {Precision.parse(p) for p in ps} for k, ps in (excluded or {}).items()}
+        """Precisions the backend cannot run per linear (TE's shape rules): never planned."""
         self.plan, self.plan_source = initial_plan(config, shape.num_layers)
+        if self.excluded:
+            if config.measures:
+                self._check_excluded_budget()
+            self.plan = self._runnable(self.plan, refuse=config.plan is not None)
         self.history: list[dict] = []
         self.smoothed_costs: dict[LayerKey, dict[Precision, float]] | None = None
         self.next_measure = self.schedule.first if config.measures or config.baseline else None
@@ -144,6 +152,47 @@ class SnipController(StepHook):
     def log(self, msg: str) -> None:
         if self.rank == 0:
             self._log(f"[snip] {msg}")
+
+    # -- precisions the backend cannot run for a linear -------------------------------------------
+    def _fallback(self, key: LayerKey) -> Precision:
+        """The precision a linear runs when its plan's is excluded: FP8 if it may, else BF16."""
+        ok_fp8 = Precision.FP8 not in self.excluded.get(key, ()) and Precision.FP8.value in self.config.uses_names
+        return Precision.FP8 if ok_fp8 else Precision.BF16
+
+    def _runnable(self, plan: Plan, *, refuse: bool = False) -> Plan:
+        """`plan` with every excluded precision replaced by the linear's fallback (ValueError naming
+        them when `refuse`: a saved plan is run as it is or not at all)."""
+        bad = {k: p for k, p in plan.items() if p in self.excluded.get(k, ())}
+        if bad and refuse:
+            raise ValueError("the plan puts linears in precisions the backend cannot run for their shapes: "
+                             + ", ".join(f"{k}={p.value}" for k, p in list(bad.items())[:6])
+                             + "; re-plan without them, or change the layout")
+        return plan.replace({k: self._fallback(k) for k in bad}) if bad else plan
+
+    def _runnable_costs(self, table: Mapping, pinned: dict) -> dict:
+        """The cost table without excluded precisions; a linear left without an allowed precision
+        is pinned to its fallback."""
+        allowed = set(self.config.uses_names)
+        out = {}
+        for key, row in table.items():
+            out[key] = {p: q for p, q in row.items() if p not in self.excluded.get(key, ())}
+            if key not in pinned and not any(p.value in allowed for p in out[key]):
+                pinned[key] = self._fallback(key)
+        return out
+
+    def _check_excluded_budget(self) -> None:
+        """Refuse at construction a budget the linears the backend can run cannot meet."""
+        from snip_megatron.planner.problem import build_knapsack
+
+        config = self.config.planner_config()
+        table = {k: {p: 0.0 for p in Precision if p.value in self.config.uses_names} for k in self.keys}
+        pinned: dict = {}
+        table = self._runnable_costs(table, pinned)
+        try:
+            build_knapsack(table, self.flops, config, stages=self.stages, pinned=pinned)
+        except ValueError as e:
+            raise ValueError(f"the linears the backend can run for their shapes cannot meet the plan budget: {e}") \
+                from None
 
     def on_train_start(self, ctx: StepContext) -> None:
         """After set-up and any resume: check the loop runs SNIP's formats, apply the plan."""
@@ -243,16 +292,19 @@ class SnipController(StepHook):
                 from snip_megatron.estimate.cost import proxy_table
 
                 rel_error = proxy_table(stats)
-            result = baseline_plan(cfg.baseline, self.keys, self.flops, cfg.fp4_budget,
+            result = baseline_plan(cfg.baseline, self.keys, self.flops, cfg.plan_choices().fp4_budget,
                                    rel_error=rel_error, seed=cfg.seed, k=cfg.baseline_k,
                                    fraction=cfg.baseline_fraction, stages=self.stages,
-                                   relax=cfg.baseline_relax, gemm_cost=cfg.gemm_costs())
-            return {"plan": result.plan, "result": result, "costs": None, "measure_s": measure_s,
+                                   relax=cfg.baseline_relax, gemm_cost=cfg.gemm_costs(),
+                                   budget=cfg.plan_choices().budget)
+            return {"plan": self._runnable(result.plan), "result": result, "costs": None, "measure_s": measure_s,
                     "solve_s": time.perf_counter() - start, "skipped": {}}
         costs = self._estimate(stats)
         skipped = dict(getattr(costs, "nonfinite", {}) or {})
         table = self._smooth(costs.costs, skipped)
         pinned = {k: previous[k] for k in skipped}
+        if self.excluded:
+            table = self._runnable_costs(table, pinned)
         result = self._solve(table, self.flops, previous=previous, stages=self.stages, pinned=pinned)
         return {"plan": result.plan, "result": result, "costs": costs, "measure_s": measure_s,
                 "solve_s": time.perf_counter() - start, "skipped": skipped}
@@ -403,9 +455,9 @@ class SnipController(StepHook):
         pending_plan = None
         if pending is not None and pending.get("plan") is not None:
             pending_plan = Plan.from_dict(pending["plan"]).check_model(self.shape.num_layers)
-        # Validated: now commit.
+        # Validated: now commit (a plan of another layout keeps out what this one cannot run).
         if not self.config.pin_plan:
-            self.plan, self.plan_source = plan, "checkpoint"
+            self.plan, self.plan_source = self._runnable(plan), "checkpoint"
         self.history = list(state.get("history", []))
         self.smoothed_costs = smoothed
         self.next_measure = state.get("next_measure")

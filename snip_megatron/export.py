@@ -104,8 +104,8 @@ def precision_configs(precisions, *, backend: str = "te", sm: int = 100, fp8_rec
     """{precision name: the config dict a planned linear reads in finish_init}, for those precisions.
 
     TE configs are those a SNIP run on SM`sm` would give its TE linears in TE's default
-    environment (`te.resolve.te_formats`: on Hopper FP4 through TE's reference quantizer, no
-    speed-up); a recipe TE cannot run there is refused with the reason."""
+    environment (`te.resolve.te_formats`: no FP4 before SM100); a recipe TE cannot run there is
+    refused with the reason."""
     from snip_megatron.te.resolve import te_formats
     from snip_megatron.te.translate import emulated_params, te_config_dict
 

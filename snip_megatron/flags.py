@@ -78,12 +78,13 @@ def add_dataclass_flags(group, cls: type, *, flag_of: Callable[[str], str] | Non
         base = hint
         if type(None) in typing.get_args(hint):  # X | None -> X
             base = next(a for a in typing.get_args(hint) if a is not type(None))
-        if typing.get_origin(base) is list:  # a comma list
-            base, default = str, ",".join(default)
+        comma_list = typing.get_origin(base) is list
+        if comma_list:
+            base, default = str, None if default is None else ",".join(default)
             if f.name in choices:
                 doc += f" A comma list of {', '.join(choices[f.name])}."
         kwargs: dict = {"type": base, "default": default}
-        if f.name in choices and "," not in str(default):
+        if f.name in choices and not comma_list:
             kwargs["choices"] = choices[f.name]
         else:
             kwargs["metavar"] = metavars.get(f.name) or {int: "N", float: "X"}.get(base, "TEXT")

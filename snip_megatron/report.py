@@ -5,7 +5,7 @@ plan table, and the drawings (precision per layer over training, the loss curve)
     python -m snip_megatron.report export <run dir> --format megatron|bridge|json   (snip_megatron.export)
 
 `PlanLog` writes `<run dir>/snip_plans.jsonl` (one line per plan the controller applied: step, plan,
-solver, the cost table) and TensorBoard scalars; `make_report` reads it with
+the run's budget kind and what the plan achieves, solver, the cost table) and TensorBoard scalars; `make_report` reads it with
 `<run dir>/metrics.jsonl` (one line per training step: step, loss, optionally val_loss), writes
 `<run dir>/snip_heatmap.png` and `<run dir>/loss.png`, and prints their paths.
 """
@@ -30,16 +30,25 @@ _CODE = {Precision.BF16: 2, Precision.FP8: 1, Precision.FP4: 0}
 
 class PlanLog:
     """One record per applied plan: a console line (and the plan table when something changed or
-    was measured), a `snip_plans.jsonl` line and TensorBoard scalars when a run folder is given."""
+    was measured), a `snip_plans.jsonl` line and TensorBoard scalars when a run folder is given.
+
+    The console line states the fraction the run's `budget` counts: "FP4 x% of linear FLOPs" for
+    fp4_fraction and speedup, "FP8 or lower x% of linear FLOPs" for fp8_fraction (with "(FP4 y%)"
+    when the plan holds FP4). Each JSON line holds every figure: fp4_fraction, fp8_fraction, speedup.
+    """
 
     def __init__(self, run_dir: "str | Path | None", flops: Mapping, log: Callable[[str], None] = print,
-                 gemm_cost: "Mapping | None" = None):
-        from snip_megatron.planner.config import DEFAULT_GEMM_COST
+                 gemm_cost: "Mapping | None" = None, budget: str = "fp4_fraction"):
+        from snip_megatron.planner.config import BUDGETS, DEFAULT_GEMM_COST
 
+        if budget not in BUDGETS:
+            raise ValueError(f"PlanLog budget={budget!r} is unknown; valid: {', '.join(BUDGETS)}")
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.flops = flops
         self.gemm_cost = dict(gemm_cost or DEFAULT_GEMM_COST)
         """The run's GEMM cost model (SnipConfig.gemm_costs): what "modelled speed-up" means here."""
+        self.budget = budget
+        """The run's budget kind (SnipConfig.budget, resolved): which fraction the console line states."""
         self._log = log
         self._tensorboard = None
 
@@ -50,7 +59,8 @@ class PlanLog:
         met = achieved(plan, self.flops, self.gemm_cost)  # the planner's own models
         fp4 = met.fp4_fraction
         row = {"step": step, "plan": {str(k): p.value for k, p in plan.items()},
-               "digest": plan.digest(), "fp4_fraction": fp4, "speedup": met.speedup}
+               "digest": plan.digest(), "budget": self.budget, "fp4_fraction": fp4,
+               "fp8_fraction": met.fp8_fraction, "speedup": met.speedup}
         result = info.get("result")
         if result is not None:
             row.update(solver=result.solver, status=result.status, objective=result.objective,
@@ -61,7 +71,12 @@ class PlanLog:
         if info.get("event"):
             row["event"] = info["event"]
         changed = previous.diff(plan) if previous is not None else []
-        self._log(f"[snip] step {step}: plan {plan.digest()[:12]}  FP4 {fp4:.1%} of linear FLOPs, "
+        if self.budget == "fp8_fraction":
+            share = (f"FP8 or lower {met.fp8_fraction:.1%} of linear FLOPs"
+                     + (f" (FP4 {fp4:.1%})" if fp4 > 0 else ""))
+        else:
+            share = f"FP4 {fp4:.1%} of linear FLOPs"
+        self._log(f"[snip] step {step}: plan {plan.digest()[:12]}  {share}, "
                   f"modelled GEMM speed-up {row['speedup']:.2f}x, {len(changed)} linears changed"
                   + (f", solver {result.solver} ({result.status}) {info.get('solve_s', 0):.2f} s, "
                      f"measurement {info.get('measure_s', 0):.2f} s" if result is not None else ""))
@@ -81,10 +96,10 @@ class PlanLog:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / PLANS_FILE, "a") as f:
                 f.write(json.dumps(row, default=_json_default) + "\n")
-            self._scalars(step, fp4, row["speedup"])
+            self._scalars(step, fp4, met.fp8_fraction, row["speedup"])
         return row
 
-    def _scalars(self, step: int, fp4: float, speedup: float) -> None:
+    def _scalars(self, step: int, fp4: float, fp8: float, speedup: float) -> None:
         """TensorBoard scalars when TensorBoard is installed (an optional dependency)."""
         if self._tensorboard is None:
             try:
@@ -95,21 +110,26 @@ class PlanLog:
             self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
         if self._tensorboard:
             self._tensorboard.add_scalar("snip/fp4_fraction", fp4, step)
+            self._tensorboard.add_scalar("snip/fp8_fraction", fp8, step)
             self._tensorboard.add_scalar("snip/modelled_speedup", speedup, step)
             self._tensorboard.flush()
 
 
 def format_plan_table(plan: Plan, previous: Plan, costs=None) -> str:
-    """The per-update table: layer, precision, previous precision, Q, dL, WD (FP4 and FP8)."""
+    """The per-update table: layer, precision, previous precision, Q, dL, WD (FP4 and FP8, those of
+    them the cost table has: a BF16/FP8 plan shows FP8's)."""
+    shown = (Precision.FP4, Precision.FP8)
+    if costs is not None:
+        shown = tuple(p for p in shown if any(p in row for row in costs.costs.values())) or shown
     head = f"  {'layer':<16}{'now':>6}{'was':>6}"
     if costs is not None:
-        head += "".join(f"{'Q.' + p:>11}{'dL.' + p:>11}{'WD.' + p:>11}" for p in ("fp4", "fp8"))
+        head += "".join(f"{'Q.' + p.value:>11}{'dL.' + p.value:>11}{'WD.' + p.value:>11}" for p in shown)
     lines = [head]
     for key in plan:
         mark = " *" if plan[key] != previous[key] else ""
         line = f"  {str(key):<16}{plan[key].value:>6}{previous[key].value:>6}"
         if costs is not None:
-            for p in (Precision.FP4, Precision.FP8):
+            for p in shown:
                 line += "".join(f"{getattr(costs, part)[key].get(p, math.nan):>11.3g}"
                                 for part in ("costs", "loss_div", "weight_div"))
         lines.append(line + mark)

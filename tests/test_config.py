@@ -9,8 +9,12 @@ from snip_megatron.formats.precision import Formats, Precision
 def test_defaults_are_the_papers_setting():
     cfg = SnipConfig()
     assert cfg.enabled is False
-    assert cfg.fp4_budget == 0.75
-    assert cfg.precisions == ["fp8", "fp4"]
+    # Unset, the plan's precisions and budget follow what the linears run: the paper's where FP4
+    # runs (SNIP's emulated linears; TE on Blackwell, tests/te/test_translate.py has Hopper's).
+    assert (cfg.precisions, cfg.budget, cfg.fp4_budget) == (None, None, None)
+    c = cfg.plan_choices()
+    assert (c.precisions, c.budget, c.fp4_budget, c.fp8_budget) == (["fp8", "fp4"], "fp4_fraction", 0.75, None)
+    assert cfg.planner_config().fraction == 0.75 and cfg.uses == (Precision.FP8, Precision.FP4)
     assert cfg.initial_precision == "fp8"
     assert cfg.fp8_recipe == "blockwise" and cfg.fp4_recipe == "nvfp4"
     assert not cfg.measures  # off
@@ -26,6 +30,13 @@ def test_defaults_are_the_papers_setting():
     ({"lag": 100, "interval": 100}, "lag"),
     ({"warmup": -1}, "warmup"),
     ({"warmup": 10.5}, "warmup"),
+    ({"fp8_budget": 1.5}, "fp8_budget"),
+    ({"fp8_budget": 0.9, "fp4_budget": 0.5}, "budget"),
+    ({"fp8_budget": 0.9, "budget": "fp4_fraction"}, "fp8_budget"),
+    ({"fp4_budget": 0.9, "precisions": "bf16,fp8"}, "fp4_budget"),
+    ({"fp4_budget": 0.9, "budget": "speedup"}, "fp4_budget"),
+    ({"budget": "fp4_fraction", "precisions": "bf16,fp8"}, "precisions"),
+    ({"budget": "fp8_fraction", "baseline": "random"}, "baseline"),
     ({"precisions": ["fp8", "fp16"]}, "precisions"),
     ({"precisions": ["fp8"]}, "precisions"),
     ({"precisions": ["fp4"]}, "precisions"),
@@ -73,12 +84,24 @@ def test_a_speedup_budget_plans_without_fp4():
     assert (p.budget, p.speedup, [x.value for x in p.allowed_precisions()]) == ("speedup", 1.8, ["bf16", "fp8"])
     assert p.gemm_costs() == cfg.gemm_costs() and cfg.gemm_cost is None
     with pytest.raises(ValueError, match="SnipConfig.precisions=.* must include fp4: the FP4 budget needs it"):
-        SnipConfig(precisions="bf16,fp8")
+        SnipConfig(precisions="bf16,fp8", budget="fp4_fraction")
     with pytest.raises(ValueError, match="speedup=2.1 cannot be reached: every linear in the fastest of bf16,fp8"):
         SnipConfig(precisions="bf16,fp8", budget="speedup", speedup=2.1)
     assert "modelled linear-GEMM speed-up >= 1.8x" in cfg.budget_str()
     assert SnipConfig().budget_str() == ("plan budget >= 75% of linear FLOPs in FP4, from fp8,fp4 (GEMM cost "
                                          "bf16=1,fp8=0.5,fp4=0.25)")
+
+
+def test_an_fp8_budget_plans_bf16_against_fp8():
+    """Without fp4 in the precisions, or with fp8_budget set, the budget is the FP8 fraction."""
+    for cfg in (SnipConfig(precisions="bf16,fp8"), SnipConfig(precisions="bf16,fp8", fp8_budget=0.8),
+                SnipConfig(fp8_budget=0.8, precisions="bf16,fp8,fp4")):
+        p = cfg.planner_config()
+        assert p.budget == "fp8_fraction" and p.fraction == (0.9 if cfg.fp8_budget is None else 0.8), cfg
+    assert SnipConfig(precisions="bf16,fp8").measure_config().precisions == ("fp8",)  # no FP4 errors measured
+    assert SnipConfig(precisions="bf16,fp8", fp8_budget=0.8).budget_str() == (
+        "plan budget >= 80% of linear FLOPs in FP8, from bf16,fp8 (GEMM cost bf16=1,fp8=0.5)")
+    assert "in FP8 or FP4, from bf16,fp8,fp4" in SnipConfig(fp8_budget=0.8, precisions="bf16,fp8,fp4").budget_str()
 
 
 def test_gemm_cost_is_parsed_and_kept_canonical():
@@ -120,7 +143,8 @@ def test_measures_only_for_adaptive_runs():
 
 def test_every_baseline_name_is_accepted():
     for name in BASELINES:
-        assert SnipConfig(enabled=True, baseline=name).baseline == name
+        cfg = SnipConfig(enabled=True, baseline=name)
+        assert cfg.baseline == name and cfg.plan_choices().budget == "fp4_fraction"
 
 
 def test_dict_round_trip_and_unknown_keys():
@@ -138,7 +162,7 @@ def test_snipconfig_builds_every_component_config_from_its_own_fields():
     assert (m.noise_frac, m.seed, m.formats) == (0.03, 5, cfg.formats)
     assert cfg.formats.fp8_recipe == "mxfp8" and cfg.formats.fp4_recipe == "mxfp4"
     assert e.lam == 0.7
-    assert (p.rho, [x.value for x in p.allowed_precisions()], p.per_stage, p.switch_penalty,
+    assert (p.fraction, [x.value for x in p.allowed_precisions()], p.per_stage, p.switch_penalty,
             p.time_limit_s, p.gap_rel) == (0.6, ["bf16", "fp8", "fp4"], True, 0.1, 7.0, 1e-3)
 
 

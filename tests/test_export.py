@@ -109,11 +109,13 @@ def test_bridge_format_instantiates_to_the_same_recipe(tmp_path):
 
 def test_te_configs_are_what_a_snip_run_on_that_gpu_gives_its_te_linears(tmp_path):
     run = run_dir(tmp_path, [(0, striped(2))])
-    hopper = load_quantization_recipe(str(export(run, "megatron", sm=90, out=tmp_path / "sm90.yaml")))
+    blackwell = load_quantization_recipe(str(export(run, "megatron", sm=100, out=tmp_path / "sm100.yaml")))
     fp4_key = next(k for k in all_keys(2) if striped(2)[k] is Precision.FP4)
-    recipe = get_quant_config_or_none(module_path(fp4_key.layer - 1, fp4_key.name), hopper).config["training_recipe"]
-    assert recipe["fp4_quantization_recipe"] == "custom"  # TE's reference NVFP4 quantizer before SM100
-    assert recipe["custom_recipe_factory"].endswith("nvfp4_ref_rht_2d_quantizer_factory")
+    recipe = get_quant_config_or_none(module_path(fp4_key.layer - 1, fp4_key.name), blackwell).config["training_recipe"]
+    assert recipe["fp4_quantization_recipe"] == "nvfp4" and recipe.get("custom_recipe_factory") is None
+    # Before SM100 TE has no FP4 SNIP plans: a plan with FP4 layers exports for the emulated linears only.
+    with pytest.raises(ValueError, match=r"(?s)NVFP4 kernels need SM100.*--backend emulated"):
+        export(run, "megatron", sm=90)
     with pytest.raises(ValueError, match=r"(?s)--fp4-recipe='mxfp4'.*no Transformer Engine recipe.*--backend emulated"):
         export(run, "megatron", sm=100, fp4_recipe="mxfp4")
     with pytest.raises(ValueError, match=r"--fp8-recipe='mxfp8'.*SM100"):

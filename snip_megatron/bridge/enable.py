@@ -58,6 +58,14 @@ def prepare_run(cfg, snip: SnipConfig):
     refused = refusals(cfg, snip, backend)
     if refused:
         raise ValueError("this Megatron-Bridge run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))
+    te = None
+    if backend == "te":  # what this GPU and its Transformer Engine run, checked before Bridge starts
+        from snip_megatron.megatron.te_run import resolve_for_te
+
+        te = resolve_for_te(snip)
+        snip = te.config
+    else:
+        snip = snip.resolved("emulated")
     num_layers = model.num_layers
     try:
         snip.warmup_steps(cfg.train.train_iters)
@@ -74,7 +82,7 @@ def prepare_run(cfg, snip: SnipConfig):
             raise ValueError(f"{where} does not fit this model ({e}); resume with the model it was "
                              "trained with") from None
     inner = cfg.checkpoint.custom_manager_class
-    return BridgeRun(cfg=cfg, snip=snip, backend=backend,
+    return BridgeRun(cfg=cfg, snip=snip, backend=backend, te=te,
                      user_spec=spec_for_backend(model.transformer_layer_spec, backend),
                      user_recipe=getattr(model, "quant_recipe", None),
                      inner_manager=None if inner == MANAGER else inner,

@@ -38,7 +38,8 @@ class SnipLayerSpec:
         check_emulated_spec(spec, run.backend)
         spec = with_planned_linears(spec, run.backend)
         config.quant_recipe = merged_recipe(run.controller.plan, config, vp_stage, backend=run.backend,
-                                            formats=run.snip.formats, user_recipe=run.user_recipe)
+                                            formats=run.snip.formats, user_recipe=run.user_recipe,
+                                            sm=None if run.te is None else run.te.sm)
         return spec
 
 

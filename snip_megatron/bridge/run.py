@@ -63,6 +63,8 @@ class BridgeRun:
     """Planned-linear backend: emulated or te."""
     user_spec: Any
     """The layer spec the config had (SnipLayerSpec builds it, with SNIP's linears put in)."""
+    te: Any = None
+    """The TE backend's start-up (snip_megatron.megatron.te_run.TERun: GPU, installed TE), else None."""
     user_recipe: Any = None
     """The config's own quant_recipe, merged after SNIP's matchers (modules SNIP does not plan)."""
     inner_manager: Optional[str] = None
@@ -96,13 +98,19 @@ class BridgeRun:
         controller = self.loop.controller
         _print_rank_0(f"[snip] on; backend {self.backend}; formats {self.snip.formats.short_str()}; plan: "
                       f"{getattr(controller, 'plan_source', '?')} {controller.plan.counts()}")
+        if self.te is not None:
+            from snip_megatron.megatron.te_run import startup_lines
+
+            for line in startup_lines(self.te):
+                _print_rank_0(line)
 
     def _make_loop(self, model_config, state: Optional[dict]):
         from snip_megatron.pretrain.setup import SnipRun
 
         factory = self.controller_factory or make_controller
         loop = SnipRun(config=self.snip, controller=factory(self.snip, model_config, self.cfg),
-                       backend=self.backend, num_layers=model_config.num_layers,
+                       backend=self.backend, sm=None if self.te is None else self.te.sm,
+                       num_layers=model_config.num_layers,
                        seq_length=model_config.seq_length, micro_batch_size=self.cfg.train.micro_batch_size,
                        user_recipe=self.user_recipe)
         loop.resume(state)
@@ -167,7 +175,18 @@ def make_controller(snip: SnipConfig, model_config, cfg):
     from snip_megatron.megatron.layout import pipeline_stages
 
     stages = pipeline_stages(model_config) if model_config.pipeline_model_parallel_size > 1 else None
+    excluded = None
+    if getattr(model_config, "transformer_impl", None) == "transformer_engine":
+        from snip_megatron.te.shapes import describe_exclusions, te_exclusions
+
+        excluded = te_exclusions(model_shape(model_config), snip.formats, snip.uses,
+                                 tp=model_config.tensor_model_parallel_size,
+                                 sequence_parallel=bool(model_config.sequence_parallel),
+                                 cp=model_config.context_parallel_size or 1,
+                                 micro_batch_size=cfg.train.micro_batch_size)
+        for line in describe_exclusions(excluded):
+            _print_rank_0(f"[snip] {line}")
     return SnipController(snip, model_shape(model_config), total_steps=cfg.train.train_iters,
                           run_dir=cfg.checkpoint.save,
                           tokens_per_step=cfg.train.global_batch_size * model_config.seq_length,
-                          stages=stages, log=_print_rank_0)
+                          stages=stages, log=_print_rank_0, excluded=excluded)

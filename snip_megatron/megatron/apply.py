@@ -99,6 +99,53 @@ def precision_of(module) -> "Precision | None":
     return None
 
 
+MEGATRON_REARMS_QUANT_RECIPE = (0, 19)
+"""megatron-core from which `MegatronModule.set_is_first_microbatch` re-arms TE's weight cache for a
+`quant_recipe` too (transformer/module.py); before, only under a global fp8/fp4 or kitchen."""
+
+
+def megatron_core_version() -> tuple[int, int]:
+    """(major, minor) of the installed megatron-core."""
+    from packaging.version import Version
+
+    from megatron.core import package_info
+
+    return Version(package_info.__version__).release[:2]
+
+
+def megatron_refreshes_te_weights(config) -> bool:
+    """Whether Megatron's schedule re-arms `is_first_microbatch` on the TE linears of a model built
+    from `config` at each step's first micro-batch, so TE re-quantizes each one's cached weight once
+    per step (TE 2.14 `module/base.py` get_weight_workspace: refreshed only when that flag is None or
+    True). Without it the cached FP8/FP4 weight of each module's first quantized forward would be
+    used for every later step."""
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None) or getattr(config, "use_kitchen", False):
+        return True
+    return (megatron_core_version() >= MEGATRON_REARMS_QUANT_RECIPE
+            and getattr(config, "quant_recipe", None) is not None)
+
+
+def weight_cache_notice() -> "str | None":
+    """The start-up line of a TE run on a megatron-core that does not re-arm TE's weight cache for a
+    per-module recipe (None on one that does)."""
+    version = megatron_core_version()
+    if version >= MEGATRON_REARMS_QUANT_RECIPE:
+        return None
+    return (f"megatron-core {version[0]}.{version[1]} re-arms TE's cached FP8/FP4 weights only under a global "
+            "--fp8-format/--fp4-format: SNIP turns the cache off on its planned TE linears (each weight is "
+            "quantized at every micro-batch; megatron-core >= 0.19 keeps it per step)")
+
+
+def keep_te_weights_fresh(module) -> bool:
+    """Turn off TE's per-module weight cache on a planned TE linear whose model Megatron does not
+    re-arm (Megatron's own switch, `disable_parameter_transpose_cache`: TE then quantizes the weight
+    at every micro-batch). True when it was turned off."""
+    if megatron_refreshes_te_weights(getattr(module, "config", None)):
+        return False
+    module.disable_parameter_transpose_cache = True
+    return True
+
+
 def current_plan(model) -> Plan:
     """The plan this rank's chunk(s) run now (only linears that have a precision of their own)."""
     return Plan({pl.key: p for pl in list_planned_linears(model)
@@ -122,7 +169,7 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
     must be plannable and have a precision the backend can run), so a bad plan is refused with
     ValueError before any module changes. Emulated linears switch through `set_precision`, TE
     linears through `finish_init` with the TEQuantizationParams of `formats` on `sm` (default:
-    this GPU).
+    this GPU), their weight cache kept fresh (`keep_te_weights_fresh`).
     Parameters are untouched: optimizer state and checkpoints carry over.
     """
     if not isinstance(plan, Plan):
@@ -154,6 +201,8 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
 
     changes: list[AppliedChange] = []
     for pl, new, config in todo:
+        if is_te_linear(pl.module):
+            keep_te_weights_fresh(pl.module)
         old = precision_of(pl.module)
         if old is new:
             continue

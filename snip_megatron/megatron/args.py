@@ -73,7 +73,7 @@ def snip_args_from_config(cfg: SnipConfig) -> list[str]:
             continue
         v, default = getattr(cfg, f.name), getattr(_DEFAULTS, f.name)
         if isinstance(v, (list, tuple)):
-            v, default = list(v), list(default)
+            v, default = list(v), None if default is None else list(default)
         if v == default:
             continue
         flag = flag_of(f.name)

@@ -8,6 +8,10 @@ eligible ones cannot reach rho, ValueError names the largest rho the rule can me
 is set: then the kept linears get FP4 last (in the rule's own order), so a rule meets any budget and
 is unchanged wherever it was feasible. So methods are compared at equal FP4 budgets, as in the
 paper's table.
+
+The rules are FP4-budget rules only: `budget` (the run's PlannerConfig.budget) other than
+"fp4_fraction" is refused for them, so an FP8 or speed-up budget is never read as an FP4 fraction.
+The uniform baselines ignore the budget and run under any.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Iterable, Mapping
 
 from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan, forward_order, parse_key
-from snip_megatron.planner.config import DEFAULT_GEMM_COST
+from snip_megatron.planner.config import BUDGETS, DEFAULT_GEMM_COST
 from snip_megatron.planner.costs import CostTable
 from snip_megatron.planner.flops import validate_flops
 from snip_megatron.planner.problem import BUDGET_RTOL, achieved, achieved_by_stage
@@ -29,14 +33,16 @@ BASELINES = ("uniform_bf16", "uniform_fp8", "uniform_fp4", "first_last_k", "last
              "layer_type", "min_rel_error", "random")
 
 
-def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
+def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float | None, *,
                   high: Precision | str = Precision.FP8, rel_error: Mapping | None = None,
                   seed: int = 0, k: int = 1, fraction: float = 0.15, keep_type: str = "linear_fc2",
                   stages: Mapping | None = None, costs: Mapping | None = None,
-                  gemm_cost: Mapping | None = None, relax: bool = False) -> PlanResult:
+                  gemm_cost: Mapping | None = None, relax: bool = False,
+                  budget: str = "fp4_fraction") -> PlanResult:
     """The plan of baseline `name` at FP4 budget `rho`.
 
-    - uniform_bf16 / uniform_fp8 / uniform_fp4: every linear in that precision (rho is ignored).
+    - uniform_bf16 / uniform_fp8 / uniform_fp4: every linear in that precision (rho is ignored and
+      may be None).
     - first_last_k: the linears of the first k and last k transformer layers stay high (Megatron's
       --first-last-layers-bf16); FP4 goes to the others from the middle layer outwards.
     - last_fraction: the last ceil(fraction * layers) transformer layers stay high (NVIDIA's NVFP4
@@ -49,10 +55,18 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
     the outermost layers last; last_fraction: in forward order; layer_type: `keep_type` last) instead
     of the budget being refused.
     `costs` (optional, a cost table) only fills the result's objective; `gemm_cost` the speed-up model.
+    `budget`: the budget kind of the run; every rule but the uniform ones needs "fp4_fraction"
+    (ValueError otherwise: `rho` is an FP4 fraction, never an FP8 one).
     """
     start = time.perf_counter()
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; valid: {', '.join(BASELINES)}")
+    if budget not in BUDGETS:
+        raise ValueError(f"budget={budget!r} is unknown; valid: {', '.join(BUDGETS)}")
+    if budget != "fp4_fraction" and not name.startswith("uniform_"):
+        raise ValueError(f"baseline {name!r} is a rule for an FP4 budget (FP4 in its order until rho of "
+                         f"the linear FLOPs); budget={budget!r} has no such rule: use budget='fp4_fraction', "
+                         "or a uniform baseline (uniform_bf16, uniform_fp8), or the planner")
     keys = sorted({parse_key(key) for key in keys}, key=forward_order)
     if not keys:
         raise ValueError("baseline_plan needs at least one layer key")
@@ -60,7 +74,7 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float, *,
     high = Precision.parse(high)
     if high is Precision.FP4:
         raise ValueError("high=fp4: the precision of the non-FP4 linears must be bf16 or fp8")
-    if not isinstance(rho, (int, float)) or not 0.0 <= rho <= 1.0:
+    if not name.startswith("uniform_") and (not isinstance(rho, (int, float)) or not 0.0 <= rho <= 1.0):
         raise ValueError(f"rho={rho!r} must be a fraction in [0, 1]")
     stage_of = None
     if stages is not None:

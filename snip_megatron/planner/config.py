@@ -7,8 +7,17 @@ from dataclasses import dataclass, field
 
 from snip_megatron.formats.precision import Precision
 
-BUDGETS = ("fp4_fraction", "speedup")
+BUDGETS = ("fp4_fraction", "fp8_fraction", "speedup")
+"""Budget kinds: at least a FLOP fraction in FP4, at least a FLOP fraction in FP8 or lower (FP8 or
+FP4, i.e. not BF16), or a modelled linear-GEMM speed-up over all-BF16."""
 SOLVERS = ("auto", "cbc", "exact")
+
+# The default `rho` of the two fraction budgets (PlannerConfig's, and SnipConfig's when unset).
+DEFAULT_FP4_FRACTION = 0.75
+"""budget="fp4_fraction": the paper's rho, 75% of the linear FLOPs in FP4."""
+DEFAULT_FP8_FRACTION = 0.9
+"""budget="fp8_fraction": 90% of the linear FLOPs in FP8 or lower (what Hopper plans: BF16 vs FP8)."""
+DEFAULT_RHO = {"fp4_fraction": DEFAULT_FP4_FRACTION, "fp8_fraction": DEFAULT_FP8_FRACTION}
 
 # Relative GEMM time per precision (Hopper FP8 = 2x BF16, Blackwell FP4 = 2x FP8).
 DEFAULT_GEMM_COST = {Precision.BF16: 1.0, Precision.FP8: 0.5, Precision.FP4: 0.25}
@@ -23,12 +32,15 @@ class PlannerConfig:
     """What one solve must achieve and how hard it may try."""
 
     budget: str = "fp4_fraction"
-    """"fp4_fraction": at least `rho` of the linear FLOPs in FP4. "speedup": the modelled linear-GEMM
-    time (FLOPs x `gemm_cost`) at least `speedup` times faster than all-BF16. In a run,
+    """"fp4_fraction": at least `rho` of the linear FLOPs in FP4. "fp8_fraction": at least `rho` of
+    them in FP8 or lower (FP8 or FP4: anything but BF16). "speedup": the modelled linear-GEMM time
+    (FLOPs x `gemm_cost`) at least `speedup` times faster than all-BF16. In a run,
     SnipConfig.budget sets this."""
-    rho: float = 0.75
-    """FP4 budget: the fraction of linear FLOPs that must run in FP4 (budget="fp4_fraction"). In a
-    run, SnipConfig.fp4_budget sets this."""
+    rho: float | None = None
+    """The FLOP fraction a fraction budget asks for: in FP4 (budget="fp4_fraction") or in FP8 or
+    lower (budget="fp8_fraction"); unused by budget="speedup". None: that budget's default,
+    DEFAULT_RHO (0.75 FP4, 0.9 FP8 or lower); `fraction` reads it. In a run, SnipConfig.fp4_budget
+    or SnipConfig.fp8_budget sets this, whichever the budget reads."""
     speedup: float = 2.0
     """Target speed-up of the linear GEMMs over all-BF16 (budget="speedup"). In a run,
     SnipConfig.speedup sets this (1.5 there by default)."""
@@ -75,7 +87,7 @@ class PlannerConfig:
     def __post_init__(self) -> None:
         if self.budget not in BUDGETS:
             raise ValueError(f"PlannerConfig.budget={self.budget!r} is unknown; valid: {', '.join(BUDGETS)}")
-        if not isinstance(self.rho, (int, float)) or not 0.0 <= self.rho <= 1.0:
+        if self.rho is not None and (not isinstance(self.rho, (int, float)) or not 0.0 <= self.rho <= 1.0):
             raise ValueError(f"PlannerConfig.rho={self.rho!r} must be a fraction in [0, 1]")
         if not isinstance(self.speedup, (int, float)) or not math.isfinite(self.speedup) or self.speedup <= 0:
             raise ValueError(f"PlannerConfig.speedup={self.speedup!r} must be a positive number")
@@ -105,6 +117,11 @@ class PlannerConfig:
         if not isinstance(self.exact_max_states, int) or self.exact_max_states < 16:
             raise ValueError(f"PlannerConfig.exact_max_states={self.exact_max_states!r} must be an "
                              "integer >= 16")
+
+    @property
+    def fraction(self) -> float:
+        """The fraction a fraction budget asks for: `rho`, or that budget's default when unset."""
+        return DEFAULT_RHO.get(self.budget, DEFAULT_FP4_FRACTION) if self.rho is None else float(self.rho)
 
     # User spellings ("fp4", ["fp8", "fp4"]) are kept as given; these read them canonically.
     def allowed_precisions(self) -> tuple[Precision, ...]:

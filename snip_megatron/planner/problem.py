@@ -2,9 +2,10 @@
 
 Every budget is written as "weights >= need" per group (a pipeline stage, or the whole model):
 - FP4 fraction: weight F_l if layer l is in FP4, else 0; need rho * F_group.
+- FP8 fraction: weight F_l if layer l is in FP8 or FP4 (not BF16), else 0; need rho * F_group.
 - Time model: weight F_l * (c_max - c_p) (time saved against the slowest precision); need
   F_group * (c_max - c_bf16 / speedup), i.e. sum F_l c_p <= F_group c_bf16 / speedup.
-Both budgets are linear in F, so per-stage constraints imply the global one and the problem splits
+All budgets are linear in F, so per-stage constraints imply the global one and the problem splits
 into one multiple-choice knapsack per stage.
 """
 
@@ -29,22 +30,27 @@ class Achieved:
 
     fp4_fraction: float
     """Fraction of the linear FLOPs that run in FP4."""
+    fp8_fraction: float
+    """Fraction of the linear FLOPs that run in FP8 or lower (FP8 or FP4, i.e. not BF16): what
+    budget="fp8_fraction" counts. Always >= fp4_fraction."""
     speedup: float
     """Modelled linear-GEMM speed-up over all-BF16 (sum F c_bf16 / sum F c_p)."""
 
 
 def achieved(assignment: Mapping, flops: Mapping, gemm_cost: Mapping) -> Achieved:
-    """FP4 FLOP fraction and modelled speed-up of `assignment` (LayerKey -> Precision)."""
-    total = fp4 = time = 0.0
+    """FP4 and FP8-or-lower FLOP fractions and modelled speed-up of `assignment` (LayerKey ->
+    Precision)."""
+    total = fp4 = fp8 = time = 0.0
     c_bf16 = gemm_cost[Precision.BF16]
     for key, p in assignment.items():
         f = flops[key]
         total += f
         fp4 += f if p is Precision.FP4 else 0.0
+        fp8 += f if p is not Precision.BF16 else 0.0
         time += f * gemm_cost[p]
     if total <= 0:
-        return Achieved(fp4_fraction=0.0, speedup=1.0)
-    return Achieved(fp4_fraction=fp4 / total, speedup=total * c_bf16 / time)
+        return Achieved(fp4_fraction=0.0, fp8_fraction=0.0, speedup=1.0)
+    return Achieved(fp4_fraction=fp4 / total, fp8_fraction=fp8 / total, speedup=total * c_bf16 / time)
 
 
 def achieved_by_stage(assignment: Mapping, flops: Mapping, gemm_cost: Mapping,
@@ -100,13 +106,15 @@ class Knapsack:
 def _weight(p: Precision, f: float, config: PlannerConfig, gemm: dict, c_max: float) -> float:
     if config.budget == "fp4_fraction":
         return f if p is Precision.FP4 else 0.0
+    if config.budget == "fp8_fraction":
+        return f if p is not Precision.BF16 else 0.0
     return f * (c_max - gemm[p])
 
 
 def _describe(config: PlannerConfig, weight_sum: float, group_flops: float, gemm: dict,
               c_max: float) -> float:
-    """A group's weight sum in the budget's own units (FP4 fraction or speed-up)."""
-    if config.budget == "fp4_fraction":
+    """A group's weight sum in the budget's own units (FP4 or FP8-or-lower fraction, or speed-up)."""
+    if config.budget in ("fp4_fraction", "fp8_fraction"):
         return weight_sum / group_flops
     time = group_flops * c_max - weight_sum
     return float("inf") if time <= 0 else group_flops * gemm[Precision.BF16] / time
@@ -198,8 +206,8 @@ def build_knapsack(costs: CostTable, flops: Mapping, config: PlannerConfig, *,
     worst = None
     for g, s in enumerate(group_ids):
         f_g = group_flops[g]
-        if config.budget == "fp4_fraction":
-            req, top = config.rho * f_g, f_g
+        if config.budget in ("fp4_fraction", "fp8_fraction"):
+            req, top = config.fraction * f_g, f_g
         else:
             req, top = f_g * (c_max - gemm[Precision.BF16] / config.speedup), f_g * c_max
         slack = BUDGET_RTOL * top
@@ -210,10 +218,10 @@ def build_knapsack(costs: CostTable, flops: Mapping, config: PlannerConfig, *,
         need.append(req - slack - supplied[g])
         scale.append(top)
     if worst is not None:
-        what = "rho" if config.budget == "fp4_fraction" else "speedup"
-        target = config.rho if config.budget == "fp4_fraction" else config.speedup
+        what, target = ("speedup", config.speedup) if config.budget == "speedup" else ("rho", config.fraction)
         where = f" (limited by pipeline stage {worst[1]})" if len(group_ids) > 1 else ""
-        raise ValueError(f"infeasible budget: {what}={target} but the largest achievable {what} with "
+        units = " (the fraction of linear FLOPs in FP8 or lower)" if config.budget == "fp8_fraction" else ""
+        raise ValueError(f"infeasible budget: {what}={target}{units} but the largest achievable {what} with "
                          f"allowed={[p.value for p in allowed]} and the pinned layers is "
                          f"{worst[0]:.6g}{where}")
     return Knapsack(free=tuple(free), choices=tuple(choices), cost=tuple(cost), weight=tuple(weight),

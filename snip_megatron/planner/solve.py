@@ -31,7 +31,7 @@ class PlanResult:
     objective: float
     """Summed cost of the plan, switching penalties included (nan for baselines without costs)."""
     achieved: Achieved
-    """FP4 FLOP fraction and modelled speed-up of the whole plan."""
+    """FP4 and FP8-or-lower FLOP fractions and modelled speed-up of the whole plan."""
     per_stage: dict = field(default_factory=dict)
     """Stage -> Achieved, when stages were given."""
     seconds: float = 0.0

@@ -206,33 +206,48 @@ def model_shape(args):
                       vocab_size=args.padded_vocab_size, seq_length=args.seq_length)
 
 
-def make_controller(snip: SnipConfig, args, transformer_config):
-    """SNIP's controller for this run: per-stage budgets from Megatron's own pipeline offsets."""
+def te_shape_exclusions(snip: SnipConfig, args) -> dict:
+    """The planned linears TE cannot run in FP8/FP4 on this layout (its shape rules), per precision."""
+    from snip_megatron.te.shapes import te_exclusions
+
+    return te_exclusions(model_shape(args), snip.formats, snip.uses, tp=args.tensor_model_parallel_size,
+                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+                         cp=getattr(args, "context_parallel_size", 1) or 1, micro_batch_size=args.micro_batch_size)
+
+
+def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None):
+    """SNIP's controller for this run: per-stage budgets from Megatron's own pipeline offsets;
+    `excluded`, the precisions the backend cannot run per linear."""
     from snip_megatron.controller import SnipController
     from snip_megatron.megatron.layout import pipeline_stages
 
     stages = pipeline_stages(transformer_config) if args.pipeline_model_parallel_size > 1 else None
     return SnipController(snip, model_shape(args), total_steps=args.train_iters, run_dir=args.save,
                           tokens_per_step=args.global_batch_size * args.seq_length, stages=stages,
-                          log=_print_rank_0)
+                          log=_print_rank_0, excluded=excluded)
 
 
 class CheckedRun(NamedTuple):
     """What the start-up checks settled."""
 
     config: SnipConfig
-    """The --snip* flags, resolved for the backend (SnipConfig.resolved): its `formats` are what
-    the planned linears run."""
-    sm: Optional[int]
-    """The GPU's compute capability (TE backend), else None."""
+    """The --snip* flags, resolved for the backend and GPU (SnipConfig.resolved): its `formats` are
+    what the planned linears run, its precisions and budget what the planner works with."""
+    te: Any = None
+    """The TE backend's start-up (snip_megatron.megatron.te_run.TERun: GPU, installed TE), else None."""
+
+    @property
+    def sm(self) -> Optional[int]:
+        """The GPU's compute capability (TE backend), else None."""
+        return None if self.te is None else self.te.sm
 
 
 def check_run(args) -> Optional[CheckedRun]:
-    """The run's resolved SnipConfig and, for the TE backend, the GPU's compute capability (None
-    when SNIP is off), after refusing every Megatron setting it cannot honour and, on Transformer
-    Engine, every format this GPU cannot run as SNIP would measure it; raises ValueError listing
-    them all, each with its flag and fix. Needs only Megatron's parsed arguments (and, for TE,
-    the GPU)."""
+    """The run's resolved SnipConfig and, for the TE backend, the GPU's compute capability and the
+    installed TE's own answers (None when SNIP is off), after refusing every Megatron setting it
+    cannot honour and, on Transformer Engine, every format this GPU and this TE cannot run as SNIP
+    would measure it; raises ValueError listing them all, each with its flag and fix. Needs only
+    Megatron's parsed arguments (and, for TE, the GPU)."""
     from snip_megatron.megatron.args import named_as_flags
 
     snip = snip_config_from_args(args)
@@ -244,23 +259,21 @@ def check_run(args) -> Optional[CheckedRun]:
                          "and configs, as Megatron's load_quantization_recipe reads)")
     backend = resolve_backend(args)
     refused = refusals(args, snip, backend)
-    sm = None
-    if backend == "te" and not refused:
-        from snip_megatron.te import gpu
-
+    te = None
+    if not refused:
         try:
-            sm = gpu.current_sm()
-            snip = snip.resolved("te", sm=sm)
+            if backend == "te":
+                from snip_megatron.megatron.te_run import resolve_for_te
+
+                te = resolve_for_te(snip)
+                snip = te.config
+            else:
+                snip = snip.resolved("emulated")
         except ValueError as e:
             refused.append(named_as_flags(str(e)))
     if refused:
         raise ValueError("this Megatron-LM run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))
-    return CheckedRun(snip, sm)
-
-
-def startup_line(snip: SnipConfig, sm: Optional[int]) -> str:
-    """What each planned precision runs on this GPU and the plan budget, in one line (TE backend)."""
-    return f"[snip] {snip.what_runs(sm)}"
+    return CheckedRun(snip, te)
 
 
 def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
@@ -272,12 +285,13 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     checked = check_run(args)
     if checked is None:
         return None
-    snip, sm = checked
+    snip, sm = checked.config, checked.sm
     backend = resolve_backend(args)
     transformer = model_cfg.transformer
     user_recipe = transformer.quant_recipe
     check_user_recipe(user_recipe, args.num_layers, "--te-precision-config-file")
-    run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer),
+    excluded = te_shape_exclusions(snip, args) if backend == "te" else None
+    run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer, excluded=excluded),
                   backend=backend, sm=sm, num_layers=args.num_layers, seq_length=args.seq_length,
                   micro_batch_size=args.micro_batch_size, user_recipe=user_recipe)
     run.resume(read_state(args))
@@ -288,7 +302,11 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     _print_rank_0(f"[snip] on; backend {backend}; formats {snip.formats.short_str()}; plan: "
                   f"{getattr(run.controller, 'plan_source', '?')} {plan.counts()}")
     if backend == "te":
-        _print_rank_0(startup_line(snip, sm))
+        from snip_megatron.megatron.te_run import startup_lines
+        from snip_megatron.te.shapes import describe_exclusions
+
+        for line in startup_lines(checked.te) + [f"[snip] {d}" for d in describe_exclusions(excluded)]:
+            _print_rank_0(line)
     return run
 
 

@@ -1,25 +1,25 @@
-"""What each GPU generation runs through Transformer Engine 2.14, by compute capability (SM).
+"""What each GPU generation runs through Transformer Engine, by compute capability (SM).
 
 Facts from TE 2.14's `pytorch/quantization.py` support checks and kernels:
 - FP8 tensorwise (Float8CurrentScaling) needs SM89+; blockwise (Float8BlockScaling) SM90+ (and
   CUDA 12.9); on SM100+ blockwise is emulated with MXFP8 GEMMs, which need power-of-two scales;
   MXFP8 needs SM100+ and is not supported on SM120+.
-- NVFP4 kernels need SM100+. Before that, TE's own tests run NVFP4 on SM89+ through a CustomRecipe
-  with its Python reference quantizer (`REFERENCE_NVFP4_FACTORY`): fake-quantized numerics at TE's
-  structure, GEMMs in high precision, no speed-up. Its NVFP4 rounds gradients to nearest.
-- MXFP4 has no TE recipe; the reference quantizer's power-of-two path does not run in 2.14.
+- NVFP4 kernels need SM100+. Before that TE has FP4 only as a Python reference quantizer for its
+  own tests (`custom_recipes`), which SNIP does not use: under Megatron's fused weight-gradient
+  accumulation its GEMM drops the FP4 weight gradients, its cached weight is emptied when saved
+  for backward (pipeline warm-up fails), it runs hundreds of times slower than BF16, and its module
+  moved between TE releases. So SNIP's TE backend plans BF16/FP8 before SM100; FP4 studies there
+  run on SNIP's emulated linears (`--transformer-impl local`), which compute what SNIP measures.
+- MXFP4 has no TE recipe.
 
+The table is what a GPU generation can run; the installed TE's own answers (its version, CUDA and
+cuBLAS checks: `snip_megatron.te.installed.TESupport`) are asked too where TE is installed.
 Pure Python: the capability is a parameter everywhere; `current_sm()` reads this process's GPU.
 """
 
 from __future__ import annotations
 
 from snip_megatron.formats.precision import Precision
-
-REFERENCE_NVFP4_FACTORY = ("transformer_engine.pytorch.custom_recipes.quantization_nvfp4."
-                           "nvfp4_ref_rht_2d_quantizer_factory")
-"""TE's Python NVFP4 quantizer factory (RHT on the wgrad operands, 16x16 weight tiles), the path
-Megatron's `TEQuantizationRecipe.custom_recipe_factory` resolves with `_get_custom_recipe`."""
 
 _GENERATIONS = ((120, "Blackwell (RTX)"), (100, "Blackwell"), (90, "Hopper"), (89, "Ada"), (80, "Ampere"))
 
@@ -38,8 +38,9 @@ def generation(sm: int) -> str:
     return f"SM{sm} ({name})"
 
 
-def fp8_unavailable(recipe: str, sm: int) -> "str | None":
-    """Why TE cannot run FP8 `recipe` on SM`sm`, or None when it can."""
+def fp8_unavailable(recipe: str, sm: int, support=None) -> "str | None":
+    """Why TE cannot run FP8 `recipe` on SM`sm`, or None when it can. `support`: the installed TE's
+    answers (TESupport), asked after the table."""
     check_sm(sm)
     if sm < 89:
         return f"{generation(sm)} has no FP8 tensor cores (TE needs SM89+)"
@@ -47,28 +48,28 @@ def fp8_unavailable(recipe: str, sm: int) -> "str | None":
         return f"TE's blockwise FP8 needs SM90+, this GPU is {generation(sm)}"
     if recipe == "mxfp8" and not 100 <= sm < 120:
         return f"TE's MXFP8 needs SM100-SM119 (Blackwell data-centre GPUs), this GPU is {generation(sm)}"
-    return None
+    return None if support is None else support.recipe_unavailable(recipe)
 
 
-def fp4_route(recipe: str, sm: int) -> str:
-    """How TE runs FP4 `recipe` on SM`sm`: "native" (NVFP4 kernels) or "reference" (a CustomRecipe
-    with TE's Python reference quantizer); ValueError with the fix when it cannot."""
+def fp4_unavailable(recipe: str, sm: int, support=None) -> "str | None":
+    """Why TE cannot run FP4 `recipe` on SM`sm` for SNIP, or None when it runs it on its NVFP4
+    kernels. `support`: the installed TE's answers (TESupport), asked after the table."""
     check_sm(sm)
     if recipe != "nvfp4":
-        raise ValueError(f"fp4_recipe={recipe!r} has no Transformer Engine recipe (TE 2.14 runs NVFP4 "
-                         "only; its reference quantizer's power-of-two (MXFP4) path does not run)")
-    if sm >= 100:
-        return "native"
-    if sm >= 89:
-        return "reference"
-    raise ValueError(f"FP4 through TE needs SM89+ (the reference quantizer, as TE's own tests run it) "
-                     f"or SM100+ (NVFP4 kernels), this GPU is {generation(sm)}")
+        return (f"fp4_recipe={recipe!r} has no Transformer Engine recipe (TE runs NVFP4 only; MXFP4 runs "
+                "in SNIP's emulated linears)")
+    if sm < 100:
+        return (f"TE's NVFP4 kernels need SM100+ (Blackwell), this GPU is {generation(sm)}; before SM100 "
+                "SNIP's TE backend plans BF16 and FP8 (TE's Python reference FP4 quantizer drops FP4 weight "
+                "gradients under fused wgrad accumulation, fails under pipeline warm-up and runs about "
+                "100x slower than BF16)")
+    return None if support is None else support.recipe_unavailable(recipe)
 
 
 def gemm_cost(sm: int) -> dict[Precision, float]:
     """Relative GEMM time per precision on SM`sm` for the planner's speed-up model: FP8 tensor cores
-    run at 2x BF16 (SM89+), NVFP4 kernels at 2x FP8 (SM100+); FP4 through the reference quantizer
-    computes its GEMMs in high precision after a Python quantizer, so it is no faster than BF16."""
+    run at 2x BF16 (SM89+), NVFP4 kernels at 2x FP8 (SM100+). Before SM100 FP4 is never planned on
+    TE (`fp4_unavailable`); its entry there, no faster than BF16, only completes the table."""
     check_sm(sm)
     fp8 = 0.5 if sm >= 89 else 1.0
     fp4 = 0.25 if sm >= 100 else 1.0

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from snip_megatron.formats.precision import Formats, Precision
+from snip_megatron.formats.precision import FP8_RECIPES, Formats, Precision
 from snip_megatron.te import environment as env
 from snip_megatron.te.environment import TESwitches
-from snip_megatron.te.gpu import fp4_route, fp8_unavailable, generation
+from snip_megatron.te.gpu import fp4_unavailable, fp8_unavailable, generation
 
 
 def _field(name: str) -> str:
@@ -23,21 +23,26 @@ def _field(name: str) -> str:
 def te_formats(*, fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4", fp8_format: "str | None" = None,
                fp8_block_scales: "str | None" = None, fp4_gradient_rounding: "str | None" = None,
                sm: int, uses=(Precision.FP8, Precision.FP4), environ: "Mapping[str, str] | None" = None,
-               name_of: Callable[[str], str] = _field) -> Formats:
+               support=None, name_of: Callable[[str], str] = _field) -> Formats:
     """The Formats TE runs for this request on SM`sm`; ValueError (every problem, one per line,
     fields named by `name_of`) when TE cannot run it or would run something else.
 
     uses: the precisions the run may put a linear in (a recipe of an unused precision is not checked).
+    support: the installed TE's own answers (snip_megatron.te.installed.TESupport), asked after the
+    table of GPU generations.
     """
     uses = {Precision.parse(p) for p in uses}
     switches = TESwitches.read(environ)
     problems: list[str] = []
     block_scales = "fp32" if fp8_block_scales is None else fp8_block_scales
     if Precision.FP8 in uses:
-        reason = fp8_unavailable(fp8_recipe, sm)
+        reason = fp8_unavailable(fp8_recipe, sm, support)
         if reason:
-            problems.append(f"{name_of('fp8_recipe')}={fp8_recipe!r}: {reason}; choose another FP8 recipe, "
-                            f"or drop fp8 from {name_of('precisions')}")
+            others = [r for r in FP8_RECIPES if r != fp8_recipe and fp8_unavailable(r, sm, support) is None]
+            choose = (f"choose {name_of('fp8_recipe')} {' or '.join(others)}" if others
+                      else "no FP8 recipe runs here")
+            problems.append(f"{name_of('fp8_recipe')}={fp8_recipe!r}: {reason}; {choose}, or drop fp8 from "
+                            f"{name_of('precisions')}")
         if fp8_recipe == "blockwise":
             block_scales = _blockwise_scales(fp8_block_scales, switches, sm, name_of, problems)
         if fp8_recipe == "tensorwise" and switches.fp8_current_pow2_scales:
@@ -45,8 +50,8 @@ def te_formats(*, fp8_recipe: str = "blockwise", fp4_recipe: str = "nvfp4", fp8_
                             "which SNIP does not emulate; unset it")
     gradient_rounding = fp4_gradient_rounding
     if Precision.FP4 in uses:
-        gradient_rounding = _fp4_gradient_rounding(fp4_recipe, fp4_gradient_rounding, switches, sm, name_of,
-                                                   problems)
+        gradient_rounding = _fp4_gradient_rounding(fp4_recipe, fp4_gradient_rounding, switches, sm, support,
+                                                   name_of, problems)
     if problems:
         raise ValueError(f"{generation(sm)} with Transformer Engine cannot run these formats:\n  - "
                          + "\n  - ".join(problems))
@@ -68,22 +73,15 @@ def _blockwise_scales(asked, switches: TESwitches, sm: int, name_of, problems: l
     return runs
 
 
-def _fp4_gradient_rounding(recipe: str, asked, switches: TESwitches, sm: int, name_of, problems: list):
-    try:
-        route = fp4_route(recipe, sm)
-    except ValueError as e:
-        fix = ("use fp4_recipe nvfp4, or SNIP's emulated linears (--transformer-impl local) for MXFP4"
-               if recipe != "nvfp4" else "use SNIP's emulated linears (--transformer-impl local)")
-        problems.append(f"{name_of('fp4_recipe')}={recipe!r}: {e}; {fix} (or drop fp4 from "
-                        f"{name_of('precisions')})")
+def _fp4_gradient_rounding(recipe: str, asked, switches: TESwitches, sm: int, support, name_of, problems: list):
+    reason = fp4_unavailable(recipe, sm, support)
+    if reason:
+        problems.append(f"{name_of('fp4_recipe')}={recipe!r}: {reason}. With TE's linears here, drop fp4 from "
+                        f"{name_of('precisions')} and every FP4 setting ({name_of('fp4_budget')}, "
+                        f"{name_of('fp4_recipe')}, {name_of('fp4_gradient_rounding')}); FP4 runs on SNIP's "
+                        "emulated linears (--transformer-impl local), which compute exactly what SNIP measures "
+                        "on any GPU")
         return asked
-    if route == "reference":
-        if asked == "stochastic":
-            problems.append(f"{name_of('fp4_gradient_rounding')}='stochastic': TE's reference NVFP4 quantizer, "
-                            f"which runs FP4 on {generation(sm)}, rounds gradients to nearest (stochastic "
-                            f"rounding needs TE's NVFP4 kernels, SM100+); leave "
-                            f"{name_of('fp4_gradient_rounding')} unset or 'nearest'")
-        return "nearest"
     for on, name, what in ((switches.nvfp4_disable_rht, env.NVFP4_DISABLE_RHT, "the wgrad Hadamard transform"),
                            (switches.nvfp4_disable_2d, env.NVFP4_DISABLE_2D, "16x16 weight tiles")):
         if on:
@@ -99,19 +97,16 @@ def _fp4_gradient_rounding(recipe: str, asked, switches: TESwitches, sm: int, na
 
 
 def what_runs(formats: Formats, sm: int, uses=(Precision.FP8, Precision.FP4)) -> str:
-    """One line: what each planned precision runs on SM`sm`, e.g. "SM90 (Hopper): FP8 blockwise
-    (e4m3, pow2 scales) on TE kernels; FP4 nvfp4 (nearest gradient rounding) through TE's Python
-    reference quantizer (accuracy only, no speed-up)"."""
+    """One line: what each planned precision runs on SM`sm`, e.g. "SM100 (Blackwell): FP8 blockwise
+    (e4m3, pow2 scales) on TE kernels via MXFP8 GEMMs; FP4 nvfp4 (stochastic gradient rounding) on
+    TE's NVFP4 kernels"."""
     uses = {Precision.parse(p) for p in uses}
     parts = []
     if Precision.FP8 in uses:
         via = " via MXFP8 GEMMs" if formats.fp8_recipe == "blockwise" and sm >= 100 else ""
         parts.append(f"FP8 {formats.describe('fp8')} on TE kernels{via}")
     if Precision.FP4 in uses:
-        route = fp4_route(formats.fp4_recipe, sm)
-        how = ("on TE's NVFP4 kernels" if route == "native"
-               else "through TE's Python reference quantizer (accuracy only, no speed-up)")
-        parts.append(f"FP4 {formats.describe('fp4')} {how}")
+        parts.append(f"FP4 {formats.describe('fp4')} on TE's NVFP4 kernels")
     if not parts:
         parts.append("BF16 only")
     return f"{generation(sm)}: " + "; ".join(parts)

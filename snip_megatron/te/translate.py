@@ -3,15 +3,15 @@
 Pure Python: no Transformer Engine needed, so it is tested on CPU. The TE dicts are what
 Megatron's `TEQuantizationParams.parse_from_config` accepts (megatron-core 0.16.1 and 0.19.2), and
 everything in them comes from the run's one `Formats` value: the FP8 recipe and element format,
-and for FP4 either TE's NVFP4 recipe (SM100+) or a custom recipe naming TE's reference quantizer
-factory (before SM100). The scale switches TE reads from its environment are checked at start-up
+and for FP4 TE's NVFP4 recipe (SM100+ only: before that TE has no FP4 SNIP plans, see te.gpu). The
+scale switches TE reads from its environment are checked at start-up
 (snip_megatron.te.resolve), not here.
 """
 
 from __future__ import annotations
 
 from snip_megatron.formats.precision import Formats, Precision
-from snip_megatron.te.gpu import REFERENCE_NVFP4_FACTORY, fp4_route, fp8_unavailable
+from snip_megatron.te.gpu import fp4_unavailable, fp8_unavailable
 from snip_megatron.te.options import TEOptions
 
 TE_CONFIG_TYPE_KEY = "transformer_engine_config_type"
@@ -37,11 +37,10 @@ def te_recipe(precision: "Precision | str", *, formats: Formats, sm: int,
         recipe["fp8_format"] = formats.effective_fp8_format
         recipe["tp_only_amax_red"] = options.tp_only_amax_red
     elif p is Precision.FP4:
-        if fp4_route(formats.fp4_recipe, sm) == "native":
-            recipe["fp4_quantization_recipe"] = formats.fp4_recipe
-        else:  # Megatron builds CustomRecipe(qfactory=<this function>) per forward
-            recipe["fp4_quantization_recipe"] = "custom"
-            recipe["custom_recipe_factory"] = REFERENCE_NVFP4_FACTORY
+        reason = fp4_unavailable(formats.fp4_recipe, sm)
+        if reason:
+            raise ValueError(f"FP4 {formats.fp4_recipe}: {reason}")
+        recipe["fp4_quantization_recipe"] = formats.fp4_recipe
     # BF16: neither recipe set -> Megatron opens fp8_autocast(enabled=False), forcing high precision.
     return recipe
 

@@ -51,7 +51,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict, dict]:
     return p, train, data
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, str | None]:
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, "str | None", "object | None"]:
+    """(TrainConfig, the resolved SnipConfig, the run folder, the TE start-up (TERun) or None)."""
     parser, train_dests, data_dests = build_parser()
     args = parser.parse_args(argv)
     data_values = values_of(args, data_dests)
@@ -59,29 +60,42 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, 
     snip = snip_config_from_args(args)
     values = values_of(args, train_dests)
     values["eval_interval"] = values["eval_interval"] or None  # --eval-interval 0: no validation
-    if snip.enabled and values["backend"] == "te":  # the formats TE runs on this GPU, checked now
+    te = None
+    if snip.enabled and values["backend"] == "te":  # what this GPU and its TE run, checked now
         from snip_megatron.megatron.args import named_as_flags
-        from snip_megatron.te import gpu
+        from snip_megatron.megatron.te_run import resolve_for_te
 
         try:
-            snip = snip.resolved("te", sm=gpu.current_sm())
+            te = resolve_for_te(snip)
         except ValueError as e:
             parser.error(named_as_flags(str(e)))
+        snip = te.config
+    elif snip.enabled:
+        snip = snip.resolved("emulated")
     train = TrainConfig(model=args.model, data=DataConfig(**data_values), formats=snip.formats, **values)
     run_dir = args.run_dir or (str(Path(train.metrics_path).parent) if train.metrics_path else None)
-    return train, snip, run_dir
+    return train, snip, run_dir, te
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, snip, run_dir = parse_args(argv)
+    config, snip, run_dir, te = parse_args(argv)
     hooks = []
-    if snip.enabled and config.backend == "te":
-        from snip_megatron.te import gpu
+    if te is not None:
+        from snip_megatron.megatron.te_run import startup_lines
 
-        print(f"[snip] {snip.what_runs(gpu.current_sm())}", flush=True)
+        for line in startup_lines(te):
+            print(line, flush=True)
     if snip.enabled:
+        excluded = None
+        if te is not None:  # the linears TE cannot run in FP8/FP4 for their shapes: never planned there
+            from snip_megatron.te.shapes import describe_exclusions, te_exclusions
+
+            excluded = te_exclusions(config.shape, snip.formats, snip.uses, tp=config.tp,
+                                     micro_batch_size=config.micro_batch_size)
+            for line in describe_exclusions(excluded):
+                print(f"[snip] {line}", flush=True)
         hooks.append(SnipController(snip, config.shape, total_steps=config.steps, run_dir=run_dir,
-                                    tokens_per_step=config.micro_batch_size * config.seq_len))
+                                    tokens_per_step=config.micro_batch_size * config.seq_len, excluded=excluded))
     trainer = Trainer(config, hooks=hooks)
     history = trainer.fit()
     if trainer.is_reporter:

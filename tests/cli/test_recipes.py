@@ -74,7 +74,9 @@ def test_every_recipe_of_the_other_groups_composes(group):
 def test_snip_recipes():
     assert not compose_recipe(["snip=off"]).snip.enabled
     default = compose_recipe([]).snip.snip_config()
-    assert default.enabled and default.fp4_budget == 0.75 and default.measures
+    # The plan's precisions and budget follow the GPU (unset): the paper's where FP4 runs.
+    assert default.enabled and default.measures and (default.precisions, default.fp4_budget) == (None, None)
+    assert default.resolved().fp4_budget == 0.75 and default.resolved("te", sm=90).fp8_budget == 0.9
     aggressive = compose_recipe(["snip=aggressive"]).snip
     assert aggressive.fp4_budget == 0.9 and "bf16" in aggressive.precisions
     for name in BASELINES:
@@ -196,7 +198,7 @@ def test_compact_loop_parses_its_arguments():
     from snip_megatron.train.__main__ import parse_args
 
     args = compact_args(compose_recipe(["parallel=dp2", "train.steps=120", "snip.fp4_budget=0.8"]))
-    config, snip, _ = parse_args(args)
+    config, snip, _, _ = parse_args(args)
     assert (config.steps, config.global_batch_size, config.distributed_optimizer) == (120, 8, True)
     assert snip.enabled and snip.fp4_budget == 0.8 and config.formats == snip.formats
     recipe = compose_recipe(["parallel=dp2", "train.steps=120"])

@@ -132,3 +132,24 @@ def test_objective_from_costs_and_bad_inputs():
         baseline_plan("random", KEYS, FLOPS, 0.5, high="fp4")
     with pytest.raises(ValueError, match="rho"):
         baseline_plan("random", KEYS, FLOPS, 1.5)
+
+
+@pytest.mark.parametrize("name", RULES)
+@pytest.mark.parametrize("budget", ["fp8_fraction", "speedup"])
+def test_rules_refuse_a_budget_other_than_the_fp4_fraction(name, budget):
+    # rho is an FP4 fraction: an FP8 (or speed-up) run must not get an FP4 plan from it.
+    with pytest.raises(ValueError, match=rf"baseline '{name}' is a rule for an FP4 budget.*budget='{budget}'"):
+        baseline_plan(name, KEYS, FLOPS, 0.9, rel_error=REL, budget=budget)
+
+
+def test_uniform_baselines_run_under_any_budget():
+    r = baseline_plan("uniform_fp8", KEYS, FLOPS, None, budget="fp8_fraction")  # no FP4 budget to give
+    assert set(r.plan.values()) == {P.FP8}
+    assert r.achieved.fp8_fraction == 1.0 and r.achieved.fp4_fraction == 0.0
+    assert baseline_plan("uniform_bf16", KEYS, FLOPS, 0.9, budget="fp8_fraction").achieved.fp8_fraction == 0.0
+    with pytest.raises(ValueError, match="budget='fp8'"):
+        baseline_plan("uniform_fp8", KEYS, FLOPS, 0.9, budget="fp8")
+    with pytest.raises(ValueError, match="rho=None"):
+        baseline_plan("random", KEYS, FLOPS, None)
+    # The default is the FP4 budget: the rules run as before.
+    assert baseline_plan("random", KEYS, FLOPS, 0.5).achieved.fp4_fraction >= 0.5 - 1e-9

@@ -49,7 +49,12 @@ CASES = [  # (seed, layers, allowed, budget, target, pipeline stages, switch pen
     (7, 24, THREE, "speedup", 2.0, 3, 0.02, 3),
     (8, 32, TWO, "fp4_fraction", 0.75, 1, 0.1, 0),
     (9, 40, THREE, "speedup", 3.3, 1, 0.0, 2),
+    (10, 8, (P.BF16, P.FP8), "fp8_fraction", 0.8, 2, 0.0, 1),
+    (11, 16, THREE, "fp8_fraction", 0.9, 1, 0.05, 2),
+    (12, 24, (P.BF16, P.FP8), "fp8_fraction", 0.7, 3, 0.02, 0),
+    (13, 40, (P.BF16, P.FP8), "fp8_fraction", 0.95, 1, 0.0, 3),
 ]
+TARGET_FIELD = {"fp4_fraction": "rho", "fp8_fraction": "rho", "speedup": "speedup"}
 
 
 @pytest.mark.parametrize("seed,layers,allowed,budget,target,pp,penalty,pins", CASES)
@@ -59,8 +64,7 @@ def test_counted_model_matches_the_exact_dp(seed, layers, allowed, budget, targe
     stages = {k: (k.layer - 1) * pp // layers for k in keys} if pp > 1 else None
     previous = {k: allowed[int(rng.integers(len(allowed)))] for k in keys} if penalty else None
     pinned = {keys[int(i)]: P.FP8 for i in rng.choice(len(keys), size=pins, replace=False)}
-    kw = {"rho": target} if budget == "fp4_fraction" else {"speedup": target}
-    config = PlannerConfig(budget=budget, allowed=allowed, switch_penalty=penalty, **kw)
+    config = PlannerConfig(budget=budget, allowed=allowed, switch_penalty=penalty, **{TARGET_FIELD[budget]: target})
     args = dict(previous=previous, stages=stages, pinned=pinned)
 
     counted = solve_plan(costs, flops, config, **args)
@@ -76,6 +80,8 @@ def test_counted_model_matches_the_exact_dp(seed, layers, allowed, budget, targe
     for r in [counted.achieved, *counted.per_stage.values()]:
         if budget == "fp4_fraction":
             assert r.fp4_fraction >= target - 1e-9
+        elif budget == "fp8_fraction":
+            assert r.fp8_fraction >= target - 1e-9
         else:
             assert r.speedup >= target * (1 - 1e-9)
 

@@ -41,9 +41,10 @@ def brute_force(keys, flops, costs, allowed, stages, budget, target, pinned=None
     for g in set(stage.values()):
         rows = [i for i, k in enumerate(keys) if stage[k] == g]
         total = sum(flops[keys[i]] for i in rows)
-        if budget == "fp4_fraction":
-            fp4 = sum(np.array([flops[keys[i]] * (p is P.FP4) for p in options[i]])[combos[i]] for i in rows)
-            ok &= fp4 >= target * total * (1 - 1e-9)
+        if budget in ("fp4_fraction", "fp8_fraction"):
+            counted = (P.FP4,) if budget == "fp4_fraction" else (P.FP8, P.FP4)
+            low = sum(np.array([flops[keys[i]] * (p in counted) for p in options[i]])[combos[i]] for i in rows)
+            ok &= low >= target * total * (1 - 1e-9)
         else:
             time = sum(np.array([flops[keys[i]] * GEMM[p] for p in options[i]])[combos[i]] for i in rows)
             ok &= total / time >= target * (1 - 1e-9)
@@ -59,7 +60,12 @@ CASES = [  # (seed, linears, precisions, budget, target, per-stage)
     (5, 12, (P.BF16, P.FP8, P.FP4), "speedup", 3.0, False),
     (6, 11, (P.BF16, P.FP8, P.FP4), "speedup", 2.0, True),
     (7, 12, (P.FP8, P.FP4), "fp4_fraction", 0.35, False),
+    (8, 10, (P.BF16, P.FP8), "fp8_fraction", 0.7, True),
+    (9, 12, (P.BF16, P.FP8), "fp8_fraction", 0.9, False),
+    (10, 11, (P.BF16, P.FP8, P.FP4), "fp8_fraction", 0.6, True),
+    (11, 12, (P.BF16, P.FP8, P.FP4), "fp8_fraction", 0.85, False),
 ]
+TARGET_FIELD = {"fp4_fraction": "rho", "fp8_fraction": "rho", "speedup": "speedup"}
 
 
 @pytest.mark.parametrize("seed,n,allowed,budget,target,per_stage", CASES)
@@ -67,8 +73,7 @@ def test_ilp_exact_and_brute_force_agree(seed, n, allowed, budget, target, per_s
     rng = np.random.default_rng(seed)
     keys, flops, costs = random_instance(rng, n, allowed)
     stages = {k: (k.layer - 1) % 2 for k in keys} if per_stage else None
-    kw = {"rho": target} if budget == "fp4_fraction" else {"speedup": target}
-    config = PlannerConfig(budget=budget, allowed=allowed, **kw)
+    config = PlannerConfig(budget=budget, allowed=allowed, **{TARGET_FIELD[budget]: target})
     truth = brute_force(keys, flops, costs, allowed, stages, budget, target)
     ilp = solve_plan(costs, flops, config, stages=stages)
     exact = solve_plan(costs, flops, replace(config, solver="exact"), stages=stages)
@@ -80,6 +85,9 @@ def test_ilp_exact_and_brute_force_agree(seed, n, allowed, budget, target, per_s
         if budget == "fp4_fraction":
             assert r.achieved.fp4_fraction >= target - 1e-9
             assert all(a.fp4_fraction >= target - 1e-9 for a in r.per_stage.values())
+        elif budget == "fp8_fraction":
+            assert r.achieved.fp8_fraction >= target - 1e-9
+            assert all(a.fp8_fraction >= target - 1e-9 for a in r.per_stage.values())
         else:
             assert r.achieved.speedup >= target * (1 - 1e-9)
             assert all(a.speedup >= target * (1 - 1e-9) for a in r.per_stage.values())

@@ -62,9 +62,12 @@ def te_gpu(monkeypatch):
     """Transformer Engine "installed" on a GPU of a given generation (its capability patched where
     SNIP reads it), TE's environment switches unset."""
     from snip_megatron.pretrain import setup
-    from snip_megatron.te import gpu
+    from snip_megatron.te import gpu, installed
 
     monkeypatch.setattr(setup, "te_available", lambda: True)
+    ok = installed.Availability(True)
+    monkeypatch.setattr(installed, "read_te_support", lambda: installed.TESupport(
+        version="2.14.0", fp8=ok, fp8_block_scaling=ok, mxfp8=ok, nvfp4=ok))
     for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING",
                  "NVTE_NVFP4_DISABLE_RHT", "NVTE_NVFP4_DISABLE_2D_QUANTIZATION",
                  "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"):
@@ -88,14 +91,21 @@ def test_switching_and_overlap_features_are_refused_on_the_te_backend_too(te_gpu
 
 
 @pytest.mark.parametrize("argv, sm, env, words", [
-    (["--snip-fp4-recipe", "mxfp4"], 90, {}, r"--snip-fp4-recipe='mxfp4': fp4_recipe='mxfp4' has no Transformer "
-                                             r"Engine recipe .*use fp4_recipe nvfp4, or SNIP's emulated linears"),
+    (["--snip-fp4-recipe", "mxfp4"], 100, {}, r"--snip-fp4-recipe='mxfp4': fp4_recipe='mxfp4' has no Transformer "
+                                              r"Engine recipe .*FP4 runs on SNIP's emulated linears"),
+    (["--snip-fp4-recipe", "mxfp4"], 90, {}, r"--snip-fp4-recipe='mxfp4'"),
+    (["--snip-fp4-budget", "0.75"], 90, {}, r"--snip-fp4-recipe='nvfp4': TE's NVFP4 kernels need SM100\+ "
+                                            r".Blackwell., this GPU is SM90 .Hopper.; before SM100 SNIP's TE backend "
+                                            r"plans BF16 and FP8 .* drop fp4 from --snip-precisions and every FP4 "
+                                            r"setting .--snip-fp4-budget"),
+    (["--snip-precisions", "fp8,fp4"], 90, {}, r"NVFP4 kernels need SM100"),
     (["--snip-fp8-recipe", "mxfp8"], 90, {}, r"--snip-fp8-recipe='mxfp8': TE's MXFP8 needs SM100"),
-    (["--snip-fp4-gradient-rounding", "stochastic"], 90, {}, "rounds gradients to nearest"),
+    (["--snip-fp4-gradient-rounding", "stochastic"], 90, {}, "NVFP4 kernels need SM100"),
     (["--snip-fp8-block-scales", "fp32"], 90, {}, "set NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 where TE is imported"),
     ([], 100, {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}, "need power-of-two scales; unset"),
     ([], 100, {"NVTE_NVFP4_DISABLE_RHT": "1"}, "NVTE_NVFP4_DISABLE_RHT=1 turns off"),
     (["--snip-budget", "speedup", "--snip-speedup", "2.5"], 90, {}, r"--snip-speedup=2.5 cannot be reached"),
+    (["--snip-fp8-budget", "0.8", "--snip-fp4-budget", "0.5"], 100, {}, "set --snip-budget to fp4_fraction"),
     ([], 80, {}, "has no FP8 tensor cores"),
 ])
 def test_what_the_gpu_cannot_run_is_refused_with_the_flag_and_fix(te_gpu, monkeypatch, argv, sm, env, words):
@@ -109,25 +119,31 @@ def test_what_the_gpu_cannot_run_is_refused_with_the_flag_and_fix(te_gpu, monkey
 
 def test_what_each_generation_runs_by_default(te_gpu):
     from snip_megatron.formats.precision import Formats
-    from snip_megatron.pretrain.setup import startup_line
+    from snip_megatron.megatron.te_run import startup_lines
 
     args = megatron_args("--transformer-impl", "transformer_engine", "--snip")
     te_gpu(90)
     hopper = check_run(args)
-    assert hopper.sm == 90 and hopper.config.formats == Formats(fp8_block_scales="pow2",
-                                                                 fp4_gradient_rounding="nearest")
-    assert startup_line(*hopper).startswith("[snip] SM90 (Hopper): FP8 blockwise (e4m3, pow2 scales) on TE "
-                                            "kernels; FP4 nvfp4 (nearest gradient rounding) through TE's Python "
-                                            "reference quantizer (accuracy only, no speed-up); plan budget")
+    assert hopper.sm == 90 and hopper.config.formats == Formats(fp8_block_scales="pow2")
+    assert (hopper.config.precisions, hopper.config.budget, hopper.config.fp8_budget) == \
+        (["bf16", "fp8"], "fp8_fraction", 0.9)
+    assert startup_lines(hopper.te)[:2] == [
+        "[snip] SM90 (Hopper): FP8 blockwise (e4m3, pow2 scales) on TE kernels; plan budget >= 90% of linear "
+        "FLOPs in FP8, from bf16,fp8 (GEMM cost bf16=1,fp8=0.5)", "[snip] Transformer Engine 2.14.0"]
     te_gpu(100)
-    assert check_run(args).config.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")
-    # Hopper's speed question: BF16 vs FP8 under the modelled speed-up, no FP4 at all.
+    blackwell = check_run(args)
+    assert blackwell.config.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")
+    assert (blackwell.config.precisions, blackwell.config.budget) == (["fp8", "fp4"], "fp4_fraction")
+    # Hopper's speed question, the flags of earlier releases: BF16 vs FP8 under the modelled speed-up.
+    te_gpu(90)
     fast = check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", "--snip-precisions",
                                    "bf16,fp8", "--snip-budget", "speedup", "--snip-speedup", "1.6"))
     assert fast.config.planner_config().budget == "speedup"
-    assert "FP4" not in startup_line(*fast) and "modelled linear-GEMM speed-up >= 1.6x" in startup_line(*fast)
-    # The emulated backend keeps the recipes' own variants (the CPU benchmarks' numerics).
-    assert check_run(megatron_args("--snip")).config.formats == Formats()
+    line = startup_lines(fast.te)[0]
+    assert "FP4" not in line and "modelled linear-GEMM speed-up >= 1.6x" in line
+    # The emulated backend plans FP4 on any GPU, with the recipes' own variants (the CPU benchmarks' numerics).
+    emulated = check_run(megatron_args("--snip")).config
+    assert emulated.formats == Formats() and emulated.precisions == ["fp8", "fp4"]
 
 
 def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():

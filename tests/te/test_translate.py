@@ -11,9 +11,9 @@ import pytest
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.formats.precision import Formats, Precision
-from snip_megatron.te import (REFERENCE_NVFP4_FACTORY, TEOptions, check_transformer_config, emulated_params,
-                              fp4_route, gemm_cost, generation, precision_of_te_params, te_config_dict,
-                              te_formats, te_params, te_unavailable, what_runs)
+from snip_megatron.te import (TEOptions, check_transformer_config, emulated_params, fp4_unavailable, gemm_cost,
+                              generation, precision_of_te_params, te_config_dict, te_formats, te_params,
+                              te_unavailable, what_runs)
 
 # Imports without TE installed (its TE-only names are absent); the parser and autocast logic are here.
 import megatron.core.extensions.transformer_engine as te_ext  # noqa: E402
@@ -37,7 +37,6 @@ def parse(config: dict):
     (B200, "fp8", Formats(fp8_recipe="mxfp8"), "mxfp8", "e4m3", None),
     (B200, "fp8", DEFAULT, "blockwise", "e4m3", None),
     (B200, "fp4", DEFAULT, None, "e4m3", "nvfp4"),
-    (H100, "fp4", DEFAULT, None, "e4m3", "custom"),
     (H100, "bf16", DEFAULT, None, "e4m3", None),
     (B200, "bf16", DEFAULT, None, "e4m3", None),
     (89, "fp8", Formats(fp8_recipe="tensorwise"), "tensorwise", "hybrid", None),
@@ -47,21 +46,24 @@ def test_megatron_parses_each_translation(sm, precision, formats, fp8, fp8_forma
     recipe = params.training_recipe
     assert recipe.fp8_quantization_recipe == fp8 and recipe.fp4_quantization_recipe == fp4
     assert recipe.fp8_format == fp8_format  # Megatron's default e4m3 where no FP8 is set
-    assert recipe.custom_recipe_factory == (REFERENCE_NVFP4_FACTORY if fp4 == "custom" else None)
+    assert recipe.custom_recipe_factory is None  # never TE's Python reference quantizer
     assert recipe.override_quantized_autocast and recipe.override_nonquantized_autocast
     assert params.evaluation_recipe is None
     assert precision_of_te_params(params) is Precision.parse(precision)
     assert precision_of_te_params(te_params(precision, formats=formats, sm=sm)) is Precision.parse(precision)
 
 
-def test_the_reference_factory_is_tes_own_path():
-    assert REFERENCE_NVFP4_FACTORY == ("transformer_engine.pytorch.custom_recipes.quantization_nvfp4."
-                                       "nvfp4_ref_rht_2d_quantizer_factory")
+def test_hopper_has_no_te_fp4_dict():
+    """Before SM100 SNIP's TE backend has no FP4: no dict names TE's reference quantizer."""
+    with pytest.raises(ValueError, match=r"FP4 nvfp4: TE's NVFP4 kernels need SM100\+"):
+        te_params("fp4", formats=DEFAULT, sm=H100)
+    assert "fp4" not in te_config_dict(formats=DEFAULT, sm=H100)
+    assert "plans BF16 and FP8" in te_unavailable(formats=DEFAULT, sm=H100)["fp4"]
 
 
 @pytest.mark.parametrize("global_quantized", [False, True])
-@pytest.mark.parametrize("precision", list(Precision))
-@pytest.mark.parametrize("sm", [H100, B200])
+@pytest.mark.parametrize("sm, precision", [(sm, p) for sm in (H100, B200) for p in Precision
+                                            if (sm, p) != (H100, Precision.FP4)])
 def test_module_runs_its_precision_whether_or_not_global_fp8_is_on(precision, global_quantized, sm):
     params = parse(te_params(precision, formats=DEFAULT, sm=sm))
     quantized = te_ext._get_should_context_be_quantized_params(params, True, global_quantized)
@@ -108,14 +110,13 @@ def test_autocast_opened_for_each_translation(monkeypatch, global_on, sm, precis
 
 
 def test_what_each_generation_runs_and_refuses():
-    assert fp4_route("nvfp4", B200) == "native" and fp4_route("nvfp4", H100) == "reference"
-    assert fp4_route("nvfp4", 89) == "reference"
-    with pytest.raises(ValueError, match="needs SM89"):
-        fp4_route("nvfp4", 80)
-    with pytest.raises(ValueError, match="'mxfp4' has no Transformer Engine recipe"):
-        fp4_route("mxfp4", B200)
-    assert set(te_config_dict(formats=DEFAULT, sm=H100)) == {"bf16", "fp8", "fp4"}
-    assert te_unavailable(formats=DEFAULT, sm=H100) == {}
+    assert fp4_unavailable("nvfp4", B200) is None and fp4_unavailable("nvfp4", 120) is None
+    for sm in (H100, 89, 80):
+        assert "NVFP4 kernels need SM100+" in fp4_unavailable("nvfp4", sm)
+    assert "'mxfp4' has no Transformer Engine recipe" in fp4_unavailable("mxfp4", B200)
+    assert set(te_config_dict(formats=DEFAULT, sm=H100)) == {"bf16", "fp8"}
+    assert set(te_config_dict(formats=DEFAULT, sm=B200)) == {"bf16", "fp8", "fp4"}
+    assert set(te_unavailable(formats=DEFAULT, sm=H100)) == {"fp4"} and te_unavailable(formats=DEFAULT, sm=B200) == {}
     mx = Formats(fp8_recipe="mxfp8", fp4_recipe="mxfp4")
     missing = te_unavailable(formats=mx, sm=H100)
     assert set(missing) == {"fp8", "fp4"} and "MXFP8 needs SM100" in missing["fp8"]
@@ -130,7 +131,7 @@ def test_what_each_generation_runs_and_refuses():
 
 
 def test_gemm_cost_says_what_the_gpu_runs():
-    assert gemm_cost(H100) == {Precision.BF16: 1.0, Precision.FP8: 0.5, Precision.FP4: 1.0}
+    assert gemm_cost(H100) == {Precision.BF16: 1.0, Precision.FP8: 0.5, Precision.FP4: 1.0}  # FP4: never planned
     assert gemm_cost(B200) == {Precision.BF16: 1.0, Precision.FP8: 0.5, Precision.FP4: 0.25}
 
 
@@ -140,21 +141,21 @@ FP32_SCALES = {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
 
 @pytest.mark.parametrize("sm, request_, environ, want", [
     # Unset variants follow TE: power-of-two block scales unless the switch is 1.
-    (H100, {}, NO_ENV, Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")),
-    (H100, {}, FP32_SCALES, Formats(fp8_block_scales="fp32", fp4_gradient_rounding="nearest")),
+    (H100, {}, NO_ENV, Formats(fp8_block_scales="pow2")),
+    (H100, {}, FP32_SCALES, Formats(fp8_block_scales="fp32")),
     (B200, {}, NO_ENV, Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")),
     (B200, {}, {"NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING": "1"},
      Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")),
     (B200, {"fp8_block_scales": "pow2", "fp4_gradient_rounding": "stochastic"}, NO_ENV,
      Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")),
-    (H100, {"fp8_block_scales": "fp32", "fp4_gradient_rounding": "nearest"}, FP32_SCALES,
-     Formats(fp8_block_scales="fp32", fp4_gradient_rounding="nearest")),
+    (H100, {"fp8_block_scales": "fp32"}, FP32_SCALES, Formats(fp8_block_scales="fp32")),
     (H100, {"fp8_recipe": "tensorwise", "fp8_format": "e4m3"}, NO_ENV,
-     Formats(fp8_recipe="tensorwise", fp8_format="e4m3", fp4_gradient_rounding="nearest")),
+     Formats(fp8_recipe="tensorwise", fp8_format="e4m3")),
     (B200, {"fp8_recipe": "mxfp8"}, FP32_SCALES, Formats(fp8_recipe="mxfp8", fp4_gradient_rounding="stochastic")),
 ])
 def test_te_formats_follow_what_te_runs(sm, request_, environ, want):
-    assert te_formats(sm=sm, environ=environ, **request_) == want
+    uses = ("bf16", "fp8") if sm < 100 else ("fp8", "fp4")  # no FP4 on Hopper's TE backend
+    assert te_formats(sm=sm, environ=environ, uses=uses, **request_) == want
 
 
 @pytest.mark.parametrize("sm, request_, environ, uses, words", [
@@ -163,8 +164,8 @@ def test_te_formats_follow_what_te_runs(sm, request_, environ, want):
      "set NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"),
     (H100, {"fp8_block_scales": "pow2"}, FP32_SCALES, None, "unset NVTE_FP8_BLOCK_SCALING_FP32_SCALES"),
     (B200, {}, FP32_SCALES, None, "emulates blockwise FP8 with MXFP8 GEMMs, which need power-of-two scales"),
-    (H100, {"fp4_gradient_rounding": "stochastic"}, NO_ENV, None,
-     "reference NVFP4 quantizer, which runs FP4 on SM90 .Hopper., rounds gradients to nearest"),
+    (H100, {}, NO_ENV, None, "fp4_recipe='nvfp4': TE's NVFP4 kernels need SM100.* drop fp4 from precisions.*"
+     r"FP4 runs on SNIP's emulated linears \(--transformer-impl local\)"),
     (B200, {"fp4_gradient_rounding": "nearest"}, NO_ENV, None,
      "set NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1"),
     (B200, {}, {"NVTE_NVFP4_DISABLE_RHT": "1"}, None, "NVTE_NVFP4_DISABLE_RHT=1 turns off NVFP4's"),
@@ -173,10 +174,14 @@ def test_te_formats_follow_what_te_runs(sm, request_, environ, want):
      "tensorwise FP8 power-of-two scales"),
     (H100, {"fp8_recipe": "mxfp8"}, NO_ENV, None, "fp8_recipe='mxfp8': TE's MXFP8 needs SM100"),
     (B200, {"fp4_recipe": "mxfp4"}, NO_ENV, None, "fp4_recipe='mxfp4': .* no Transformer Engine recipe"),
-    (80, {}, NO_ENV, ("fp4",), "FP4 through TE needs SM89"),
+    (80, {}, NO_ENV, ("fp4",), "NVFP4 kernels need SM100"),
+    (80, {}, NO_ENV, ("fp8",), r"no FP8 tensor cores .TE needs SM89\+.; no FP8 recipe runs here"),
+    (89, {}, NO_ENV, ("fp8",), "blockwise FP8 needs SM90.*; choose fp8_recipe tensorwise"),
 ])
 def test_te_formats_refuse_what_te_would_not_run_with_the_fix(sm, request_, environ, uses, words):
-    kwargs = {} if uses is None else {"uses": uses}
+    kwargs = {"uses": ("bf16", "fp8") if sm < 100 else ("fp8", "fp4")} if uses is None else {"uses": uses}
+    if "fp4" in words or "NVFP4" in words:
+        kwargs = {} if uses is None else kwargs
     with pytest.raises(ValueError, match=words):
         te_formats(sm=sm, environ=environ, **request_, **kwargs)
 
@@ -191,10 +196,7 @@ def test_an_unused_precision_is_not_checked():
 
 
 def test_the_start_up_line_says_what_runs():
-    hopper = te_formats(sm=H100, environ=NO_ENV)
-    assert what_runs(hopper, H100) == (
-        "SM90 (Hopper): FP8 blockwise (e4m3, pow2 scales) on TE kernels; FP4 nvfp4 (nearest gradient "
-        "rounding) through TE's Python reference quantizer (accuracy only, no speed-up)")
+    hopper = te_formats(sm=H100, environ=NO_ENV, uses=("bf16", "fp8"))
     assert what_runs(hopper, H100, uses=("bf16", "fp8")) == \
         "SM90 (Hopper): FP8 blockwise (e4m3, pow2 scales) on TE kernels"
     assert what_runs(te_formats(sm=B200, environ=NO_ENV), B200) == (
@@ -206,15 +208,25 @@ def test_snipconfig_resolved_for_te_per_generation(monkeypatch):
     for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
         monkeypatch.delenv(name, raising=False)
     snip = SnipConfig(enabled=True)
-    assert snip.resolved("emulated") is snip and snip.formats == Formats()
+    emulated = snip.resolved("emulated")
+    assert (emulated.precisions, emulated.budget, emulated.fp4_budget) == (["fp8", "fp4"], "fp4_fraction", 0.75)
+    assert emulated.formats == Formats() and emulated.resolved("emulated") == emulated
+    # Hopper: --snip alone plans BF16/FP8 under an FP8 budget; FP4 is never asked of TE there.
     hopper = snip.resolved("te", sm=H100)
-    assert hopper.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")
-    assert hopper.gemm_cost == "bf16=1,fp8=0.5,fp4=1" and hopper.planner_config().gemm_costs()[Precision.FP4] == 1
+    assert (hopper.precisions, hopper.budget, hopper.fp8_budget, hopper.fp4_budget) == \
+        (["bf16", "fp8"], "fp8_fraction", 0.9, None)
+    assert hopper.formats == Formats(fp8_block_scales="pow2") and hopper.uses == (Precision.BF16, Precision.FP8)
+    assert hopper.planner_config().budget == "fp8_fraction" and hopper.planner_config().fraction == 0.9
+    assert hopper.measure_config().precisions == ("fp8",)
+    assert hopper.budget_str() == ("plan budget >= 90% of linear FLOPs in FP8, from bf16,fp8 "
+                                   "(GEMM cost bf16=1,fp8=0.5)")
+    assert SnipConfig(enabled=True, fp8_budget=0.6).resolved("te", sm=H100).planner_config().fraction == 0.6
     blackwell = snip.resolved("te", sm=B200)
+    assert (blackwell.precisions, blackwell.budget) == (["fp8", "fp4"], "fp4_fraction")
     assert blackwell.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="stochastic")
     assert blackwell.gemm_cost == "bf16=1,fp8=0.5,fp4=0.25"
     # The one Formats value: its spec is what the estimator measures, its TE dict what TE runs.
-    assert hopper.measure_config().formats == hopper.formats
+    assert blackwell.measure_config().formats == blackwell.formats
     # A cost model the user gives is kept.
     assert SnipConfig(enabled=True, gemm_cost="bf16=1,fp8=0.6,fp4=0.3").resolved("te", sm=H100).gemm_cost == \
         "bf16=1,fp8=0.6,fp4=0.3"
@@ -222,12 +234,19 @@ def test_snipconfig_resolved_for_te_per_generation(monkeypatch):
         SnipConfig(enabled=True, fp8_block_scales="fp32").resolved("te", sm=H100)
     with pytest.raises(ValueError, match="SnipConfig.fp4_recipe='mxfp4'"):
         SnipConfig(enabled=True, fp4_recipe="mxfp4").resolved("te", sm=B200)
-    # bf16 vs fp8 for speed on Hopper: FP4 and its recipe do not matter.
-    fast = SnipConfig(enabled=True, precisions="bf16,fp8", budget="speedup", speedup=1.8, fp4_recipe="mxfp4",
+    # Any FP4 request on Hopper's TE backend is refused with the fix, whichever setting makes it.
+    for asked in (dict(fp4_budget=0.75), dict(precisions="fp8,fp4"), dict(budget="fp4_fraction"),
+                  dict(fp4_recipe="mxfp4"), dict(fp4_gradient_rounding="nearest"), dict(initial_precision="fp4",
+                                                                                      precisions="bf16,fp8,fp4")):
+        with pytest.raises(ValueError, match=r"SnipConfig.fp4_recipe='\w+': .*SNIP's emulated linears"):
+            SnipConfig(enabled=True, **asked).resolved("te", sm=H100)
+        assert "fp4" in SnipConfig(enabled=True, **asked).resolved("emulated").precisions
+    # bf16 vs fp8 for speed on Hopper, the flags of earlier releases: still what they were.
+    fast = SnipConfig(enabled=True, precisions="bf16,fp8", budget="speedup", speedup=1.8,
                       initial_precision="fp8").resolved("te", sm=H100)
     assert fast.planner_config().budget == "speedup" and fast.planner_config().speedup == 1.8
     with pytest.raises(ValueError, match=r"SnipConfig.speedup=2.5 cannot be reached: .* gives 2.00x"):
-        SnipConfig(enabled=True, precisions="fp8,fp4", budget="speedup", speedup=2.5).resolved("te", sm=H100)
+        SnipConfig(enabled=True, precisions="bf16,fp8", budget="speedup", speedup=2.5).resolved("te", sm=H100)
     assert SnipConfig(enabled=True, precisions="fp8,fp4", budget="speedup", speedup=2.5).resolved(
         "te", sm=B200).gemm_cost.endswith("fp4=0.25")
 

@@ -31,7 +31,7 @@ def test_te_backend_formats_are_resolved_for_the_gpu_or_refused(monkeypatch, cap
     import pytest
 
     from snip_megatron.formats.precision import Formats
-    from snip_megatron.te import gpu
+    from snip_megatron.te import gpu, installed
     from snip_megatron.train.__main__ import parse_args
 
     for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
@@ -40,11 +40,17 @@ def test_te_backend_formats_are_resolved_for_the_gpu_or_refused(monkeypatch, cap
         parse_args(["--backend", "te", "--snip"])  # this machine has no GPU
     assert "the TE backend needs a CUDA GPU" in capsys.readouterr().err
     monkeypatch.setattr(gpu, "current_sm", lambda: 90)
-    train, snip, _ = parse_args(["--backend", "te", "--snip"])
-    assert train.formats == snip.formats == Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")
-    assert snip.gemm_cost == "bf16=1,fp8=0.5,fp4=1"
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "te", "--snip"])  # a GPU, but no Transformer Engine here
+    assert "Transformer Engine cannot be imported" in capsys.readouterr().err
+    ok = installed.Availability(True)
+    monkeypatch.setattr(installed, "read_te_support", lambda: installed.TESupport(
+        version="2.14.0", fp8=ok, fp8_block_scaling=ok, mxfp8=ok, nvfp4=ok))
+    train, snip, _, te = parse_args(["--backend", "te", "--snip"])
+    assert train.formats == snip.formats == Formats(fp8_block_scales="pow2") and te.sm == 90
+    assert (snip.precisions, snip.budget, snip.gemm_cost) == (["bf16", "fp8"], "fp8_fraction", "bf16=1,fp8=0.5,fp4=1")
     with pytest.raises(SystemExit):
         parse_args(["--backend", "te", "--snip", "--snip-fp4-recipe", "mxfp4"])
     assert "--snip-fp4-recipe='mxfp4'" in capsys.readouterr().err
-    train, _, _ = parse_args(["--snip"])  # the emulated backend: the recipes' own variants
-    assert train.formats == Formats()
+    train, snip, _, te = parse_args(["--snip"])  # the emulated backend: the recipes' own variants, FP4
+    assert train.formats == Formats() and snip.precisions == ["fp8", "fp4"] and te is None

@@ -1,0 +1,90 @@
+"""Which planned linears Transformer Engine cannot run in FP8 or FP4 because of their shapes.
+
+TE 2.14 asserts, at every FP8/FP4 forward of a linear, that the input and the weight have a
+product of leading dims divisible by 8 and a last dim divisible by 16 (`pytorch/utils.py`
+assert_dim_for_fp8_exec, called by `module/linear.py` and `layernorm_linear.py` on the local
+input and weight); its MXFP8 and NVFP4 tensors need both dims divisible by their block, 32 and 16
+(`tensor/mxfp8_tensor.py`, `tensor/nvfp4_tensor.py`). A linear that breaks one would crash at its
+first forward in that precision, so SNIP keeps it out of that precision from the start (the
+planner never chooses it) and says so at start-up.
+
+Pure Python: shapes are a rank's local ones, from the model shape and the parallel layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snip_megatron.formats.precision import Formats, Precision
+from snip_megatron.plan import LayerKey, all_keys
+from snip_megatron.shapes import ModelShape
+
+FP8_EXEC_ALIGN = (8, 16)
+"""(leading dims, last dim) every FP8/FP4 GEMM operand of a TE linear must divide by."""
+RECIPE_ALIGN = {"mxfp8": (32, 32), "nvfp4": (16, 16)}
+"""Stricter (leading, last) alignments of the block-scaled recipes' quantized tensors."""
+COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+"""Column-parallel linears: their input is sequence-sharded under sequence parallelism (TE checks
+the local input, before its all-gather); row-parallel ones get the whole sequence."""
+
+
+@dataclass(frozen=True)
+class LocalGemm:
+    """One rank's view of a planned linear: its weight and the input TE checks."""
+
+    out_features: int
+    in_features: int
+    tokens: int
+    """Leading dims of the input TE checks (sequence x micro-batch, local)."""
+
+
+def local_gemms(shape: ModelShape, *, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
+                micro_batch_size: int = 1) -> dict[str, LocalGemm]:
+    """{linear name: its LocalGemm} on one rank of a TP=`tp`, CP=`cp` layout."""
+    tokens = shape.seq_length // cp * micro_batch_size
+    out = {}
+    for name, (o, i) in shape.linear_shapes().items():
+        column = name in COLUMN_PARALLEL
+        local_tokens = tokens // tp if column and sequence_parallel and tp > 1 else tokens
+        out[name] = LocalGemm(out_features=o // tp if column else o, in_features=i if column else i // tp,
+                              tokens=local_tokens)
+    return out
+
+
+def shape_problem(recipe: str, gemm: LocalGemm) -> "str | None":
+    """Why TE cannot run `recipe` (blockwise, tensorwise, mxfp8, nvfp4) on `gemm`, or None."""
+    lead, last = FP8_EXEC_ALIGN
+    rlead, rlast = RECIPE_ALIGN.get(recipe, FP8_EXEC_ALIGN)
+    lead, last = max(lead, rlead), max(last, rlast)
+    bad = []
+    for what, rows, cols in (("weight", gemm.out_features, gemm.in_features),
+                             ("input", gemm.tokens, gemm.in_features)):
+        if rows % lead or cols % last:
+            bad.append(f"{what} {rows}x{cols}")
+    if not bad:
+        return None
+    return (f"TE's {recipe} needs every operand's leading dims divisible by {lead} and last dim by {last}; "
+            f"this rank's {' and '.join(bad)} are not")
+
+
+def te_exclusions(shape: ModelShape, formats: Formats, uses, **layout) -> dict[LayerKey, dict[Precision, str]]:
+    """{LayerKey: {precision: why}} of the planned linears TE cannot run in a precision of `uses`
+    (FP8 and FP4 in `formats`) on a rank of `layout` (local_gemms' arguments); absent: runs all."""
+    gemms = local_gemms(shape, **layout)
+    recipes = {Precision.FP8: formats.fp8_recipe, Precision.FP4: formats.fp4_recipe}
+    by_name = {}
+    for name, gemm in gemms.items():
+        reasons = {p: problem for p in (Precision.parse(u) for u in uses) if p in recipes
+                   if (problem := shape_problem(recipes[p], gemm)) is not None}
+        if reasons:
+            by_name[name] = reasons
+    return {key: dict(by_name[key.name]) for key in all_keys(shape.num_layers) if key.name in by_name}
+
+
+def describe_exclusions(excluded: dict[LayerKey, dict[Precision, str]]) -> list[str]:
+    """One line per linear kind and precision (every layer has the same shapes)."""
+    seen: dict[tuple[str, Precision], str] = {}
+    for key, reasons in excluded.items():
+        for p, why in reasons.items():
+            seen.setdefault((key.name, p), why)
+    return [f"{name} kept out of {p.value.upper()} in every layer: {why}" for (name, p), why in seen.items()]
