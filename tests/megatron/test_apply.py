@@ -351,5 +351,8 @@ def test_gpu_check_script_logic_on_cpu(megatron_single, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0, lines
     assert lines[-1].startswith("RESULT device=cpu world=1 linears=16 replanned=4 max_rel_err=0.00e+00")
+    assert " fp4_recipes=nvfp4,mxfp4 trained=16/16 fused_wgrad=0 step_x=fp8:" in lines[-1]
     assert lines[-1].endswith("ok=1")
     assert any("only they changed output" in line for line in lines)
+    assert any(line.startswith("plan B, fp4 mxfp4: cpu vs CPU") for line in lines)  # FP4 in both recipes
+    assert any(line.startswith("step 1: 16/16 planned linears moved") for line in lines)
