@@ -1,15 +1,21 @@
-"""Checks of the TE test double on its own (no Megatron): recipes, autocast rules, numerics, refusals.
+"""Checks of the TE test double on its own: recipes, autocast rules, numerics, refusals, and TE's
+run-time state (weight workspaces, fused weight-gradient accumulation, the reference NVFP4 tensor
+emptied when saved, shape and bias rules, CUDA / cuBLAS gates, version metadata).
 
     PYTHONPATH=<repo>:<repo>/tests/te_double python tests/te/double_checks.py --out FILE
 
-Run with the NVTE_* recipe variables unset (TE's defaults). tests/te/test_te_double.py runs it in a
-subprocess and asserts every check passed.
+Run with the NVTE_* recipe variables and TE_DOUBLE_* unset (TE's defaults, SM100, CUDA 13.0).
+tests/te/test_te_double.py runs it in a subprocess and asserts every check passed. Two checks start
+their own subprocesses: another TE version (a dist-info from te_versions.py) and the apex double
+under Megatron's local linear.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import subprocess
 import sys
 import warnings
 
@@ -18,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_runner import run_checks  # noqa: E402
+from te_versions import ROOT, double_pythonpath, te_version_folder  # noqa: E402
 
 S, B, K, M = 32, 2, 64, 96  # tokens x batch x in-features -> out-features
 
@@ -68,19 +75,23 @@ def _emulated(x, w, gy, fmt, generator_state=None):
 
 
 @contextlib.contextmanager
-def _capability(text: str):
-    """The double's GPU (TE_DOUBLE_COMPUTE_CAPABILITY) for the block's duration."""
-    from transformer_engine.pytorch.utils import CAPABILITY_VARIABLE
-
-    old = os.environ.get(CAPABILITY_VARIABLE)
-    os.environ[CAPABILITY_VARIABLE] = text
+def _environ(**values):
+    """Environment variables for the block's duration (the double re-reads its GPU and CUDA)."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ[CAPABILITY_VARIABLE]
-        else:
-            os.environ[CAPABILITY_VARIABLE] = old
+        for name, value in old.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+
+
+def _capability(text: str):
+    """The double's GPU (TE_DOUBLE_COMPUTE_CAPABILITY) for the block's duration."""
+    return _environ(TE_DOUBLE_COMPUTE_CAPABILITY=text)
 
 
 def _fp32_block_scaling():
@@ -351,7 +362,9 @@ def check_unemulated_variants_are_recorded_and_refused():
 
 
 def check_gpu_capability_checks_follow_te():
-    """TE 2.14's support checks at autocast entry and its kernels' checks, on the double's GPU."""
+    """TE 2.14's support checks at autocast entry (check_recipe_support's RuntimeError, then
+    autocast_enter's asserts: NVFP4 on Hopper is an AssertionError with TE's reason, and the
+    double's autocast leaves no state behind) and its kernels' checks, on the double's GPU."""
     from transformer_engine.common.recipe import (CustomRecipe, Float8BlockScaling, MXFP8BlockScaling,
                                                   NVFP4BlockScaling)
     from transformer_engine.pytorch import quantization as q
@@ -370,7 +383,9 @@ def check_gpu_capability_checks_follow_te():
     with _capability("9.0"):
         assert q.is_fp8_available() and q.is_fp8_block_scaling_available() and not q.is_nvfp4_available()
         assert "10.0 or higher required for MXFP8" in fails(MXFP8BlockScaling(), RuntimeError)
-        assert "NVFP4 kernels need compute capability 10.0" in fails(NVFP4BlockScaling(), RuntimeError)
+        assert fails(NVFP4BlockScaling(), AssertionError) == \
+            "Device compute capability 10.0 or higher required for NVFP4 execution."
+        assert not q.FP8GlobalStateManager.is_fp8_enabled() and q.FP8GlobalStateManager.AUTOCAST_DEPTH == 0
         _run(_linear(w), x, gy, lambda: te_autocast(Float8BlockScaling()))  # pow2 runs on Hopper
         _run(_linear(w), x, gy, lambda: te_autocast(_fp32_block_scaling()))  # and FP32
         _run(_linear(w), x, gy, lambda: te_autocast(CustomRecipe(qfactory=nvfp4_ref_rht_2d_quantizer_factory)))
@@ -393,7 +408,7 @@ def check_unmodelled_features_are_refused():
     attempts = {
         "weight storage": lambda: _build_in(te.quantized_model_init(enabled=True)),
         "fp8_model_init": lambda: _build_in(te.fp8_model_init(enabled=True)),
-        "fuse_wgrad_accumulation": lambda: te.Linear(8, 8, fuse_wgrad_accumulation=True),
+        "delay_wgrad_compute": lambda: te.Linear(8, 8, delay_wgrad_compute=True),
         "ub_overlap_ag": lambda: te.LayerNormLinear(8, 8, ub_overlap_ag=True),
         "GroupedLinear": lambda: te.GroupedLinear(2, 8, 8),
         "Sequential": lambda: ops.Sequential(),
@@ -570,6 +585,434 @@ def check_rng_tracker():
     except KeyError:
         return
     raise AssertionError("fork of an unknown state was accepted")
+
+
+# --- TE's run-time state -------------------------------------------------------------------
+
+
+def _step(layer, x, gy, recipe=None, backward=True, **forward_kwargs):
+    """(y, dX) of one forward of `layer` (under `recipe`'s autocast, or in high precision) and,
+    unless backward=False, its backward; with backward=False the output, still attached."""
+    import transformer_engine.pytorch as te
+
+    x = x.clone().requires_grad_()
+    context = contextlib.nullcontext() if recipe is None else te.autocast(enabled=True, recipe=recipe)
+    with context:
+        y = layer(x, **forward_kwargs)
+    y = y[0] if isinstance(y, tuple) else y
+    if not backward:
+        return y
+    y.backward(gy)
+    return y.detach(), x.grad
+
+
+def _set_weight(layer, w):
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    layer.weight.grad = None
+
+
+def _expect(error, run, words: str) -> str:
+    """The message of the `error` that `run()` raises; it must contain `words`."""
+    try:
+        run()
+    except error as e:
+        assert words in str(e), (words, str(e))
+        return str(e)
+    raise AssertionError(f"no {error.__name__} ({words})")
+
+
+def check_weight_workspace_follows_is_first_microbatch():
+    """TE's cached quantized weight (linear.py:253-281, base.py:1395-1522): is_first_microbatch=True
+    creates it, then re-quantizes it from the live weight; False reuses it as it was (stale after a
+    weight change); None bypasses the cache. The fprop and dgrad GEMMs read it, the weight gradient
+    reaches the live weight. LayerNormLinear keeps it the same way."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    x, w1, gy = _data(6)
+    w2, w3 = w1.flip(0), 0.5 * w1
+    recipe = Float8BlockScaling()
+    layer = _linear(w1)
+    for first, weight, how, computed_on in ((True, w1, "created", w1), (False, w2, "reused", w1),
+                                            (True, w2, "refreshed", w2), (None, w3, "none", w3),
+                                            (False, w3, "reused", w2)):
+        _set_weight(layer, weight)
+        got = _step(layer, x, gy, recipe, is_first_microbatch=first) + (layer.weight.grad,)
+        assert layer.last_run.weight_workspace == how, (first, layer.last_run)
+        assert _equal(got, _emulated(x, computed_on, gy, "blockwise")), (first, how)
+        if computed_on is not weight:  # not vacuous: the live weight would give another output
+            assert not torch.equal(got[0], _emulated(x, weight, gy, "blockwise")[0])
+    assert torch.equal(layer._fp8_workspaces["weight"].values, w2)
+    norm_linear = te.LayerNormLinear(K, M, bias=False, normalization="RMSNorm")
+    hows = []
+    for first in (True, False, True, None, False):
+        _step(norm_linear, x, gy, recipe, is_first_microbatch=first)
+        hows.append(norm_linear.last_run.weight_workspace)
+    assert hows == ["created", "reused", "refreshed", "none", "reused"], hows
+    _step(norm_linear, x, gy, is_first_microbatch=True)  # high precision: no workspace
+    assert norm_linear.last_run.weight_workspace == "none" and not norm_linear.last_run.quantized
+
+
+def check_workspaces_cleared_on_recipe_class_change_only():
+    """TE 2.14 init_fp8_metadata: a recipe class change clears the workspaces (base.py:1060-1070); a
+    same-class recipe and a high-precision forward in between keep them (a stale cached weight
+    survives both). A workspace made without column-wise data (no grad) is made again when a
+    forward needs it for MXFP8 (base.py:1453-1477), not for blockwise FP8."""
+    from transformer_engine.common.recipe import Float8BlockScaling, Format, MXFP8BlockScaling
+
+    x, w1, gy = _data(7)
+    w2 = w1.flip(1)
+    layer = _linear(w1)
+    _step(layer, x, gy, Float8BlockScaling(), is_first_microbatch=True)
+    _set_weight(layer, w2)
+    _step(layer, x, gy, None, is_first_microbatch=False)  # BF16 forward in between
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "Recipe type changed"
+        got = _step(layer, x, gy, Float8BlockScaling(fp8_format=Format.HYBRID), is_first_microbatch=False)
+    assert layer.last_run.weight_workspace == "reused"
+    assert _equal(got, _emulated(x, w1, gy, "blockwise")[:2])  # the quantizers and the weight of step 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _step(layer, x, gy, _recipes()["tensorwise"], is_first_microbatch=False)
+    assert any("Recipe type changed" in str(c.message) for c in caught)
+    assert layer.last_run.weight_workspace == "created" and _equal(got, _emulated(x, w2, gy, "tensorwise")[:2])
+    for recipe, how in ((MXFP8BlockScaling(), "created"), (Float8BlockScaling(), "reused")):
+        layer = _linear(w1)
+        with torch.no_grad():
+            _step(layer, x, gy, recipe, backward=False, is_first_microbatch=True)
+        assert layer._fp8_workspaces["weight"].columnwise is False
+        _set_weight(layer, w2)
+        _step(layer, x, gy, recipe, is_first_microbatch=False)
+        assert layer.last_run.weight_workspace == how, (recipe, layer.last_run)
+
+
+def _fused(w, **kwargs):
+    layer = _linear(w, fuse_wgrad_accumulation=True, **kwargs)
+    layer.weight.main_grad = torch.full(layer.weight.shape, 7.0, dtype=torch.float32)
+    layer.weight.grad_added_to_main_grad = False
+    return layer
+
+
+def check_fused_wgrad_accumulates_into_main_grad():
+    """fuse_wgrad_accumulation=True (linear.py:832-867, 943-964): the wgrad GEMM writes main_grad in
+    FP32, overwriting it when is_first_microbatch is True or the weight has overwrite_main_grad,
+    adding otherwise; with grad_added_to_main_grad on the weight (Megatron's DDP) TE sets it and
+    returns its dummy wgrad (zeros under zero_out_wgrad), without it None. Built-in recipe and high
+    precision alike; LayerNormLinear reads overwrite_main_grad on its weight operand (in FP8 the
+    workspace, so it accumulates)."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    batches = [_data(seed) for seed in (8, 9, 10, 11, 12)]
+    w = batches[0][1]
+    for recipe in (Float8BlockScaling(), None):
+        layer = _fused(w)
+        weight = layer.weight
+        expected = None
+        for n, ((x, _, gy), first) in enumerate(zip(batches, (True, False, None, False, False))):
+            if n == 3:
+                weight.zero_out_wgrad = True
+            if n == 4:
+                del weight.grad_added_to_main_grad
+            weight.grad = None
+            _step(layer, x, gy, recipe, is_first_microbatch=first)
+            dw = (_emulated(x, w, gy, "blockwise")[2] if recipe is not None
+                  else gy.reshape(-1, M).t() @ x.reshape(-1, K))
+            expected = dw if first else expected + dw
+            assert torch.equal(weight.main_grad, expected), (recipe, n)
+            if n < 4:
+                assert weight.grad_added_to_main_grad and weight.grad.shape == weight.shape
+                assert weight.grad.dtype == weight.dtype
+            if n == 3:
+                assert not weight.grad.any()  # zero_out_wgrad: TE's dummy, zeroed
+            if n == 4:
+                assert weight.grad is None  # fused, and no grad_added_to_main_grad: wgrad None
+        weight.overwrite_main_grad = True
+        x, _, gy = batches[1]
+        _step(layer, x, gy, recipe, is_first_microbatch=False)
+        assert torch.equal(weight.main_grad, _emulated(x, w, gy, "blockwise")[2] if recipe is not None
+                           else gy.reshape(-1, M).t() @ x.reshape(-1, K))
+    # high precision with BF16 weights: dW reaches main_grad in FP32, not rounded to BF16 first
+    x, _, gy = batches[2]
+    layer = _fused(w.bfloat16(), params_dtype=torch.bfloat16)
+    _step(layer, x.bfloat16(), gy.bfloat16(), None, is_first_microbatch=True)
+    assert torch.equal(layer.weight.main_grad, gy.bfloat16().float().reshape(-1, M).t()
+                       @ x.bfloat16().float().reshape(-1, K))
+    # LayerNormLinear with overwrite_main_grad: FP8 accumulates, high precision overwrites
+    for recipe, accumulates in ((Float8BlockScaling(), True), (None, False)):
+        twins = [te.LayerNormLinear(K, M, bias=False, normalization="RMSNorm",
+                                    fuse_wgrad_accumulation=fuse) for fuse in (True, False)]
+        twins[1].load_state_dict(twins[0].state_dict())
+        twins[0].weight.main_grad = torch.ones(M, K)
+        twins[0].weight.overwrite_main_grad = True
+        for twin in twins:
+            _step(twin, x, gy, recipe, is_first_microbatch=False)
+        dw = twins[1].weight.grad
+        assert twins[0].weight.grad is None  # no grad_added_to_main_grad attribute: wgrad None
+        assert torch.equal(twins[0].weight.main_grad, 1.0 + dw if accumulates else dw), recipe
+
+
+def check_custom_recipe_gemm_drops_wgrad_under_fusion():
+    """A CustomRecipe's GEMM ignores `out` / `accumulate` (custom_recipes/gemm.py:19-31, 137-148):
+    with TE's reference NVFP4 factory and fuse_wgrad_accumulation=True the weight gradient is
+    computed and dropped, main_grad stays as it was, and TE still reports it added (dummy wgrad,
+    grad_added_to_main_grad). Without fusion the weight gradient arrives."""
+    from transformer_engine.common.recipe import CustomRecipe
+    from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import nvfp4_ref_rht_2d_quantizer_factory
+
+    x, w, gy = _data(13)
+    nearest = _formats("fp4", fp4_gradient_rounding="nearest")
+    recipe = CustomRecipe(qfactory=nvfp4_ref_rht_2d_quantizer_factory)
+    with _capability("9.0"):
+        layer = _fused(w)
+        for first in (True, False):
+            got = _step(layer, x, gy, recipe, is_first_microbatch=first)
+            assert _equal(got, _emulated(x, w, gy, nearest)[:2])  # forward and dgrad as usual
+            assert torch.equal(layer.weight.main_grad, torch.full((M, K), 7.0))
+            assert layer.weight.grad_added_to_main_grad and layer.weight.grad.shape == (M, K)
+        plain = _linear(w)
+        _step(plain, x, gy, recipe, is_first_microbatch=True)
+        assert torch.equal(plain.weight.grad, _emulated(x, w, gy, nearest)[2])
+
+
+def check_reference_workspace_is_emptied_until_its_backward():
+    """TE's reference NVFP4 tensor is emptied when a forward saves it (quantization_nvfp4.py:237-246)
+    and refilled by that forward's backward: a second forward reusing the cached one before the
+    first backward (pipeline warm-up) raises TE's RuntimeError; with is_first_microbatch None or
+    True it passes, as after the backward, under no_grad, or with a frozen weight whose dgrad
+    backward ran. Built-in recipes' workspaces are never emptied."""
+    from transformer_engine.common.recipe import (CustomRecipe, Float8BlockScaling, MXFP8BlockScaling,
+                                                  NVFP4BlockScaling)
+    from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import nvfp4_ref_rht_2d_quantizer_factory
+
+    reference = CustomRecipe(qfactory=nvfp4_ref_rht_2d_quantizer_factory)
+    (x1, w, gy1), (x2, _, gy2) = _data(14), _data(15)
+    nearest = _formats("fp4", fp4_gradient_rounding="nearest")
+    with _capability("9.0"):
+        layer = _linear(w)
+        y1 = _step(layer, x1, gy1, reference, backward=False, is_first_microbatch=True)
+        _expect(RuntimeError, lambda: _step(layer, x2, gy2, reference, is_first_microbatch=False),
+                "Cannot generate FP4 data, even from FP4 data transpose")
+        assert layer.last_run.weight_workspace == "reused"
+        y1.backward(gy1)  # refills the cached tensor
+        got = _step(layer, x2, gy2, reference, is_first_microbatch=False)
+        assert _equal(got, _emulated(x2, w, gy2, nearest)[:2])
+        for second in (None, True):
+            layer = _linear(w)
+            y1 = _step(layer, x1, gy1, reference, backward=False, is_first_microbatch=True)
+            y2 = _step(layer, x2, gy2, reference, backward=False, is_first_microbatch=second)
+            y2.backward(gy2)
+            y1.backward(gy1)
+        layer = _linear(w)
+        with torch.no_grad():  # nothing saved for backward: nothing emptied
+            with te_autocast(reference):
+                layer(x1, is_first_microbatch=True)
+                layer(x2, is_first_microbatch=False)
+        layer.weight.requires_grad_(False)
+        _step(layer, x1, gy1, reference, is_first_microbatch=True)  # dgrad only; still refills
+        _step(layer, x2, gy2, reference, is_first_microbatch=False)
+        for recipe in (Float8BlockScaling(),):
+            layer = _linear(w)
+            ys = [_step(layer, x, gy1, recipe, backward=False, is_first_microbatch=first)
+                  for x, first in ((x1, True), (x2, False))]
+            for y in reversed(ys):
+                y.backward(gy1)
+    for recipe in (MXFP8BlockScaling(), NVFP4BlockScaling()):  # SM100
+        layer = _linear(w)
+        ys = [_step(layer, x, gy1, recipe, backward=False, is_first_microbatch=first)
+              for x, first in ((x1, True), (x2, False))]
+        assert layer.last_run.weight_workspace == "reused"
+        for y in reversed(ys):
+            y.backward(gy1)
+
+
+def check_shape_and_bias_refusals():
+    """TE's refusals of shapes and biases in a quantized linear: its FP8 shape assert on the input
+    and the weight (utils.py:479-489, ValueError), MXFP8's and NVFP4's quantizer dims
+    (csrc/quantizer.cpp, RuntimeError), and the reference NVFP4 GEMM's bias and K % 32 rules and
+    its Hadamard transform's token count (ValueError; fprop checks in forward, dgrad / wgrad in
+    backward). High precision takes every shape."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import (CustomRecipe, Float8BlockScaling, MXFP8BlockScaling,
+                                                  NVFP4BlockScaling)
+    from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import nvfp4_ref_rht_2d_quantizer_factory
+
+    g = torch.Generator().manual_seed(16)
+
+    def attempt(recipe, tokens, k, m, **kwargs):
+        layer = te.Linear(k, m, bias=False, **kwargs) if "bias" not in kwargs else te.Linear(k, m, **kwargs)
+        x = torch.randn(tokens // 2, 2, k, generator=g)
+        gy = torch.randn(tokens // 2, 2, m, generator=g)
+        return layer, lambda: _step(layer, x, gy, recipe)
+
+    fp8 = "FP8 execution requires the product of all dimensions except the last to be divisible by 8"
+    for tokens, k, m in ((12, 64, 96), (64, 24, 96), (64, 64, 12)):  # odd tokens, in-, out-features
+        layer, run = attempt(Float8BlockScaling(), tokens, k, m)
+        message = _expect(ValueError, run, fp8)
+        assert layer.last_run.refused == message and layer.last_run.label == "refused"
+        attempt(None, tokens, k, m)[1]()  # high precision runs
+    assert "dims=[12, 64]" in _expect(ValueError, attempt(Float8BlockScaling(), 64, 64, 12)[1], fp8)
+    assert "dims=[6, 2, 64]" in _expect(ValueError, attempt(Float8BlockScaling(), 12, 64, 96)[1], fp8)
+    _expect(RuntimeError, attempt(MXFP8BlockScaling(), 16, 64, 96)[1],
+            "MXFP8 requires tensor dims that are divisible by 32 (got shape=(8,2,64))")
+    _expect(RuntimeError, attempt(NVFP4BlockScaling(), 64, 64, 24)[1],
+            "First dim for NVFP4 must be divisible by 16 (got shape=(24,64))")
+    reference = CustomRecipe(qfactory=nvfp4_ref_rht_2d_quantizer_factory)
+    with _capability("9.0"):
+        _expect(ValueError, attempt(reference, 64, 64, 96, bias=True)[1],
+                "Bias is not supported in NVFP4QuantizerRef.qgemm")
+        attempt(reference, 64, 64, 96, bias=True, return_bias=True)[1]()  # the bias is not in the GEMM
+        attempt(reference, 64, 64, 96, bias=True, parallel_mode="row")[1]()  # added after the GEMM
+        _expect(ValueError, attempt(reference, 64, 48, 96)[1], "K dimension must be divisible by 32, got K=48")
+        _expect(ValueError, attempt(reference, 40, 64, 96)[1],
+                "Inner dimension 40 must be divisible by hadamard dimension 16")
+        for tokens, m in ((48, 96), (64, 48)):  # wgrad K = tokens, dgrad K = out-features
+            layer, _ = attempt(reference, tokens, 64, m)
+            x = torch.randn(tokens, 64, generator=g, requires_grad=True)
+            with te_autocast(reference):
+                y = layer(x)  # the forward passes
+            _expect(ValueError, lambda: y.backward(torch.randn(tokens, m, generator=g)),
+                    "K dimension must be divisible by 32, got K=48")
+
+
+def check_cuda_and_cublas_gates():
+    """TE 2.14's CUDA-dependent checks (quantization.py:47-87) on the stood-in CUDA: blockwise FP8
+    needs CUDA >= 12.9 (autocast entry raises TE's reason on a CUDA 12.8 Hopper), FP8 on Ada needs
+    cuBLASLt >= 12.1.3 and CUDA >= 12.1; autocast_enter asserts FP8 for every recipe, custom too."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import CustomRecipe, Float8BlockScaling
+    from transformer_engine.pytorch import quantization as q
+    from transformer_engine.pytorch import utils
+    from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import nvfp4_ref_rht_2d_quantizer_factory
+
+    assert utils.cuda_version() == "13.0" and utils.get_cublasLt_version() == 130000  # defaults
+    x, w, gy = _data(17)
+    blockwise = "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
+    with _environ(TE_DOUBLE_COMPUTE_CAPABILITY="9.0", TE_DOUBLE_CUDA_VERSION="12.8"):
+        assert te.is_fp8_block_scaling_available(return_reason=True) == (False, blockwise)
+        assert te.is_fp8_available(return_reason=True) == (True, "")
+        assert _expect(RuntimeError, lambda: _step(_linear(w), x, gy, Float8BlockScaling()), "CUDA") == blockwise
+        assert not q.FP8GlobalStateManager.is_fp8_enabled()
+        _step(_linear(w), x, gy, _recipes()["tensorwise"])  # current scaling runs
+    with _environ(TE_DOUBLE_COMPUTE_CAPABILITY="9.0", TE_DOUBLE_CUDA_VERSION="12.9"):
+        assert te.is_fp8_block_scaling_available()
+    ada_cublas = "CublasLt version 12.1.3.x or higher required for FP8 execution on Ada."
+    with _environ(TE_DOUBLE_COMPUTE_CAPABILITY="8.9", TE_DOUBLE_CUBLASLT_VERSION="120100"):
+        assert te.is_fp8_available(return_reason=True) == (False, ada_cublas)
+        assert _expect(RuntimeError, lambda: _step(_linear(w), x, gy, _recipes()["tensorwise"]),
+                       "CublasLt") == ada_cublas
+        reference = CustomRecipe(qfactory=nvfp4_ref_rht_2d_quantizer_factory)
+        assert _expect(AssertionError, lambda: _step(_linear(w), x, gy, reference), "CublasLt") == ada_cublas
+        assert not q.FP8GlobalStateManager.is_fp8_enabled() and q.FP8GlobalStateManager.AUTOCAST_DEPTH == 0
+    with _environ(TE_DOUBLE_COMPUTE_CAPABILITY="8.9", TE_DOUBLE_CUDA_VERSION="12.0",
+                  TE_DOUBLE_CUBLASLT_VERSION="120103"):
+        assert te.is_fp8_available(return_reason=True) == \
+            (False, "Cuda version 12.1 or higher required for FP8 execution on Ada.")
+    with _environ(TE_DOUBLE_COMPUTE_CAPABILITY="8.9"):  # CUDA 13.0: FP8 runs on Ada
+        assert te.is_fp8_available() and not te.is_fp8_block_scaling_available()
+
+
+def _run_python(code: str, pythonpath: str) -> dict:
+    """Run `code` in a new interpreter over the doubles on `pythonpath`; the JSON it prints last."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NVTE_", "TE_DOUBLE_"))}
+    env.update(PYTHONPATH=pythonpath, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+_VERSION_PROBE = """
+import importlib, importlib.util, json, torch
+import transformer_engine, transformer_engine.pytorch as te
+from megatron.core.utils import get_te_version
+from snip_megatron.megatron import runtime
+from tests.te import te_worker
+from transformer_engine.common.recipe import CustomRecipe
+out = {"version": transformer_engine.__version__, "megatron": str(get_te_version())}
+for name in ("quantization_nvfp4", "quantization_ref_nvfp4", "reference_nvfp4"):
+    path = "transformer_engine.pytorch.custom_recipes." + name
+    try:
+        module = importlib.import_module(path)
+        out[name] = sorted(n for n in vars(module) if n.startswith("nvfp4_ref"))
+    except ModuleNotFoundError as error:
+        out[name] = "ModuleNotFoundError" if importlib.util.find_spec(path) is None else repr(error)
+runtime.initialize_model_parallel(tp=1, pp=1, seed=te_worker.SEED)
+model = te_worker.build_te_gpt()
+batch = te_worker.fixed_batches(num=1)[0]
+loss = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+loss.float().mean().backward()
+out["megatron_layers"] = type(model.decoder.layers[0].self_attention.linear_qkv).__name__
+try:
+    with te.autocast(recipe=CustomRecipe(qfactory=lambda role: None)):
+        te.Linear(64, 64)(torch.randn(32, 64))
+except NotImplementedError as error:
+    out["custom_recipe"] = str(error)
+print(json.dumps(out))
+"""
+
+
+def check_version_folder_sets_version_and_custom_recipes_layout():
+    """A dist-info from te_versions.py before tests/te_double makes the double another TE version
+    (importlib.metadata takes the first distribution on sys.path; Megatron's get_te_version reads
+    it): on 2.16 `custom_recipes.quantization_nvfp4` is gone as in the 2.16 wheel
+    (ModuleNotFoundError) and `quantization_ref_nvfp4` exists; after 2.18 `reference_nvfp4` with
+    `nvfp4_ref_rht_2d_factory`. Megatron still builds and runs its TE layers; a CustomRecipe is
+    refused (TE >= 2.16's QuantizerRole protocol is not modelled)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as parent:
+        for version, present, names in (
+                ("2.16.0", "quantization_ref_nvfp4", ["nvfp4_ref_rht_2d_quantizer_factory"]),
+                ("2.19.0", "reference_nvfp4", ["nvfp4_ref_rht_2d_factory"])):
+            out = _run_python(_VERSION_PROBE, double_pythonpath(te_version=te_version_folder(version, parent)))
+            assert out["version"] == version and out["megatron"] == version, out
+            assert out[present] == names, out
+            assert all(out[name] == "ModuleNotFoundError" for name in
+                       ("quantization_nvfp4", "quantization_ref_nvfp4", "reference_nvfp4") if name != present), out
+            assert out["megatron_layers"] == "TELayerNormColumnParallelLinear", out
+            assert f"CustomRecipe on TE {version}" in out["custom_recipe"], out
+
+
+_APEX_PROBE = """
+import json, torch
+from snip_megatron.megatron import runtime
+runtime.initialize_model_parallel(tp=1, pp=1, seed=1)
+from megatron.core.tensor_parallel import layers
+from megatron.core.transformer.transformer_config import TransformerConfig
+config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                           use_cpu_initialization=True, gradient_accumulation_fusion=True)
+layer = layers.ColumnParallelLinear(16, 32, config=config, init_method=torch.nn.init.xavier_normal_,
+                                    bias=False, gather_output=False)
+weight = layer.weight
+weight.main_grad = torch.zeros(32, 16)
+weight.grad_added_to_main_grad = False
+g, want, before = torch.Generator().manual_seed(0), torch.zeros(32, 16), weight.detach().clone()
+for _ in range(2):
+    x = torch.randn(8, 2, 16, generator=g, requires_grad=True)
+    gy = torch.randn(8, 2, 32, generator=g)
+    layer(x)[0].backward(gy)
+    want += gy.reshape(-1, 32).t() @ x.detach().reshape(-1, 16)
+opt = torch.optim.SGD([weight], lr=0.1)
+weight.grad = weight.main_grad.clone()  # what Megatron's DDP hands its optimizer
+opt.step()
+print(json.dumps({"available": layers._grad_accum_fusion_available,
+                  "max_diff": float((weight.main_grad - want).abs().max()),
+                  "added": weight.grad_added_to_main_grad, "moved": bool((weight != before).all())}))
+"""
+
+
+def check_apex_double_runs_megatrons_fused_wgrad():
+    """tests/apex_double on sys.path: Megatron's ColumnParallelLinear (the GPT output layer) accepts
+    gradient_accumulation_fusion=True and accumulates dW into main_grad in FP32 through
+    fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 (its dummy wgrad comes from the TE double's
+    get_dummy_wgrad; without a TE it would allocate on torch.cuda.current_device())."""
+    out = _run_python(_APEX_PROBE, double_pythonpath(apex=True))
+    assert out["available"] and out["added"] and out["moved"], out
+    assert out["max_diff"] < 1e-5, out
 
 
 if __name__ == "__main__":

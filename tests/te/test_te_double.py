@@ -3,7 +3,10 @@
 The double (tests/te_double, TE 2.14) is importable only in the subprocesses these tests start
 (Megatron caches HAVE_TE at import, so this process and the rest of the suite keep TE absent):
 - double_checks.py:   the double alone (recipes and their variants, the custom-recipe qfactory
-                      protocol, autocast rules, GPU checks, numerics, refusals);
+                      protocol, autocast rules, GPU checks, numerics, refusals) and TE's run-time
+                      state (weight workspaces, fused wgrad accumulation, the reference NVFP4
+                      tensor emptied while saved, shape / bias rules, CUDA gates, other TE
+                      versions via te_versions.py, the apex double under Megatron's local linear);
 - megatron_checks.py: one process, TP=1: import, the TE layer spec, training, the plan through
                       quant_recipe -> finish_init -> per-module autocast, bit-exact numerics, and
                       for SM90 / SM100 and every recipe flag the TE dict against the formats SNIP
@@ -44,6 +47,15 @@ DOUBLE_CHECKS = [
     "check_norm_modules",
     "check_dot_product_attention_gqa_causal",
     "check_rng_tracker",
+    "check_weight_workspace_follows_is_first_microbatch",
+    "check_workspaces_cleared_on_recipe_class_change_only",
+    "check_fused_wgrad_accumulates_into_main_grad",
+    "check_custom_recipe_gemm_drops_wgrad_under_fusion",
+    "check_reference_workspace_is_emptied_until_its_backward",
+    "check_shape_and_bias_refusals",
+    "check_cuda_and_cublas_gates",
+    "check_version_folder_sets_version_and_custom_recipes_layout",
+    "check_apex_double_runs_megatrons_fused_wgrad",
 ]
 MEGATRON_CHECKS = [
     "check_import_sees_te_and_its_version",
@@ -137,6 +149,21 @@ def test_double_is_absent_from_this_process():
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
     assert HAVE_TE is False
+
+
+def test_te_version_folder_holds_only_the_version_metadata(tmp_path):
+    """te_versions.py (used by double_checks' version check, and by tests that need another TE
+    version): one dist-info, placed before tests/te_double on the path it builds."""
+    from email.parser import Parser
+
+    from tests.te.te_versions import double_pythonpath, te_version_folder
+
+    folder = te_version_folder("2.16.0", tmp_path)
+    assert [p.name for p in folder.iterdir()] == ["transformer_engine-2.16.0.dist-info"]
+    meta = Parser().parsestr((folder / "transformer_engine-2.16.0.dist-info" / "METADATA").read_text())
+    assert (meta["Name"], meta["Version"]) == ("transformer-engine", "2.16.0")
+    parts = double_pythonpath(te_version=folder, apex=True).split(os.pathsep)
+    assert parts == [str(ROOT), str(folder), str(ROOT / "tests" / "apex_double"), str(DOUBLE)]
 
 
 @pytest.mark.parametrize("name", DOUBLE_CHECKS)

@@ -1,4 +1,5 @@
-"""Test double of `transformer_engine.pytorch.quantization` (TE 2.14): the global autocast state.
+"""Test double of `transformer_engine.pytorch.quantization` (TE 2.14): the global autocast state and
+TE's hardware support checks.
 
 Follows TE 2.14's `FP8GlobalStateManager`, `autocast` / `fp8_autocast` and `quantized_model_init`
 / `fp8_model_init`:
@@ -7,11 +8,23 @@ Follows TE 2.14's `FP8GlobalStateManager`, `autocast` / `fp8_autocast` and `quan
   restores the saved state on exit, however the block ends;
 - a recipe of None means TE's default recipe for the GPU (MXFP8 on SM100-119, current scaling on
   SM120+, else `DelayedScaling()`, which the double's linears refuse to run);
-- TE's hardware support checks (`check_recipe_support` at autocast entry, `is_*_available`)
-  against the capability of `pytorch/utils.py` (TE_DOUBLE_COMPUTE_CAPABILITY, default 10.0);
+- TE's support checks (quantization.py:47-111) on the stood-in GPU and CUDA of `pytorch/utils.py`
+  (TE_DOUBLE_COMPUTE_CAPABILITY, TE_DOUBLE_CUDA_VERSION, TE_DOUBLE_CUBLASLT_VERSION), re-read on
+  every call where TE caches them: FP8 on SM89+ (on Ada with cuBLASLt >= 12.1.3 and CUDA >= 12.1),
+  blockwise FP8 on SM90+ with CUDA >= 12.9, MXFP8 on SM100-119, NVFP4 on SM100+; `is_*_available
+  (return_reason=...)` answer with TE's reasons;
+- at autocast entry, `check_recipe_support` (RuntimeError: current / delayed scaling, blockwise,
+  MXFP8) and then `autocast_enter`'s asserts (AssertionError: FP8 for every enabled recipe, custom
+  included, then MXFP8 / blockwise / NVFP4 for theirs; quantization.py:588-599);
 - `quantized_model_init(enabled=True)` (FP8/FP4 weight storage) is recorded in the state and
   refused by the double's modules at construction; `enabled=False` is what Megatron opens around
   every TE linear it builds.
+
+Deliberate difference: TE's asserts in `autocast_enter` run after it has set the global state
+and outside `autocast`'s try/finally, so a TE process that catches the AssertionError keeps
+quantization enabled (and AUTOCAST_DEPTH raised); the double's `autocast` restores the state
+before re-raising, so one refused autocast in a test does not leak into the next check.
+`FP8GlobalStateManager.autocast_enter` called directly leaks as TE's does.
 """
 
 from __future__ import annotations
@@ -23,8 +36,8 @@ from typing import Optional, Tuple
 import torch
 
 from transformer_engine.common.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling,
-                                              Format, MXFP8BlockScaling, Recipe)
-from transformer_engine.pytorch.utils import get_device_compute_capability
+                                              Format, MXFP8BlockScaling, NVFP4BlockScaling, Recipe)
+from transformer_engine.pytorch.utils import cuda_version, get_cublasLt_version, get_device_compute_capability
 
 __all__ = [
     "autocast", "quantized_model_init", "is_fp8_available", "is_mxfp8_available",
@@ -33,12 +46,20 @@ __all__ = [
 
 
 def check_fp8_support() -> Tuple[bool, str]:
-    if get_device_compute_capability() >= (8, 9):
+    """TE 2.14 quantization.py:47-58."""
+    if get_device_compute_capability() >= (9, 0):  # hopper and above
         return True, ""
-    return False, "Device compute capability 8.9 or higher required for FP8 execution."
+    if get_device_compute_capability() < (8, 9):  # pre-ada
+        return False, "Device compute capability 8.9 or higher required for FP8 execution."
+    if get_cublasLt_version() < 120103:
+        return False, "CublasLt version 12.1.3.x or higher required for FP8 execution on Ada."
+    if float(cuda_version()) < 12.1:
+        return False, "Cuda version 12.1 or higher required for FP8 execution on Ada."
+    return True, ""
 
 
 def check_mxfp8_support() -> Tuple[bool, str]:
+    """TE 2.14 quantization.py:61-68."""
     if get_device_compute_capability() >= (12, 0):
         return False, "MXFP8 (for all gemm layouts) is not supported on 12.0+ architectures yet."
     if get_device_compute_capability() >= (10, 0):
@@ -47,21 +68,22 @@ def check_mxfp8_support() -> Tuple[bool, str]:
 
 
 def check_nvfp4_support() -> Tuple[bool, str]:
+    """TE 2.14 quantization.py:71-76."""
     if get_device_compute_capability() >= (10, 0):
         return True, ""
     return False, "Device compute capability 10.0 or higher required for NVFP4 execution."
 
 
 def check_fp8_block_scaling_support() -> Tuple[bool, str]:
-    # TE also needs CUDA >= 12.9 here; the double has no CUDA version to check.
-    if get_device_compute_capability() >= (9, 0):
+    """TE 2.14 quantization.py:79-87: SM90+ and CUDA >= 12.9."""
+    if get_device_compute_capability() >= (9, 0) and float(cuda_version()) >= 12.9:
         return True, ""
     return False, "FP8 block scaled GEMM requires compute capability 9.0 or higher and CUDA >= 12.9."
 
 
 def check_recipe_support(recipe: Optional[Recipe]) -> None:
-    """TE 2.14's check at autocast entry (NVFP4 and custom recipes are not checked here; NVFP4's
-    kernels fail later, which the double's modules model)."""
+    """TE 2.14's first check at autocast entry (quantization.py:90-101; NVFP4 and custom recipes
+    are checked by `autocast_enter`'s asserts)."""
     supported, reason = True, ""
     if isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         supported, reason = check_fp8_support()
@@ -206,14 +228,28 @@ class FP8GlobalStateManager:
     def autocast_enter(cls, enabled: bool = False, calibrating: bool = False,
                        fp8_recipe: Optional[Recipe] = None, fp8_group=None,
                        _graph: bool = False) -> None:
+        """TE 2.14 quantization.py:564-599: set the state, then assert the recipe is available."""
+        fp8_recipe = get_default_fp8_recipe() if fp8_recipe is None else fp8_recipe
         cls.FP8_ENABLED = enabled
         cls.FP8_CALIBRATION = calibrating
-        cls.FP8_RECIPE = get_default_fp8_recipe() if fp8_recipe is None else fp8_recipe
+        cls.FP8_RECIPE = fp8_recipe
         cls.FP8_DISTRIBUTED_GROUP = fp8_group
         cls.FP8_GRAPH_CAPTURING = _graph
         if cls.AUTOCAST_DEPTH == 0:
             cls.IS_FIRST_FP8_MODULE = True
         cls.AUTOCAST_DEPTH += 1
+        if enabled:
+            fp8_available, reason_for_no_fp8 = cls.is_fp8_available()
+            assert fp8_available, reason_for_no_fp8
+            if isinstance(fp8_recipe, MXFP8BlockScaling):
+                mxfp8_available, reason_for_no_mxfp8 = cls.is_mxfp8_available()
+                assert mxfp8_available, reason_for_no_mxfp8
+            if isinstance(fp8_recipe, Float8BlockScaling):
+                fp8_block_available, reason_for_no_fp8_block = cls.is_fp8_block_scaling_available()
+                assert fp8_block_available, reason_for_no_fp8_block
+            if isinstance(fp8_recipe, NVFP4BlockScaling):
+                nvfp4_available, reason_for_no_nvfp4 = cls.is_nvfp4_available()
+                assert nvfp4_available, reason_for_no_nvfp4
 
     @classmethod
     def autocast_exit(cls, enabled: bool, _graph: bool) -> None:
@@ -229,9 +265,15 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[R
     if enabled:
         check_recipe_support(recipe)
     saved = FP8GlobalStateManager.get_autocast_state()
-    FP8GlobalStateManager.autocast_enter(enabled=enabled, calibrating=calibrating,
-                                         fp8_recipe=recipe, fp8_group=amax_reduction_group,
-                                         _graph=_graph)
+    try:
+        FP8GlobalStateManager.autocast_enter(enabled=enabled, calibrating=calibrating,
+                                             fp8_recipe=recipe, fp8_group=amax_reduction_group,
+                                             _graph=_graph)
+    except AssertionError:
+        # TE leaves the state autocast_enter set (deliberate difference, see the module docstring).
+        FP8GlobalStateManager.set_autocast_state(saved)
+        FP8GlobalStateManager.AUTOCAST_DEPTH -= 1
+        raise
     try:
         yield
     finally:

@@ -12,8 +12,9 @@ the TE variant our formats lack:
     NVFP4BlockScaling    -> nvfp4       RHT and 16x16 weights on; stochastic rounding on
                                         (stochastic gradients) or off (nearest)
     CustomRecipe         -> nvfp4 with nearest gradient rounding, when its qfactory hands out
-                            exactly TE's reference NVFP4 quantizers
-                            (custom_recipes.quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory)
+                            exactly TE 2.14's reference NVFP4 quantizers
+                            (custom_recipes.quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory;
+                            refused on TE >= 2.16, whose factories take a QuantizerRole)
     DelayedScaling, any other CustomRecipe: refused
 
 Deliberate difference: the reference quantizer's (and TE's NVFP4 kernels') Hadamard sign vector is
@@ -26,8 +27,9 @@ from __future__ import annotations
 import copy
 
 from transformer_engine.common.recipe import Format, Recipe
-from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import (NVFP4QuantizerRef,
-                                                                          nvfp4_ref_rht_2d_quantizer_factory)
+from transformer_engine._double import VERSION, version_tuple
+from transformer_engine.pytorch._reference_nvfp4 import (NVFP4QuantizerRef,
+                                                          nvfp4_ref_rht_2d_quantizer_factory)
 from transformer_engine.pytorch.utils import get_device_compute_capability
 
 FORWARD_ROLES = ("linear_input", "linear_weight", "linear_output")
@@ -49,9 +51,13 @@ def _no_amax_epsilon(name: str, *qparams) -> None:
 
 def make_quantizers(recipe: Recipe) -> "dict | None":
     """TE's `CustomRecipeState.make_quantizers` for one GEMM: {role: qfactory(role)} (None for the
-    built-in recipes, whose quantizers the double does not build)."""
+    built-in recipes, whose quantizers the double does not build). TE 2.14's protocol: from 2.16
+    the qfactory gets a QuantizerRole and may not return None, which the double does not model."""
     if not recipe.custom():
         return None
+    if version_tuple() >= (2, 16):
+        raise NotImplementedError(f"transformer_engine test double: CustomRecipe on TE {VERSION} (the "
+                                  "QuantizerRole qfactory protocol of TE >= 2.16 is not modelled)")
     return {role: recipe.qfactory(role) for role in FORWARD_ROLES + BACKWARD_ROLES}
 
 

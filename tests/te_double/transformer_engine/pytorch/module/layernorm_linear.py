@@ -38,8 +38,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                  ub_name: Optional[str] = None, delay_wgrad_compute: bool = False,
                  symmetric_ar_type: Optional[str] = None, name: Optional[str] = None) -> None:
         super().__init__(name)
-        _refuse_unmodelled("LayerNormLinear", fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                           ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+        _refuse_unmodelled("LayerNormLinear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_wgrad=ub_bulk_wgrad,
                            ub_bulk_dgrad=ub_bulk_dgrad, delay_wgrad_compute=delay_wgrad_compute,
                            symmetric_ar_type=symmetric_ar_type is not None,
@@ -113,7 +112,9 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if fp8_output or fp8_grad:
             raise NotImplementedError("transformer_engine test double: FP8 outputs / gradients "
                                       "(fp8_output, fp8_grad) are not modelled")
-        spec = self._prepare_forward(inp)
+        gemm_bias = self.bias if self.apply_bias and not self.gemm_bias_unfused_add else None
+        spec = self._prepare_forward(inp, lambda recipe: self._forward_checks(
+            recipe, inp.view(-1, inp.shape[-1]), gemm_bias))  # layernorm_linear.py:156-159
         ln_out = normalize(inp, self.layer_norm_weight, self.layer_norm_bias, eps=self.eps,
                            normalization=self.normalization,
                            zero_centered_gamma=self.zero_centered_gamma)
@@ -124,8 +125,13 @@ class LayerNormLinear(TransformerEngineBaseModule):
             x = _parallel.column_input(ln_out, self.tp_group, self.sequence_parallel)
             if self.sequence_parallel and self.return_layernorm_output_gathered:
                 ln_out_return = x
-        gemm_bias = self.bias if self.apply_bias and not self.gemm_bias_unfused_add else None
-        out = self._gemm(x, self.weight, gemm_bias, spec)
+        # TE reads overwrite_main_grad on the weight operand (layernorm_linear.py:867): in FP8/FP4
+        # the workspace, which never has it; in high precision the parameter itself.
+        overwrite = (spec is None and self.weight.dtype == self.activation_dtype
+                     and getattr(self.weight, "overwrite_main_grad", False))
+        out = self._gemm(x, gemm_bias, spec, is_first_microbatch=is_first_microbatch,
+                         columnwise=torch.is_grad_enabled(),  # layernorm_linear.py:298
+                         overwrite_main_grad=overwrite, requires_dgrad=True)
         if tp and self.parallel_mode == "row":
             out = _parallel.row_output(out, self.tp_group, self.sequence_parallel)
         if self.gemm_bias_unfused_add:

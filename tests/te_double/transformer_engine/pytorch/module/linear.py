@@ -3,6 +3,8 @@
 Same constructor (arguments the double does not model are refused when switched on), the same
 parameters and parallel attributes, the same forward contract: `forward(inp, is_first_microbatch,
 fp8_output, fp8_grad)` returns `out`, or `(out, bias)` with `return_bias=True`.
+`is_first_microbatch` drives the weight workspace and `fuse_wgrad_accumulation` the weight
+gradient's route into `weight.main_grad`, as in TE (module/base.py).
 `parallel_mode` 'column' splits the output features over the TP group, 'row' the input features;
 communication as in `_parallel`. Row-parallel bias is added after the reduction, as in TE.
 """
@@ -47,8 +49,7 @@ class Linear(TransformerEngineBaseModule):
                  symmetric_ar_type: Optional[str] = None, save_original_input: bool = False,
                  name: Optional[str] = None) -> None:
         super().__init__(name)
-        _refuse_unmodelled("Linear", fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                           ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+        _refuse_unmodelled("Linear", ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
                            ub_bulk_wgrad=ub_bulk_wgrad, delay_wgrad_compute=delay_wgrad_compute,
                            symmetric_ar_type=symmetric_ar_type is not None,
@@ -105,13 +106,18 @@ class Linear(TransformerEngineBaseModule):
         if fp8_output or fp8_grad:
             raise NotImplementedError("transformer_engine test double: FP8 outputs / gradients "
                                       "(fp8_output, fp8_grad) are not modelled")
-        spec = self._prepare_forward(inp)
+        # TE passes the bias into the GEMM unless it is added after the row reduction or returned
+        # (linear.py:1465): the reference NVFP4 GEMM refuses it there.
+        gemm_bias = self.bias if self.apply_bias and not self.gemm_bias_unfused_add else None
+        spec = self._prepare_forward(inp, lambda recipe: self._forward_checks(recipe, inp, gemm_bias))
         tp = self.tp_size > 1
         x = inp
         if tp and self.parallel_mode == "column":
             x = _parallel.column_input(x, self.tp_group, self.sequence_parallel)
-        gemm_bias = self.bias if self.apply_bias and not self.gemm_bias_unfused_add else None
-        out = self._gemm(x, self.weight, gemm_bias, spec)
+        out = self._gemm(x, gemm_bias, spec, is_first_microbatch=is_first_microbatch,
+                         columnwise=torch.is_grad_enabled() and inp.requires_grad,  # linear.py:256
+                         overwrite_main_grad=getattr(self.weight, "overwrite_main_grad", False),
+                         requires_dgrad=inp.requires_grad)
         if tp and self.parallel_mode == "row":
             out = _parallel.row_output(out, self.tp_group, self.sequence_parallel)
         if self.gemm_bias_unfused_add:
