@@ -11,7 +11,6 @@ CPU_FLAGS = [
     "--distributed-backend", "gloo",
     "--transformer-impl", "local",
     "--use-cpu-initialization",
-    "--no-gradient-accumulation-fusion",
     "--no-masked-softmax-fusion",
     "--no-bias-swiglu-fusion",
     "--no-bias-gelu-fusion",
@@ -21,14 +20,28 @@ CPU_FLAGS = [
 ]
 
 
+WGRAD_FUSION_KERNEL = "fused_weight_gradient_mlp_cuda"
+"""apex's extension Megatron's local linears call for gradient-accumulation fusion (Megatron-LM's
+default): where it is absent, a CPU run turns the fusion off."""
+
+
 def cpu_flags() -> list[str]:
-    """CPU_FLAGS, plus the per-rank `torch` checkpoint format where psutil is missing (Megatron's
-    default torch_dist writer starts worker processes through psutil)."""
+    """CPU_FLAGS, plus `--no-gradient-accumulation-fusion` where apex's wgrad-fusion kernel is
+    absent (Megatron's local linears refuse to build without it), and the per-rank `torch`
+    checkpoint format where psutil is missing (Megatron's default torch_dist writer starts worker
+    processes through psutil)."""
+    import importlib
+
+    flags = list(CPU_FLAGS)
+    try:
+        importlib.import_module(WGRAD_FUSION_KERNEL)
+    except Exception:  # absent, or a CUDA build that cannot load here
+        flags.append("--no-gradient-accumulation-fusion")
     try:
         import psutil  # noqa: F401
     except ImportError:
-        return CPU_FLAGS + ["--ckpt-format", "torch"]
-    return list(CPU_FLAGS)
+        flags += ["--ckpt-format", "torch"]
+    return flags
 
 
 def patch_arguments_for_cpu() -> None:
