@@ -294,6 +294,11 @@ class SnipConfig:
             if getattr(self, name) is not None and c.budget != kind:
                 raise ValueError(f"SnipConfig.{name} is set but the budget is {c.budget}: drop SnipConfig.{name}, "
                                  f"or set SnipConfig.budget='{kind}'")
+        unused = [f"SnipConfig.{name}={getattr(self, name)!r}" for name, default in
+                  (("fp4_recipe", FP4_RECIPES[0]), ("fp4_gradient_rounding", None)) if getattr(self, name) != default]
+        if unused and "fp4" not in c.precisions and self.initial_precision != "fp4":
+            raise ValueError(f"{', '.join(unused)} is set but SnipConfig.precisions={c.precisions} has no fp4: "
+                             "drop it, or add fp4 to the precisions")
         if c.budget == "fp4_fraction" and "fp4" not in c.precisions:
             raise ValueError(f"SnipConfig.precisions={c.precisions} must include fp4: the FP4 budget needs it (or "
                              "set SnipConfig.budget='fp8_fraction' or 'speedup' to plan without FP4)")

@@ -37,6 +37,8 @@ def test_defaults_are_the_papers_setting():
     ({"fp4_budget": 0.9, "budget": "speedup"}, "fp4_budget"),
     ({"budget": "fp4_fraction", "precisions": "bf16,fp8"}, "precisions"),
     ({"budget": "fp8_fraction", "baseline": "random"}, "baseline"),
+    ({"precisions": "bf16,fp8", "fp4_recipe": "mxfp4"}, "fp4_recipe"),  # an FP4 setting no plan would use
+    ({"precisions": "bf16,fp8", "fp4_gradient_rounding": "nearest"}, "fp4_gradient_rounding"),
     ({"precisions": ["fp8", "fp16"]}, "precisions"),
     ({"precisions": ["fp8"]}, "precisions"),
     ({"precisions": ["fp4"]}, "precisions"),

@@ -1,24 +1,24 @@
 """The measurement on Megatron's Transformer Engine spec (over the TE contract double,
 tests/te_double: TE itself cannot be installed here) reads what the GEMMs read: the fused
 norm+linear's GEMM input is the normalised activation, every statistic equals the local-spec model
-with the same weights (1e-5), TE linears run unquantized while measured and keep their plan."""
+with the same weights (1e-5), TE linears run unquantized while measured and keep their plan; with
+Megatron's GPU default gradient-accumulation fusion on (tests/apex_double stands in for apex)."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.distributed import ROOT, run_distributed
+from tests.te.te_versions import double_pythonpath
 
 WORKER = str(ROOT / "tests" / "stats" / "te_stats_worker.py")
-DOUBLE = ROOT / "tests" / "te_double"
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_te_spec_statistics_equal_the_local_spec(tmp_path, tp):
     run_distributed([WORKER, "--out", str(tmp_path), "--tp", str(tp)], nproc=tp, timeout=600,
-                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(DOUBLE)])})
+                    env={"PYTHONPATH": double_pythonpath(apex=True)})
     for rank in range(tp):
         r = json.loads((Path(tmp_path) / f"rank{rank}.json").read_text())
         bad = {f: w for f, w in r["worst"].items() if not w <= 1e-5}

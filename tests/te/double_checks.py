@@ -941,7 +941,7 @@ for name in ("quantization_nvfp4", "quantization_ref_nvfp4", "reference_nvfp4"):
     except ModuleNotFoundError as error:
         out[name] = "ModuleNotFoundError" if importlib.util.find_spec(path) is None else repr(error)
 runtime.initialize_model_parallel(tp=1, pp=1, seed=te_worker.SEED)
-model = te_worker.build_te_gpt()
+model = te_worker.build_te_gpt(gradient_accumulation_fusion=False)  # a plain backward, no DDP main_grad
 batch = te_worker.fixed_batches(num=1)[0]
 loss = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
 loss.float().mean().backward()

@@ -153,8 +153,8 @@ def _what_the_double_runs(config: dict):
     layer = te.Linear(64, 32, bias=False)
     try:
         with _get_fp8_autocast_for_quant_params(params, True):
-            layer(torch.randn(16, 64))
-    except (NotImplementedError, RuntimeError) as error:
+            layer(torch.randn(32, 64))  # 32 tokens: every recipe's shape rule holds (MXFP8's blocks of 32)
+    except (NotImplementedError, RuntimeError, AssertionError) as error:
         return f"{type(error).__name__}: {error}"
     return layer.last_run.spec
 
@@ -171,20 +171,21 @@ def check_te_dicts_and_measured_formats_name_the_same_numerics():
     """For SM90 and SM100 and each recipe flag: the formats SNIP measures (SnipConfig resolved for
     TE -> measure_config().formats) and what the double's TE linear runs inside the autocast
     Megatron opens from the TE dict of the plan (config_dict_for) are the same FormatSpec, per
-    precision. A flag the start-up refuses would have run something else (or nothing): the dict of
-    what was asked does not run it."""
+    precision the GPU's plan uses (SM90: BF16/FP8, and any FP4 setting refused). A flag the start-up refuses
+    would have run something else (or nothing): the dict of what was asked does not run it."""
     from snip_megatron.config import SnipConfig
     from snip_megatron.megatron.quant_recipe import config_dict_for
-    from snip_megatron.te import te_params
+    from snip_megatron.te import read_te_support, te_params
 
     report = {}
     for sm in (90, 100):
+        quantized = ("fp8", "fp4") if sm >= 100 else ("fp8",)
         with capability(sm):
             for flags in RECIPE_FLAGS:
                 name = f"SM{sm} " + (",".join(f"{k}={v}" for k, v in flags.items()) or "defaults")
-                snip = SnipConfig(enabled=True, precisions="bf16,fp8,fp4", **flags)
+                snip = SnipConfig(enabled=True, **flags)  # the plan's precisions: what this GPU runs
                 try:
-                    run = snip.resolved("te", sm=sm)
+                    run = snip.resolved("te", sm=sm, support=read_te_support())
                 except ValueError as refusal:
                     asked = snip.formats
                     differs = []
@@ -200,8 +201,8 @@ def check_te_dicts_and_measured_formats_name_the_same_numerics():
                     continue
                 formats = run.measure_config().formats
                 configs = config_dict_for("te", sm=sm, formats=formats)
-                assert set(configs) == {"bf16", "fp8", "fp4"}, (name, configs)
-                for p in ("fp8", "fp4"):
+                assert set(configs) == {"bf16", *quantized}, (name, configs)
+                for p in quantized:
                     ran = _what_the_double_runs(configs[p])
                     assert ran == formats.spec(p), (name, p, ran, formats.spec(p).short_str())
                 assert _what_the_double_runs(configs["bf16"]) is None  # high precision
@@ -209,51 +210,141 @@ def check_te_dicts_and_measured_formats_name_the_same_numerics():
     return report
 
 
-def check_megatron_resolves_the_reference_factory_path():
-    """The dict's custom_recipe_factory is a path Megatron's `_get_custom_recipe` imports: a
-    CustomRecipe whose qfactory is TE's reference NVFP4 factory."""
-    import transformer_engine.pytorch.custom_recipes.quantization_nvfp4 as reference
-    from megatron.core.fp8_utils import _get_custom_recipe
-    from transformer_engine.common.recipe import CustomRecipe
-
-    from snip_megatron.te import REFERENCE_NVFP4_FACTORY
-
-    recipe = _get_custom_recipe(REFERENCE_NVFP4_FACTORY)
-    assert isinstance(recipe, CustomRecipe) and recipe.qfactory is reference.nvfp4_ref_rht_2d_quantizer_factory
-    assert recipe == _get_custom_recipe(REFERENCE_NVFP4_FACTORY)  # equal per forward: no re-init in TE
+# Hopper's plan: every linear kind meets BF16 and FP8 across the two layers (no FP4 with TE).
+HOPPER_PLAN = {(1, "linear_qkv"): "fp8", (1, "linear_proj"): "bf16", (1, "linear_fc1"): "fp8",
+               (1, "linear_fc2"): "fp8", (2, "linear_qkv"): "bf16", (2, "linear_proj"): "fp8",
+               (2, "linear_fc1"): "bf16", (2, "linear_fc2"): "fp8"}
 
 
-def check_hopper_plan_trains_with_fp4_through_tes_custom_recipe():
-    """SM90: the same mixed plan trains; FP8 linears run blockwise (TE's power-of-two scales by
-    default), FP4 linears NVFP4 through the reference quantizer's custom recipe (nearest gradient
-    rounding), bit-exactly our emulation of those formats."""
+def check_hopper_plans_bf16_fp8_and_trains_them_with_fused_wgrad():
+    """SM90 (issue 31, failures 1 and 3): `--snip` alone resolves to a BF16/FP8 plan under an FP8
+    budget, TE has no FP4 dict there and a plan with FP4 is refused before any module is built.
+    The BF16/FP8 plan runs bit-exactly our emulation per linear and, with Megatron's fused wgrad
+    (DDP main_grad), moves every planned weight at every step (FP4 through TE's reference custom
+    recipe, what SNIP ran here before, left its weights unmoved: its GEMM drops dW under fusion)."""
+    from snip_megatron.config import SnipConfig
     from snip_megatron.megatron import runtime
+    from snip_megatron.megatron.apply import apply_plan
+    from snip_megatron.megatron.quant_recipe import build_recipe, config_dict_for
+    from snip_megatron.plan import LayerKey, Plan
+    from snip_megatron.te import read_te_support
 
     with capability(90):
+        run = SnipConfig(enabled=True).resolved("te", sm=90, support=read_te_support())
+        assert (run.precisions, run.budget, run.fp8_budget) == (["bf16", "fp8"], "fp8_fraction", 0.9)
+        assert set(config_dict_for("te", sm=90, formats=run.formats)) == {"bf16", "fp8"}
+        try:
+            build_recipe(worker.plan(), backend="te", sm=90, formats=run.formats)
+        except ValueError as refusal:
+            assert "fp4, which the te backend cannot run here: FP4 nvfp4: TE's NVFP4 kernels need SM100+" \
+                in str(refusal), refusal
+        else:
+            raise AssertionError("a plan with FP4 linears was accepted on SM90")
+        hopper = Plan({LayerKey(layer, name): p for (layer, name), p in HOPPER_PLAN.items()})
         runtime.seed_all(worker.SEED)
         config = make_config()
-        model = worker.build_te_gpt(quant_recipe=worker.te_recipe_for(config, worker.plan(), sm=90))
-        formats = worker.formats_on(90)
-        assert formats.fp4_gradient_rounding == "nearest"
-        modules = worker.planned_linears(model)
-        for key, module in modules.items():
-            precision = _planned(key)
-            recipe = module.te_quant_params.training_recipe
-            assert (recipe.fp4_quantization_recipe == "custom") == (precision == "fp4"), key
+        model = worker.build_te_gpt(quant_recipe=worker.te_recipe_for(config, hopper, sm=90))
+        apply_plan(model, hopper, sm=90, formats=run.formats)
+        labels = {"fp8": "blockwise", "bf16": "high_precision"}
         g = torch.Generator().manual_seed(6)
-        for key, module in modules.items():
-            precision = _planned(key)
-            fmt = worker.EXPECTED_LABEL[precision]
+        for key, module in worker.planned_linears(model).items():
+            fmt = labels[HOPPER_PLAN[(int(key.split(".")[0]), key.split(".")[1])]]
             x, gy, state, got, _ = _forward_backward(module, g)
-            assert module.last_run.label == fmt, (key, module.last_run)
-            assert all(torch.equal(a, b) for a, b in zip(got, _reference(module, x, gy, fmt, state, sm=90))), key
-            if precision == "fp4":
-                assert module.quantizers["linear_weight"].quant_tile_shape == (16, 16)
-        for module in modules.values():
+            assert module.last_run.label == fmt and module.fuse_wgrad_accumulation, (key, module.last_run)
+            want = _reference(module, x, gy, fmt, state, sm=90)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), key
             module.zero_grad(set_to_none=True)
-        losses = worker.train(model)
+        records: list = []
+        losses = worker.train(model, records=records)
+        _check_every_step(records)
         assert losses[-1] < 0.85 * losses[0], losses
         return losses
+
+
+def _check_every_step(records: list) -> None:
+    """Every planned weight moved at every step, its fused main_grad was nonzero, and each quantized
+    forward read this step's weight."""
+    assert len(records) == worker.STEPS, records
+    for i, r in enumerate(records):
+        assert r["unmoved"] == [] and r["zero_main_grad"] == [] and r["stale"] == [], (i, r)
+
+
+def check_megatron_alone_leaves_te_weights_stale_before_0_19():
+    """Issue 31, failure 2, in Megatron itself: a model built with a quant_recipe and trained by
+    Megatron's schedule, without SNIP's `apply_plan`: megatron-core >= 0.19 re-arms TE's weight
+    cache each step (`set_is_first_microbatch` with a quant_recipe), 0.16-0.18 only under a global
+    fp8/fp4, so there step 2 on reuses the quantized weights of step 1. (With SNIP's apply_plan,
+    as every loop runs it, no step is stale: check_mixed_plan_trains_and_each_module_keeps_its_format.)"""
+    from snip_megatron.megatron import runtime
+    from snip_megatron.megatron.apply import MEGATRON_REARMS_QUANT_RECIPE, megatron_core_version
+
+    runtime.seed_all(worker.SEED)
+    model = worker.build_te_gpt(the_plan=worker.plan())
+    records: list = []
+    worker.train(model, steps=3, records=records)
+    stale = [sorted(r["stale"]) for r in records]
+    quantized = sorted(k for k, p in {f"{a}.{b}": v for (a, b), v in worker.PLAN_TABLE.items()}.items()
+                       if p != "bf16")
+    assert stale[0] == [], stale  # step 1 builds the cache from its own weights
+    if megatron_core_version() >= MEGATRON_REARMS_QUANT_RECIPE:
+        assert stale[1:] == [[], []], stale
+        assert {r["workspaces"][quantized[0]] for r in records[1:]} == {"reused"}  # refreshed, then reused
+    else:
+        assert stale[1:] == [quantized, quantized], stale
+    return {"megatron_core": ".".join(map(str, megatron_core_version())), "stale": stale}
+
+
+def check_step2_quantized_forward_equals_emulation_on_step2_weights():
+    """Through Megatron's schedule and SNIP's apply_plan, in both lanes: each planned linear's first
+    forward of step 2 gives exactly our emulation of its planned format on the weights of step 2
+    (and not on those of step 1): TE's weight cache is refreshed per step, or off."""
+    from snip_megatron.megatron import runtime
+    from snip_megatron.megatron.apply import apply_plan
+
+    runtime.seed_all(worker.SEED)
+    model = worker.build_te_gpt(the_plan=worker.plan())
+    apply_plan(model, worker.plan(), sm=100, formats=worker.formats_on(100))
+    linears = worker.planned_linears(model)
+    weights, seen, handles = {}, {}, []
+
+    def before_step(i):
+        weights[i] = {k: {n: p.detach().clone() for n, p in m.named_parameters()} for k, m in linears.items()}
+
+    def capture(key):
+        def hook(module, args, output):
+            if len(weights) == 2 and key not in seen:  # step 2's first forward
+                seen[key] = (args[0].detach().clone(), (output[0] if isinstance(output, tuple) else output).detach())
+        return hook
+
+    for key, module in linears.items():
+        handles.append(module.register_forward_hook(capture(key)))
+    worker.train(model, steps=2, before_step=before_step)
+    for h in handles:
+        h.remove()
+    checked = {}
+    for key, module in linears.items():
+        fmt = worker.EXPECTED_LABEL[_planned(key)]
+        x, y = seen[key]
+        want2 = _forward_with(module, x, weights[1][key], fmt)
+        assert torch.equal(y, want2), key
+        if fmt != "high_precision":  # not vacuous: step 1's weight (step 2's norm) gives other bits
+            stale = dict(weights[1][key], weight=weights[0][key]["weight"])
+            assert not torch.equal(y, _forward_with(module, x, stale, fmt)), key
+        checked[key] = fmt
+    return checked
+
+
+def _forward_with(module, x, params: dict, fmt: str):
+    """Our emulation's forward output of `module` (RMSNorm in front for the fused ones) with the
+    parameters `params` ({name: tensor})."""
+    from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
+
+    h = _rms(x, params["layer_norm_weight"], module.eps) if "layer_norm_weight" in params else x
+    weight = params["weight"]
+    if fmt == "high_precision":
+        return F.linear(h, weight)
+    spec = worker.formats_on(100).spec("fp4" if fmt == "nvfp4" else "fp8")
+    return quantized_linear(h, weight, None, spec, QuantRuntime(generator=torch.Generator()))
 
 
 def make_config():
@@ -275,14 +366,25 @@ def _planned(key: str) -> str:
 
 def _forward_backward(module, g):
     """One forward and backward of a planned linear on random X and G_Y: (X, G_Y, the module's
-    stochastic-rounding generator state before it ran, [Y, dX, dW(, dgamma)], the returned bias)."""
+    stochastic-rounding generator state before it ran, [Y, dX, dW(, dgamma)], the returned bias).
+    Under fused wgrad (Megatron's GPU default) dW is what TE adds to a zeroed FP32 `main_grad`,
+    as Megatron's DDP gives the weight."""
     x = torch.randn(worker.SHAPE.seq_length, 2, module.in_features, generator=g)
     gy = torch.randn(worker.SHAPE.seq_length, 2, module.out_features, generator=g)
     state = module.sr_generator.get_state()
+    fused = module.fuse_wgrad_accumulation
+    if fused:
+        module.weight.main_grad = torch.zeros_like(module.weight, dtype=torch.float32)
     xg = x.clone().requires_grad_()
     y, bias = module(xg)
     y.backward(gy)
-    got = [y.detach(), xg.grad, module.weight.grad]
+    if fused:
+        dw = module.weight.main_grad.to(module.weight.dtype)
+        assert module.weight.grad is None  # TE hands autograd no wgrad without grad_added_to_main_grad
+        del module.weight.main_grad
+    else:
+        dw = module.weight.grad
+    got = [y.detach(), xg.grad, dw]
     if hasattr(module, "layer_norm_weight"):
         got.append(module.layer_norm_weight.grad)
     return x, gy, state, got, bias
@@ -382,9 +484,13 @@ def check_module_recipe_nests_inside_global_autocast():
 
 
 def check_mixed_plan_trains_and_each_module_keeps_its_format():
+    """SM100's mixed plan (FP8, NVFP4, BF16), as a SNIP loop runs it (quant_recipe, then apply_plan),
+    with Megatron's fused wgrad: it trains, each module keeps its format, and at every step every
+    planned weight moved, its main_grad was nonzero and each quantized forward read that step's weight."""
     result = worker.run_variant("plan")
     losses = result["losses"]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.85 * losses[0], losses
+    _check_every_step(result["steps"])
     forwards = worker.NUM_MICRO * worker.STEPS
     for key, counts in result["runs"].items():
         layer, name = int(key.split(".")[0]), key.split(".")[1]

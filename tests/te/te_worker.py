@@ -10,15 +10,19 @@ NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1):
 
 The model is Megatron's own (`get_gpt_layer_with_transformer_engine_spec()`, RMSNorm, SwiGLU, RoPE,
 GQA, untied embeddings); `snip_megatron.megatron.model.build_gpt_model` refuses backend 'te' without
-a GPU, so it is built here. Training goes through Megatron's schedule, DDP and Adam. Variants:
+a GPU, so it is built here. Training goes through Megatron's schedule, DDP and Adam with Megatron's
+GPU default `gradient_accumulation_fusion=True` (TE's fuse_wgrad_accumulation into DDP's main_grad;
+tests/apex_double stands in for apex's kernel under Megatron's own output layer). Variants:
   megatron_init  Megatron's CPU init (TP-invariant with use_cpu_initialization)
   name_init      every matrix re-drawn from its global name (pipeline stages draw differently)
-  plan           megatron_init with PLAN as TransformerConfig.quant_recipe (TE backend, SM100)
+  plan           megatron_init with PLAN as TransformerConfig.quant_recipe (TE backend, SM100), then
+                 applied by SNIP's `apply_plan` as every loop does at its start
   sp_pair        no model: a TE LayerNormLinear -> Linear pair with sequence parallelism against
                  the same pair computed whole (Megatron's own output layer cannot run sequence
                  parallel on the CPU shim, see `sequence_parallel_pair`)
 Every rank writes DIR/rank<R>.json: {variant: {"losses": [...] (last stage, else []),
-"runs": {"<layer>.<linear>": {label: count}}, "classes": {...}}}; sp_pair: {tensor: max rel. diff}.
+"runs": {"<layer>.<linear>": {label: count}}, "classes": {...}, "steps": [{"unmoved": [...],
+"zero_main_grad": [...], "stale": [...], "workspaces": {...}} per step]}}; sp_pair: {tensor: max rel. diff}.
 """
 
 from __future__ import annotations
@@ -59,10 +63,11 @@ def plan():
 
 
 def formats_on(sm: int = 100):
-    """The Formats TE runs on SM`sm` with this process's environment (what SNIP measures)."""
+    """The Formats TE runs on SM`sm` with this process's environment (what SNIP measures; no FP4
+    before SM100)."""
     from snip_megatron.te import te_formats
 
-    return te_formats(sm=sm, environ=os.environ)
+    return te_formats(sm=sm, environ=os.environ, uses=("fp8", "fp4") if sm >= 100 else ("bf16", "fp8"))
 
 
 def te_recipe_for(config, the_plan, *, sm: int = 100):
@@ -72,9 +77,15 @@ def te_recipe_for(config, the_plan, *, sm: int = 100):
     return recipe_for_chunk(the_plan, config, backend="te", sm=sm, formats=formats_on(sm))
 
 
+GPU_DEFAULTS = {"gradient_accumulation_fusion": True}
+"""Megatron-LM's defaults on a GPU that CPU runs of the local spec turn off (TE fuses wgrad)."""
+
+
 def build_te_gpt(shape: ModelShape = SHAPE, *, the_plan=None, quant_recipe=None,
                  **config_overrides):
-    """This rank's GPTModel chunk with Megatron's TE layer spec (parallel state must be up)."""
+    """This rank's GPTModel chunk with Megatron's TE layer spec (parallel state must be up), with
+    Megatron-LM's GPU defaults unless overridden."""
+    config_overrides = {**GPU_DEFAULTS, **config_overrides}
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -135,9 +146,28 @@ def fixed_batches(shape: ModelShape = SHAPE, num: int = NUM_MICRO, mbs: int = MI
     return [random_batch(mbs, shape.seq_length, shape.vocab_size, generator) for _ in range(num)]
 
 
-def train(model, *, steps: int = STEPS, lr: float = LR) -> list[float]:
+def step_record(linears: dict, before: dict) -> dict:
+    """After a step's forward and backward (before the optimizer step): the planned linears whose
+    main_grad stayed zero, whose quantized forward read a cached weight other than this step's
+    (`before`: their weights at the step's start), and how each used TE's weight cache."""
+    zero, stale, workspaces = [], [], {}
+    for key, module in linears.items():
+        grad = getattr(module.weight, "main_grad", None)
+        if grad is None or not bool(grad.abs().sum() > 0):
+            zero.append(key)
+        run = module.last_run
+        workspaces[key] = run.weight_workspace
+        cached = getattr(module, "_fp8_workspaces", {}).get("weight")
+        if run.quantized and run.weight_workspace != "none" and not torch.equal(cached.values, before[key]):
+            stale.append(key)
+    return {"zero_main_grad": zero, "stale": stale, "workspaces": workspaces}
+
+
+def train(model, *, steps: int = STEPS, lr: float = LR, records: "list | None" = None,
+          before_step=None) -> list[float]:
     """Megatron's schedule, DDP and Adam on fixed micro-batches; the per-step mean loss on the last
-    pipeline stage (an empty list elsewhere)."""
+    pipeline stage (an empty list elsewhere). `records` gets one `step_record` per step, plus the
+    planned linears whose weight the step left unchanged; `before_step(i)` runs before step i."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -148,15 +178,23 @@ def train(model, *, steps: int = STEPS, lr: float = LR) -> list[float]:
                                                    distributed_optimizer=False)
     batches = fixed_batches()
     forward_backward, forward_step = get_forward_backward_func(), make_forward_step()
+    linears = planned_linears(model)
     losses = []
-    for _ in range(steps):
+    for i in range(steps):
+        if before_step is not None:
+            before_step(i)
         ddp_chunks[0].zero_grad_buffer()
         optimizer.zero_grad()
+        before = {key: m.weight.detach().clone() for key, m in linears.items()}
         reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches),
                                    model=ddp_chunks, num_microbatches=len(batches),
                                    seq_length=SHAPE.seq_length, micro_batch_size=MICRO_BATCH,
                                    forward_only=False)
+        record = step_record(linears, before) if records is not None else None
         optimizer.step()
+        if record is not None:
+            record["unmoved"] = [k for k, m in linears.items() if torch.equal(m.weight.detach(), before[k])]
+            records.append(record)
         if ps.is_pipeline_last_stage(ignore_virtual=True):
             losses.append(sum(float(r["lm loss"]) for r in reduced) / len(reduced))
     return losses
@@ -174,9 +212,14 @@ def run_variant(variant: str) -> dict:
     model = build_te_gpt(the_plan=plan() if variant == "plan" else None)
     if variant == "name_init":
         reinit_by_global_name(model)
-    losses = train(model)
+    if variant == "plan":  # what every SNIP loop does at its start (keep_te_weights_fresh included)
+        from snip_megatron.megatron.apply import apply_plan
+
+        apply_plan(model, plan(), sm=100, formats=formats_on(100))
+    records: list = []
+    losses = train(model, records=records)
     runs = {key: dict(m.run_counts) for key, m in planned_linears(model).items()}
-    return {"losses": losses, "runs": runs, "classes": module_classes(model)}
+    return {"losses": losses, "runs": runs, "classes": module_classes(model), "steps": records}
 
 
 def sequence_parallel_pair(k: int = 64, m: int = 128, s: int = 32, b: int = 2) -> dict:

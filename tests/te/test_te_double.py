@@ -12,6 +12,8 @@ The double (tests/te_double, TE 2.14) is importable only in the subprocesses the
                       for SM90 / SM100 and every recipe flag the TE dict against the formats SNIP
                       measures (again with NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1);
 - te_worker.py under torchrun: TP=2 and PP=2 training against the TP=1 losses.
+Every process runs with Megatron's GPU default gradient-accumulation fusion on (TE's
+fuse_wgrad_accumulation into DDP's main_grad; tests/apex_double stands in for apex's kernel).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import run_distributed
+from tests.te.te_versions import double_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 DOUBLE = ROOT / "tests" / "te_double"
@@ -64,8 +67,9 @@ MEGATRON_CHECKS = [
     "check_trains_at_tp1",
     "check_plan_reaches_te_quant_params",
     "check_te_dicts_and_measured_formats_name_the_same_numerics",
-    "check_megatron_resolves_the_reference_factory_path",
-    "check_hopper_plan_trains_with_fp4_through_tes_custom_recipe",
+    "check_hopper_plans_bf16_fp8_and_trains_them_with_fused_wgrad",
+    "check_megatron_alone_leaves_te_weights_stale_before_0_19",
+    "check_step2_quantized_forward_equals_emulation_on_step2_weights",
     "check_planned_modules_compute_our_emulation_bit_exactly",
     "check_module_recipe_nests_inside_global_autocast",
     "check_mixed_plan_trains_and_each_module_keeps_its_format",
@@ -86,7 +90,7 @@ TE_CLASSES = {"layers.0.self_attention.linear_qkv": "TELayerNormColumnParallelLi
 
 def _double_env(fp32_block_scales: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NVTE_", "TE_DOUBLE_"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(DOUBLE)]), OMP_NUM_THREADS="1",
+    env.update(PYTHONPATH=double_pythonpath(apex=True), OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
     if fp32_block_scales:  # TE's switch to FP32 blockwise scales (read once, at import)
         env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1"
@@ -106,7 +110,7 @@ def _run_checks(script: str, out: Path, fp32_block_scales: bool, only: "str | No
 
 def _run_worker(tmp: Path, *args: str) -> list[dict]:
     run_distributed([str(HERE / "te_worker.py"), *args, "--out", str(tmp)], nproc=2, timeout=600,
-                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(DOUBLE)])})
+                    env={"PYTHONPATH": double_pythonpath(apex=True)})
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -193,16 +197,16 @@ def test_te_dicts_and_measured_formats_agree_and_refusals_are_the_ones_te_needs(
     """TE's default environment, then NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: what each generation
     refuses at start-up (the rest ran the very FormatSpec SNIP measures, asserted in the check)."""
     default = megatron_results[f"{SAME_NUMERICS}.data"]
-    assert _refused(default, 90) == {"fp8_recipe=mxfp8", "fp8_block_scales=fp32",
-                                     "fp4_gradient_rounding=stochastic", "fp4_recipe=mxfp4"}
+    fp4_flags = {"fp4_gradient_rounding=nearest", "fp4_gradient_rounding=stochastic", "fp4_recipe=mxfp4"}
+    # SM90 plans BF16/FP8 with TE: any FP4 setting is refused there, with the fix.
+    assert _refused(default, 90) == {"fp8_recipe=mxfp8", "fp8_block_scales=fp32"} | fp4_flags
     assert _refused(default, 100) == {"fp8_block_scales=fp32", "fp4_gradient_rounding=nearest", "fp4_recipe=mxfp4"}
-    assert default["SM90 defaults"] == "fp8=blockwise(pow2) fp4=nvfp4(nearest)"
+    assert default["SM90 defaults"] == "fp8=blockwise(pow2) fp4=nvfp4"  # FP4 is never planned there
     assert default["SM100 defaults"] == "fp8=blockwise(pow2) fp4=nvfp4(stochastic)"
     assert fp32_scales_results[SAME_NUMERICS] == "ok", fp32_scales_results[SAME_NUMERICS]
     fp32 = fp32_scales_results[f"{SAME_NUMERICS}.data"]
-    assert _refused(fp32, 90) == {"fp8_recipe=mxfp8", "fp8_block_scales=pow2",
-                                  "fp4_gradient_rounding=stochastic", "fp4_recipe=mxfp4"}
-    assert fp32["SM90 defaults"] == "fp8=blockwise fp4=nvfp4(nearest)"
+    assert _refused(fp32, 90) == {"fp8_recipe=mxfp8", "fp8_block_scales=pow2"} | fp4_flags
+    assert fp32["SM90 defaults"] == "fp8=blockwise fp4=nvfp4"
     # Blackwell runs blockwise FP8 through MXFP8, which needs power-of-two scales: every blockwise
     # run is refused there, and the double's kernel check shows why.
     blockwise = {n for n in FLAG_NAMES if "tensorwise" not in n and "mxfp8" not in n}
@@ -223,11 +227,22 @@ def test_tp2_trains_like_tp1(tp2, megatron_results):
         assert {k: run["classes"][k] for k in TE_CLASSES} == TE_CLASSES
 
 
+def _every_step_moved_every_weight_from_its_own(run: dict) -> None:
+    """Megatron's fused wgrad (TE's fuse_wgrad_accumulation into DDP's main_grad): at every step every
+    planned weight of this rank moved, its main_grad was nonzero, each quantized forward read that
+    step's weight (TE's cache refreshed per step, or off)."""
+    assert run["steps"], run
+    for i, step in enumerate(run["steps"]):
+        assert step["unmoved"] == [] and step["zero_main_grad"] == [] and step["stale"] == [], (i, step)
+
+
 def test_tp2_plan_runs_each_planned_format(tp2):
     for rank in tp2:
         run = rank["plan"]
         assert run["losses"][-1] < 0.85 * run["losses"][0], run["losses"]
         assert {k: list(v) for k, v in run["runs"].items()} == {k: [v] for k, v in PLANNED_LABELS.items()}
+        _every_step_moved_every_weight_from_its_own(run)
+        _every_step_moved_every_weight_from_its_own(rank["megatron_init"])
 
 
 def test_tp2_sequence_parallel_collectives(tp2):
@@ -252,3 +267,5 @@ def test_pp2_plan_reaches_each_stage_by_global_layer(pp2):
         {k: [v] for k, v in PLANNED_LABELS.items() if k.startswith("2.")}
     losses = last["plan"]["losses"]
     assert losses[-1] < 0.85 * losses[0], losses
+    for rank in pp2:
+        _every_step_moved_every_weight_from_its_own(rank["plan"])
