@@ -191,8 +191,10 @@ class SnipController(StepHook):
         try:
             build_knapsack(table, self.flops, config, stages=self.stages, pinned=pinned)
         except ValueError as e:
-            raise ValueError(f"the linears the backend can run for their shapes cannot meet the plan budget: {e}") \
-                from None
+            knob = {"fp4_fraction": "SnipConfig.fp4_budget", "fp8_fraction": "SnipConfig.fp8_budget"}.get(
+                config.budget, "SnipConfig.speedup")
+            raise ValueError(f"the linears the backend can run for their shapes cannot meet the plan budget: {e}; "
+                             f"lower {knob}") from None
 
     def on_train_start(self, ctx: StepContext) -> None:
         """After set-up and any resume: check the loop runs SNIP's formats, apply the plan."""

@@ -33,8 +33,8 @@ class PlanLog:
     was measured), a `snip_plans.jsonl` line and TensorBoard scalars when a run folder is given.
 
     The console line states the fraction the run's `budget` counts: "FP4 x% of linear FLOPs" for
-    fp4_fraction and speedup, "FP8 or lower x% of linear FLOPs" for fp8_fraction (with "(FP4 y%)"
-    when the plan holds FP4). Each JSON line holds every figure: fp4_fraction, fp8_fraction, speedup.
+    fp4_fraction and speedup, "FP8 or lower x% of linear FLOPs" for fp8_fraction and for a speedup
+    plan without FP4 (with "(FP4 y%)" when the plan holds FP4). Each JSON line holds every figure: fp4_fraction, fp8_fraction, speedup.
     """
 
     def __init__(self, run_dir: "str | Path | None", flops: Mapping, log: Callable[[str], None] = print,
@@ -71,7 +71,7 @@ class PlanLog:
         if info.get("event"):
             row["event"] = info["event"]
         changed = previous.diff(plan) if previous is not None else []
-        if self.budget == "fp8_fraction":
+        if self.budget == "fp8_fraction" or (self.budget == "speedup" and fp4 == 0):  # no FP4 to count
             share = (f"FP8 or lower {met.fp8_fraction:.1%} of linear FLOPs"
                      + (f" (FP4 {fp4:.1%})" if fp4 > 0 else ""))
         else:

@@ -23,6 +23,10 @@ class ModelShape:
     """Vocabulary size (padded by Megatron to a TP-friendly multiple)."""
     seq_length: int = 2048
     """Training sequence length."""
+    kv_channels: "int | None" = None
+    """Channels per attention head (Megatron's kv_channels); None: hidden_size / num_attention_heads."""
+    gated_linear_unit: bool = True
+    """A gated MLP (SwiGLU: linear_fc1 produces 2 x ffn_hidden_size, gate and up); False: one projection."""
     name: str = field(default="custom", compare=False)
     """Preset name, for logs."""
 
@@ -32,7 +36,12 @@ class ModelShape:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ModelShape.{f} must be a positive integer, got {v!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int)
+                                             or isinstance(self.kv_channels, bool) or self.kv_channels <= 0):
+            raise ValueError(f"ModelShape.kv_channels must be None or a positive integer, got {self.kv_channels!r}")
+        if not isinstance(self.gated_linear_unit, bool):
+            raise ValueError(f"ModelShape.gated_linear_unit must be True or False, got {self.gated_linear_unit!r}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"ModelShape.hidden_size={self.hidden_size} is not divisible by "
                              f"num_attention_heads={self.num_attention_heads}")
         if self.num_attention_heads % self.num_query_groups:
@@ -41,15 +50,16 @@ class ModelShape:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(out_features, in_features) of each planned linear, unsharded."""
         qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
+        fc1_out = (2 if self.gated_linear_unit else 1) * self.ffn_hidden_size  # SwiGLU: gate and up
         return {
             "linear_qkv": (qkv_out, self.hidden_size),
             "linear_proj": (self.hidden_size, self.num_attention_heads * self.head_dim),
-            "linear_fc1": (2 * self.ffn_hidden_size, self.hidden_size),  # SwiGLU: gate and up
+            "linear_fc1": (fc1_out, self.hidden_size),
             "linear_fc2": (self.hidden_size, self.ffn_hidden_size),
         }
 

@@ -93,6 +93,9 @@ def test_plan_log_of_an_fp8_budget_states_its_fraction(tmp_path):
     assert "FP4" not in lines[0]
     rows = [json.loads(line) for line in (tmp_path / "snip_plans.jsonl").read_text().splitlines()]
     assert [r["budget"] for r in rows] == ["fp8_fraction", "fp8_fraction"]
+    speed = []  # a speed-up plan without FP4 (Hopper's BF16/FP8 question) states its FP8 share too
+    PlanLog(None, flops, log=speed.append, budget="speedup").record(9, hopper, plan, {})
+    assert speed[0] == lines[0]
     assert rows[0]["fp8_fraction"] == pytest.approx(0.9) and rows[0]["fp4_fraction"] == pytest.approx(0.3)
     assert rows[1]["fp8_fraction"] == pytest.approx(0.9) and rows[1]["fp4_fraction"] == 0.0
     assert rows[1]["speedup"] == pytest.approx(10 / 5.5)

@@ -96,7 +96,7 @@ class BridgeRun:
                              + "\n  - ".join(refused))
         self.loop = self._make_loop(model_config, self.resumed)
         controller = self.loop.controller
-        _print_rank_0(f"[snip] on; backend {self.backend}; formats {self.snip.formats.short_str()}; plan: "
+        _print_rank_0(f"[snip] on; backend {self.backend}; formats {self.snip.formats.short_str(self.snip.uses)}; plan: "
                       f"{getattr(controller, 'plan_source', '?')} {controller.plan.counts()}")
         if self.te is not None:
             from snip_megatron.megatron.te_run import startup_lines
@@ -165,7 +165,9 @@ def model_shape(model_config):
                       ffn_hidden_size=model_config.ffn_hidden_size,
                       num_attention_heads=model_config.num_attention_heads,
                       num_query_groups=model_config.num_query_groups or model_config.num_attention_heads,
-                      vocab_size=model_config.vocab_size, seq_length=model_config.seq_length)
+                      vocab_size=model_config.vocab_size, seq_length=model_config.seq_length,
+                      kv_channels=getattr(model_config, "kv_channels", None),
+                      gated_linear_unit=bool(getattr(model_config, "gated_linear_unit", True)))
 
 
 def make_controller(snip: SnipConfig, model_config, cfg):

@@ -130,13 +130,18 @@ class Formats:
             return f"{self.fp4_recipe} ({self.effective_fp4_gradient_rounding} gradient rounding)"
         return "bf16"
 
-    def short_str(self) -> str:
+    def short_str(self, uses=("fp8", "fp4")) -> str:
         """E.g. "fp8=blockwise fp4=nvfp4"; variants set apart from the recipes' defaults follow in
-        parentheses ("fp8=blockwise(pow2) fp4=nvfp4(nearest)")."""
+        parentheses ("fp8=blockwise(pow2) fp4=nvfp4(nearest)"); only the precisions in `uses`."""
+        uses = {Precision.parse(p) for p in uses}
         fp8 = [v for v, default in ((self.fp8_format, None), (self.fp8_block_scales, "fp32")) if v != default]
         fp4 = [self.fp4_gradient_rounding] if self.fp4_gradient_rounding is not None else []
-        return (f"fp8={self.fp8_recipe}{'(' + ','.join(fp8) + ')' if fp8 else ''} "
-                f"fp4={self.fp4_recipe}{'(' + ','.join(fp4) + ')' if fp4 else ''}")
+        parts = []
+        if Precision.FP8 in uses:
+            parts.append(f"fp8={self.fp8_recipe}{'(' + ','.join(fp8) + ')' if fp8 else ''}")
+        if Precision.FP4 in uses:
+            parts.append(f"fp4={self.fp4_recipe}{'(' + ','.join(fp4) + ')' if fp4 else ''}")
+        return " ".join(parts) or "none (BF16 only)"
 
     def to_dict(self) -> dict:
         """Plain JSON-ready values (what a quant_recipe config dict carries)."""

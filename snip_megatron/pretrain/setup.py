@@ -196,21 +196,26 @@ def _loss_on_every_rank(loss):
     return float(t.item())
 
 
-def model_shape(args):
-    """The ModelShape of Megatron's arguments (for the controller's FLOP table)."""
+def model_shape(args, transformer_config=None):
+    """The ModelShape of Megatron's arguments (for the controller's FLOP table and TE's shape
+    rules); the head width and MLP gating from the model's TransformerConfig when given."""
     from snip_megatron.shapes import ModelShape
 
+    config = transformer_config
     return ModelShape(name="megatron", num_layers=args.num_layers, hidden_size=args.hidden_size,
                       ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
                       num_query_groups=args.num_query_groups or args.num_attention_heads,
-                      vocab_size=args.padded_vocab_size, seq_length=args.seq_length)
+                      vocab_size=args.padded_vocab_size, seq_length=args.seq_length,
+                      kv_channels=getattr(config, "kv_channels", None) or getattr(args, "kv_channels", None),
+                      gated_linear_unit=bool(getattr(config, "gated_linear_unit", getattr(args, "swiglu", True))))
 
 
-def te_shape_exclusions(snip: SnipConfig, args) -> dict:
+def te_shape_exclusions(snip: SnipConfig, args, transformer_config=None) -> dict:
     """The planned linears TE cannot run in FP8/FP4 on this layout (its shape rules), per precision."""
     from snip_megatron.te.shapes import te_exclusions
 
-    return te_exclusions(model_shape(args), snip.formats, snip.uses, tp=args.tensor_model_parallel_size,
+    return te_exclusions(model_shape(args, transformer_config), snip.formats, snip.uses,
+                         tp=args.tensor_model_parallel_size,
                          sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                          cp=getattr(args, "context_parallel_size", 1) or 1, micro_batch_size=args.micro_batch_size)
 
@@ -222,7 +227,8 @@ def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None
     from snip_megatron.megatron.layout import pipeline_stages
 
     stages = pipeline_stages(transformer_config) if args.pipeline_model_parallel_size > 1 else None
-    return SnipController(snip, model_shape(args), total_steps=args.train_iters, run_dir=args.save,
+    return SnipController(snip, model_shape(args, transformer_config), total_steps=args.train_iters,
+                          run_dir=args.save,
                           tokens_per_step=args.global_batch_size * args.seq_length, stages=stages,
                           log=_print_rank_0, excluded=excluded)
 
@@ -290,7 +296,7 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     transformer = model_cfg.transformer
     user_recipe = transformer.quant_recipe
     check_user_recipe(user_recipe, args.num_layers, "--te-precision-config-file")
-    excluded = te_shape_exclusions(snip, args) if backend == "te" else None
+    excluded = te_shape_exclusions(snip, args, transformer) if backend == "te" else None
     run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer, excluded=excluded),
                   backend=backend, sm=sm, num_layers=args.num_layers, seq_length=args.seq_length,
                   micro_batch_size=args.micro_batch_size, user_recipe=user_recipe)
@@ -299,7 +305,7 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     model_cfg.transformer_layer_spec = snip_layer_spec(run, model_cfg.transformer_layer_spec)
     seams.install(run)
     plan = run.controller.plan
-    _print_rank_0(f"[snip] on; backend {backend}; formats {snip.formats.short_str()}; plan: "
+    _print_rank_0(f"[snip] on; backend {backend}; formats {snip.formats.short_str(snip.uses)}; plan: "
                   f"{getattr(run.controller, 'plan_source', '?')} {plan.counts()}")
     if backend == "te":
         from snip_megatron.megatron.te_run import startup_lines
@@ -315,7 +321,9 @@ def setup_megatron_lm(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
 
     Call after `model_cfg = gpt_config_from_args(args)`, before `pretrain(...)`. Does nothing
     without --snip / --snip-plan / --snip-baseline. A setting SNIP cannot run exits with the reason."""
+    from snip_megatron.megatron.args import named_as_flags
+
     try:
         return start(args, model_cfg, controller=controller)
     except ValueError as e:
-        raise SystemExit(f"pretrain_gpt.py: SNIP: {e}") from None
+        raise SystemExit(f"pretrain_gpt.py: SNIP: {named_as_flags(str(e))}") from None

@@ -128,6 +128,8 @@ def test_defaults_are_unchanged():
     assert Formats(fp4_recipe="mxfp4").spec("fp4") == Formats(fp4_recipe="mxfp4",
                                                               fp4_gradient_rounding="nearest").spec("fp4")
     assert Formats().short_str() == "fp8=blockwise fp4=nvfp4"
+    assert Formats(fp8_block_scales="pow2").short_str(("bf16", "fp8")) == "fp8=blockwise(pow2)"  # Hopper's TE plan
+    assert Formats().short_str(("bf16",)) == "none (BF16 only)"
     assert Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest").short_str() == \
         "fp8=blockwise(pow2) fp4=nvfp4(nearest)"
 

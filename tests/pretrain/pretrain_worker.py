@@ -1,9 +1,14 @@
 """snip-pretrain-gpt with a probe on its controller: what the model Megatron built and the first
 batch look like, per rank, written to OUT/rank<r>.json; with Transformer Engine's linears, what
 every planned TE linear was told to run and what it ran, after each step, in
-OUT/rank<r>_te.jsonl.
+OUT/rank<r>_te.jsonl, with its run-time state at the end of the step (`te_runtime`): whether TE
+fuses its weight-gradient accumulation, whether its weight moved over the step, its `main_grad`,
+and where its quantized forward got the weight from (the TE double's weight workspace).
 
     python tests/pretrain/pretrain_worker.py OUT <Megatron-LM and --snip* arguments>
+
+A script that runs SNIP's Megatron-LM set-up itself (the patched Megatron-LM main) gets the same
+probe from `install_probe(OUT)`.
 
 PROBE_BUILD_WITHOUT_RECIPE=1 makes SNIP's layer spec leave `quant_recipe` unset (as a model
 builder that never calls the spec function would): the planned linears are built without a plan
@@ -43,25 +48,72 @@ def use_the_doubles_gpu() -> bool:
 
 def te_state(chunks) -> dict:
     """{"<layer>.<linear>": [planned precision, last run label, last run spec]} of the TE linears."""
-    from snip_megatron.megatron.apply import is_te_linear, list_planned_linears, precision_of
+    from snip_megatron.megatron.apply import precision_of
 
     out = {}
-    for pl in list_planned_linears(chunks):
-        if not is_te_linear(pl.module):
-            continue
+    for pl in te_linears(chunks):
         run = getattr(pl.module, "last_run", None)
         spec = None if run is None or run.spec is None else run.spec.short_str()
         out[str(pl.key)] = [str(precision_of(pl.module)), None if run is None else run.label, spec]
     return out
 
 
+def te_linears(chunks) -> list:
+    """The planned linears of this rank that are TE linears."""
+    from snip_megatron.megatron.apply import is_te_linear, list_planned_linears
+
+    return [pl for pl in list_planned_linears(chunks) if is_te_linear(pl.module)]
+
+
+def te_weights(chunks) -> dict:
+    """{"<layer>.<linear>": a copy of its weight} of the TE linears."""
+    return {str(pl.key): pl.module.weight.detach().clone() for pl in te_linears(chunks)}
+
+
+def te_runtime(chunks, at_start: dict) -> dict:
+    """{"<layer>.<linear>": its run-time state} of the TE linears at the end of a step, right after
+    Megatron's train_step (before SNIP's step-end hook), against `at_start` (te_weights before the
+    step, before SNIP's step-start hook and any measurement):
+
+    - fused: TE was built with `fuse_wgrad_accumulation` (Megatron's gradient-accumulation fusion);
+    - moved: the weight changed over the step;
+    - main_grad: max |weight.main_grad| (None without one). Megatron's train_step zeroes the grad
+      buffers at its start (`zero_grad_buffer`), not after the optimizer step, so at step end
+      main_grad holds exactly this step's accumulated weight gradient;
+    - workspace: where the last quantized forward took its weight from (`last_run.weight_workspace`:
+      none, created, refreshed, reused; "none" also for a high-precision forward);
+    - cache_is_step_start: the cached quantized weight (`_fp8_workspaces["weight"]`) holds the
+      weight as it was at the step's start (None: no cached one, or emptied);
+    - cache_off: `disable_parameter_transpose_cache` (TE quantizes the weight at every micro-batch)."""
+    import torch
+
+    out = {}
+    for pl in te_linears(chunks):
+        key, module = str(pl.key), pl.module
+        before = at_start[key]
+        main_grad = getattr(module.weight, "main_grad", None)
+        run = getattr(module, "last_run", None)
+        cached = getattr(module, "_fp8_workspaces", {}).get("weight")
+        out[key] = {
+            "fused": bool(getattr(module, "fuse_wgrad_accumulation", False)),
+            "moved": not torch.equal(module.weight.detach(), before),
+            "main_grad": None if main_grad is None else float(main_grad.detach().abs().max()),
+            "workspace": None if run is None else run.weight_workspace,
+            "cache_is_step_start": (None if cached is None or cached.values is None
+                                    else torch.equal(cached.values, before)),
+            "cache_off": bool(getattr(module, "disable_parameter_transpose_cache", False)),
+        }
+    return out
+
+
 def probe(controller, out: Path):
     """Record the model and the first batch at the controller's first two hooks, and the TE
-    linears after every step."""
+    linears (what they ran, their run-time state) after every step."""
     import torch.distributed as dist
 
     on_train_start, on_step_start = controller.on_train_start, controller.on_step_start
     on_step_end = controller.on_step_end
+    at_start: dict = {}
 
     def start(ctx):
         from snip_megatron.megatron.apply import list_planned_linears
@@ -88,15 +140,18 @@ def probe(controller, out: Path):
             record["tokens"] = b["tokens"][0].tolist()
             record["loss_mask"] = b["loss_mask"][0].tolist()
             path.write_text(json.dumps(record))
+        at_start.clear()
+        at_start.update(te_weights(ctx.chunks))  # before any measurement or plan change
         on_step_start(ctx, step)
 
     def step_end(ctx, step, metrics=None):
+        runtime = te_runtime(ctx.chunks, at_start)  # as train_step left them
         on_step_end(ctx, step, metrics)
         state = te_state(ctx.chunks)
         if state:
             with (out / f"rank{dist.get_rank()}_te.jsonl").open("a") as f:
                 plan = {str(k): p.value for k, p in controller.plan.items()}
-                f.write(json.dumps({"step": step, "plan": plan, "linears": state}) + "\n")
+                f.write(json.dumps({"step": step, "plan": plan, "linears": state, "runtime": runtime}) + "\n")
 
     controller.on_train_start, controller.on_step_start = start, step_start
     controller.on_step_end = step_end
@@ -110,16 +165,21 @@ def build_without_recipe() -> None:
     model.merged_recipe = lambda plan, config, vp_stage, **kwargs: kwargs.get("user_recipe")
 
 
+def install_probe(out: Path) -> None:
+    """Every controller SNIP's Megatron-LM set-up makes in this process gets the probe, writing
+    under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    make = setup.make_controller
+    setup.make_controller = lambda *a, **k: probe(make(*a, **k), out)
+
+
 def main():
     import os
 
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
     use_the_doubles_gpu()
     if os.environ.get("PROBE_BUILD_WITHOUT_RECIPE") == "1":
         build_without_recipe()
-    make = setup.make_controller
-    setup.make_controller = lambda *a, **k: probe(make(*a, **k), out)
+    install_probe(Path(sys.argv[1]))
     from snip_megatron.errors import run_cli
     from snip_megatron.pretrain.entry import main as pretrain_main
 

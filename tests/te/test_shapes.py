@@ -95,3 +95,14 @@ def test_a_budget_the_runnable_linears_cannot_meet_is_refused_at_start(tmp_path)
                                          "budget: infeasible budget"):
         controller(tmp_path, fp4_budget=0.95)
     controller(tmp_path, fp4_budget=0.5)  # fine without them
+
+
+def test_shapes_follow_the_models_mlp_gating_and_head_width():
+    """A non-gated MLP and Megatron's kv_channels give TE's rules the shapes the model really has
+    (fc1 of 100 outputs without SwiGLU is refused for FP8, not called 200 x 64)."""
+    plain = ODD_FFN.with_(ffn_hidden_size=100, gated_linear_unit=False)
+    assert local_gemms(plain)["linear_fc1"] == LocalGemm(out_features=100, in_features=64, tokens=32)
+    assert set(te_exclusions(plain, Formats(), (Precision.FP8,))[LayerKey(1, "linear_fc1")]) == {Precision.FP8}
+    wide = ODD_FFN.with_(ffn_hidden_size=192, kv_channels=24)  # 4 heads of 24 channels on hidden 64
+    assert local_gemms(wide)["linear_qkv"].out_features == (4 + 2 * 2) * 24
+    assert local_gemms(wide)["linear_proj"] == LocalGemm(out_features=64, in_features=96, tokens=32)
