@@ -91,14 +91,16 @@ def test_te_linears_switch_through_finish_init(megatron_single):
     recipe = fc1.te_quant_params.training_recipe
     assert recipe.fp4_quantization_recipe == "nvfp4" and recipe.override_nonquantized_autocast
     assert apply_plan(model, b, sm=100) == []  # nothing to do: nothing re-initialised
-    # Hopper: FP4 goes through TE's custom recipe with its reference quantizer factory.
+    # Hopper: no FP4 with TE; a plan with one more FP4 linear is refused whole, nothing changes.
     c = b.replace({"3.linear_fc1": "fp4"})
-    apply_plan(model, c, sm=90)
-    fc1 = {pl.key: pl.module for pl in list_planned_linears(model)}[LayerKey(3, "linear_fc1")]
-    assert fc1.te_quant_params.training_recipe.fp4_quantization_recipe == "custom"
-    assert fc1.te_quant_params.training_recipe.custom_recipe_factory.endswith("nvfp4_ref_rht_2d_quantizer_factory")
+    with pytest.raises(ValueError, match=r"fp4, which the te backend cannot run here: FP4 nvfp4: TE's NVFP4 "
+                                         r"kernels need SM100\+"):
+        apply_plan(model, c, sm=90)
+    assert current_plan(model) == b
+    c = b.replace({"3.linear_fc1": "fp4"})
+    apply_plan(model, c, sm=100)
     # MXFP4 has no TE recipe: the whole plan is refused before any module changes.
-    with pytest.raises(ValueError, match="fp4, which the te backend cannot run here: fp4_recipe='mxfp4' has no"):
+    with pytest.raises(ValueError, match="fp4, which the te backend cannot run here: FP4 mxfp4: fp4_recipe='mxfp4' has no"):
         apply_plan(model, c.replace({"4.linear_fc1": "fp4", "4.linear_qkv": "bf16"}), sm=100,
                    formats=Formats(fp4_recipe="mxfp4"))
     assert current_plan(model) == c

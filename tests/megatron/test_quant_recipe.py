@@ -102,16 +102,18 @@ def test_emulated_and_te_config_dicts():
     recipe = build_recipe(plan, backend="te", sm=100)
     qc = get_quant_config_or_none("decoder.layers.0.mlp.linear_fc1", recipe)
     assert qc.config["training_recipe"]["fp4_quantization_recipe"] == "nvfp4"
-    # On Hopper FP4 runs through TE's custom recipe (its reference quantizer).
-    hopper = build_recipe(plan, backend="te", sm=90)
-    assert hopper.configs["fp4"]["training_recipe"]["fp4_quantization_recipe"] == "custom"
+    # On Hopper TE has no FP4 dict (SNIP plans BF16/FP8 there): a plan with FP4 is refused.
+    with pytest.raises(ValueError, match="fp4, which the te backend cannot run here: FP4 nvfp4: TE's NVFP4 kernels"):
+        build_recipe(plan, backend="te", sm=90)
+    hopper = build_recipe(Plan.uniform(2, "fp8").replace({"1.linear_fc1": "bf16"}), backend="te", sm=90)
+    assert set(hopper.configs) == {"bf16", "fp8"}
     assert hopper.configs["fp8"]["training_recipe"]["fp8_quantization_recipe"] == "blockwise"
     # MXFP8 on Hopper has no TE kernel: the entry is absent and a plan using it is refused.
     mx = Formats(fp8_recipe="mxfp8")
-    assert set(config_dict_for("te", sm=90, formats=mx)) == {"bf16", "fp4"}
+    assert set(config_dict_for("te", sm=90, formats=mx)) == {"bf16"}
     with pytest.raises(ValueError, match="fp8, which the te backend cannot run here: FP8 mxfp8: TE's MXFP8 needs SM100"):
         build_recipe(plan, backend="te", sm=90, formats=mx)
-    build_recipe(Plan.uniform(2, "fp4"), backend="te", sm=90, formats=mx)  # no FP8 linear: fine
+    build_recipe(Plan.uniform(2, "bf16"), backend="te", sm=90, formats=mx)  # no FP8 linear: fine
 
 
 @pytest.mark.parametrize("pp, vpp, expected", [

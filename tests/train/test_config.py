@@ -61,9 +61,11 @@ def test_te_backend_checks_its_formats_against_the_gpu(monkeypatch):
     def check(formats):
         return Trainer._te_gpu(SimpleNamespace(config=TrainConfig(backend="te", formats=formats)))
 
-    assert check(Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest")) == 90
-    assert check(Formats(fp8_block_scales="pow2", fp4_recipe="mxfp4")) == 90  # no TE FP4: refused per plan
+    assert check(Formats(fp8_block_scales="pow2")) == 90  # no TE FP4 on SM90: refused per plan
+    assert check(Formats(fp8_block_scales="pow2", fp4_recipe="mxfp4")) == 90
     with pytest.raises(ValueError, match="TrainConfig.formats.fp8_block_scales='fp32', but TE runs pow2"):
         check(Formats())
-    with pytest.raises(ValueError, match=r"but Transformer Engine runs fp8=blockwise\(pow2\) fp4=nvfp4\(nearest\)"):
-        check(Formats(fp8_block_scales="pow2"))  # NVFP4 with stochastic gradients: not on SM90
+    monkeypatch.setattr(gpu, "current_sm", lambda: 100)
+    with pytest.raises(ValueError, match=r"fp4_gradient_rounding='nearest', but TE's NVFP4 rounds gradients "
+                                         r"stochastically"):
+        check(Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest"))  # TE's NVFP4 rounds stochastically
