@@ -13,7 +13,9 @@ RECIPE = "tests.bridge.tiny:tiny_recipe"
 @pytest.mark.parametrize("argv, message", [
     (["snip.fp4_budget=1.5"], r"SnipConfig.fp4_budget must be a fraction in \[0, 1\], got 1.5"),
     (["snip.interval=5"], "SnipConfig.lag=10 must be smaller than SnipConfig.interval=5"),
-    (["snip.precisions=[fp8]"], r"SnipConfig.precisions=\['fp8'\] must include fp4"),
+    (["snip.precisions=[fp8]"], r"SnipConfig.precisions=\['fp8'\] leaves the planner no choice"),
+    (["snip.precisions=[bf16,fp8]", "snip.budget=fp4_fraction"], r"SnipConfig.precisions=\['bf16', 'fp8'\] must "
+                                                                  r"include fp4"),
     (["snip.fp4_budgt=0.5"], "snip overrides: OverridesError: .*snip.fp4_budgt"),
     (["train.train_itres=3"], "Bridge overrides: OverridesError: .*train.train_itres"),
     (["snip.fp4_budget"], "overrides are KEY=VALUE, got 'snip.fp4_budget'"),
