@@ -217,3 +217,25 @@ def _layout_config():
 
     return layout_config(ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                                     num_query_groups=2))
+
+
+def test_a_saved_plan_with_fp4_is_refused_at_start_on_hopper_with_te(te_gpu):
+    """--snip-plan with FP4 linears on SM90 with TE linears: refused before anything is built (TE has
+    no FP4 SNIP plans there), with the reason; the same plan runs on SM100."""
+    from types import SimpleNamespace
+
+    from snip_megatron.plan import Plan
+    from snip_megatron.pretrain.setup import SnipRun
+
+    plan = Plan.uniform(2, "fp8").replace({"1.linear_fc1": "fp4"})
+    for sm in (90, 100):
+        te_gpu(sm)
+        args = megatron_args("--transformer-impl", "transformer_engine", "--snip",
+                             *(["--snip-fp4-budget", "0.1"] if sm == 100 else []))
+        run = SnipRun(config=check_run(args).config, controller=SimpleNamespace(), backend="te", sm=sm)
+        if sm == 90:
+            with pytest.raises(ValueError, match=r"the plan puts linears in fp4, which the te backend cannot run "
+                                                 r"here: FP4 nvfp4: TE's NVFP4 kernels need SM100\+"):
+                run.check_plan_runs(plan)
+        else:
+            run.check_plan_runs(plan)
