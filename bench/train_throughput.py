@@ -2,6 +2,8 @@
 
     python bench/train_throughput.py                      # llama_tiny on the stdlib corpus, CPU
     python bench/train_throughput.py --rounds 5 --steps-per-round 10
+    python bench/train_throughput.py --model llama_1b --num-layers 1 --vocab-size 4096 \
+        --seq-length 256 --micro-batch-size 1        # one llama_1b-shaped layer: GEMMs dominate
 
 One Trainer, one model: the precisions take turns in rounds (each round times `steps-per-round`
 optimizer steps per precision after a warm-up step), so a busy machine slows all three alike. The
@@ -27,6 +29,9 @@ PRECISIONS = ("bf16", "fp8", "fp4")
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama_tiny")
+    p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--vocab-size", type=int, default=None, help="override the preset's vocabulary")
+    p.add_argument("--seq-length", type=int, default=None, help="override the preset's sequence length")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps-per-round", type=int, default=5)
@@ -35,8 +40,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     shape = get_shape(args.model)
+    overrides = {"num_layers": args.num_layers, "vocab_size": args.vocab_size, "seq_length": args.seq_length}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if overrides:
+        shape = shape.with_(**overrides)
     per_precision = args.rounds * (args.steps_per_round + 1)
-    config = TrainConfig(model=args.model, steps=per_precision * len(PRECISIONS),
+    config = TrainConfig(model=shape, steps=per_precision * len(PRECISIONS),
                          micro_batch_size=args.micro_batch_size, eval_interval=None, progress=False,
                          data=DataConfig(vocab_size=shape.vocab_size, cache_dir=args.data_cache,
                                          max_bytes=args.max_bytes))
