@@ -1,5 +1,8 @@
 """Fake quantization: tensor -> Q(tensor) (dequantized), optionally with its codes and scales.
 
+`quantize` runs the fused path (`formats/fused.py`); `quantize_reference` is the plain eager
+implementation it is tested against, bit for bit, and the definition of the numerics below.
+
 Numerics follow the hardware recipes and, where torchao has a reference, match it bit for bit:
 NVFP4 = torchao `nvfp4_quantize(x, 16, per_tensor_amax_to_scale(amax))` then dequantize;
 MX = torchao `to_mx(x, dtype, 32, RCEIL)` then dequantize. FP8 element casts are torch's float8
@@ -55,7 +58,6 @@ class QuantizedTensor(NamedTuple):
     """NVFP4 FP32 per-tensor decode scale (amax / 2688); None otherwise."""
 
 
-@torch.no_grad()
 def quantize(tensor: torch.Tensor, cast: CastConfig | None, *, dim: int = -1,
              out_dtype: torch.dtype | None = None, generator: torch.Generator | None = None,
              noise: torch.Tensor | None = None, amax_group=None,
@@ -68,16 +70,46 @@ def quantize(tensor: torch.Tensor, cast: CastConfig | None, *, dim: int = -1,
     generator / noise: random bits for stochastic rounding; `noise` (U[0,1), tensor's shape) wins.
     amax_group: process group over which the per-tensor amax is all-reduced (tensor parallelism).
     return_codes: return a QuantizedTensor instead of the dequantized tensor.
+
+    The result equals `quantize_reference(...)` bit for bit (the fused path, `formats/fused.py`).
+    A dim-0 result may be a transposed view.
     """
-    out_dtype = tensor.dtype if out_dtype is None else out_dtype
+    early = _check(tensor, cast, out_dtype, return_codes)
+    if early is not None:
+        return early
+    if cast.element is not ElementFormat.E2M1:  # FP8 casts: the reference, for now
+        return quantize_reference(tensor, cast, dim=dim, out_dtype=out_dtype, generator=generator,
+                                  noise=noise, amax_group=amax_group, return_codes=return_codes)
+    from snip_megatron.formats.fused import quantize_fused
+
+    return quantize_fused(tensor, cast, dim=dim, out_dtype=out_dtype, noise=noise,
+                          generator=generator, amax_group=amax_group, return_codes=return_codes)
+
+
+def _check(tensor, cast, out_dtype, return_codes):
+    """The argument checks of both paths; the result itself when there is nothing to quantize."""
     if cast is None:
         if return_codes:
             raise ValueError("return_codes=True needs a CastConfig (cast=None means no quantization)")
-        return tensor.to(out_dtype)
+        return tensor.to(tensor.dtype if out_dtype is None else out_dtype)
     if not tensor.is_floating_point():
         raise ValueError(f"quantize needs a floating-point tensor, got {tensor.dtype}")
     if tensor.dim() < 1 or tensor.numel() == 0:
         raise ValueError(f"quantize needs a non-empty tensor, got shape {tuple(tensor.shape)}")
+    return None
+
+
+@torch.no_grad()
+def quantize_reference(tensor: torch.Tensor, cast: CastConfig | None, *, dim: int = -1,
+                       out_dtype: torch.dtype | None = None, generator: torch.Generator | None = None,
+                       noise: torch.Tensor | None = None, amax_group=None,
+                       return_codes: bool = False) -> "torch.Tensor | QuantizedTensor":
+    """The eager reference of `quantize` (same arguments): one whole-tensor step at a time, as
+    the rules above state it. Tests hold the fused path to it."""
+    early = _check(tensor, cast, out_dtype, return_codes)
+    if early is not None:
+        return early
+    out_dtype = tensor.dtype if out_dtype is None else out_dtype
     x, transposed = _gemm_layout(tensor.float(), dim)
     rows, cols = x.shape
     br, bc = cast.block if cast.block is not None else (1, 1)
@@ -226,10 +258,13 @@ def _quantize_blocked(x, cast, amax_group, u, want_codes):
     return deq, codes, scales.reshape(nr, nc), tensor_scale
 
 
-def quantize_for_role(tensor: torch.Tensor, spec, role, **kwargs) -> "torch.Tensor | QuantizedTensor":
+def quantize_for_role(tensor: torch.Tensor, spec, role, *, reference: bool = False,
+                      **kwargs) -> "torch.Tensor | QuantizedTensor":
     """quantize() with the role's cast and blocking dim: `tensor` is the role's operand in its
-    natural layout (X: [..., k] tokens x in-features, W: m x k, G_Y: [..., m]); kwargs as quantize."""
+    natural layout (X: [..., k] tokens x in-features, W: m x k, G_Y: [..., m]); kwargs as quantize.
+    reference=True runs `quantize_reference`."""
     from snip_megatron.formats.spec import Role
 
     role = Role(role)
-    return quantize(tensor, spec.cast(role), dim=role.contraction_dim, **kwargs)
+    fn = quantize_reference if reference else quantize
+    return fn(tensor, spec.cast(role), dim=role.contraction_dim, **kwargs)

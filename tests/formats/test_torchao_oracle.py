@@ -1,4 +1,5 @@
-"""Bit-exact agreement with torchao's pure-PyTorch reference quantizers (CPU)."""
+"""Bit-exact agreement with torchao's pure-PyTorch reference quantizers (CPU), of the fused
+quantizer and of the eager reference it is tested against."""
 
 import warnings
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from snip_megatron.formats import FormatSpec, quantize
+from snip_megatron.formats import FormatSpec, quantize, quantize_reference
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -75,8 +76,12 @@ CASES = {
 }
 
 
+PATHS = pytest.mark.parametrize("quantize", [quantize, quantize_reference], ids=["fused", "reference"])
+
+
+@PATHS
 @pytest.mark.parametrize("name", list(CASES))
-def test_nvfp4_matches_torchao(name):
+def test_nvfp4_matches_torchao(name, quantize):
     x = CASES[name]
     ours = quantize(x, NVFP4_1x16, return_codes=True, out_dtype=torch.float32)
     pts = per_tensor_amax_to_scale(x.float().abs().amax())
@@ -90,8 +95,9 @@ def test_nvfp4_matches_torchao(name):
 
 @pytest.mark.parametrize("cast,elem", [(MXFP4, torch.float4_e2m1fn_x2), (MXFP8, torch.float8_e4m3fn)],
                          ids=["mxfp4", "mxfp8"])
+@PATHS
 @pytest.mark.parametrize("name", list(CASES))
-def test_mx_matches_torchao_rceil(name, cast, elem):
+def test_mx_matches_torchao_rceil(name, cast, elem, quantize):
     x = CASES[name]
     ours = quantize(x, cast, return_codes=True, out_dtype=torch.float32)
     exp, data = to_mx(x, elem, 32, ScaleCalculationMode.RCEIL)
@@ -104,8 +110,9 @@ def test_mx_matches_torchao_rceil(name, cast, elem):
     assert torch.equal(ours.dequantized, ref)
 
 
+@PATHS
 @pytest.mark.parametrize("shape", [(7, 50), (3, 5), (33, 17)])
-def test_non_multiple_shapes_pad_with_zeros(shape):
+def test_non_multiple_shapes_pad_with_zeros(shape, quantize):
     # Policy: zero-pad to whole blocks, quantize, crop. torchao rejects such shapes, so compare with
     # torchao on the zero-padded tensor.
     x = _magnitudes(*shape, lo=-3, hi=3, seed=2)
@@ -120,7 +127,8 @@ def test_non_multiple_shapes_pad_with_zeros(shape):
     assert torch.equal(quantize(x, MXFP4, out_dtype=torch.float32), ref)
 
 
-def test_rceil_where_torchao_log2_rounds_down():
+@PATHS
+def test_rceil_where_torchao_log2_rounds_down(quantize):
     # descale = amax / 6 a hair above 2**4: exact RCEIL (hardware cvt.rp) gives 2**5; torchao's
     # eager ceil(log2()) rounds to 4 and then saturates the block maximum. We follow the hardware.
     descale = torch.tensor(16.0) * (1 + 2.0**-23)
