@@ -77,9 +77,6 @@ def quantize(tensor: torch.Tensor, cast: CastConfig | None, *, dim: int = -1,
     early = _check(tensor, cast, out_dtype, return_codes)
     if early is not None:
         return early
-    if cast.element is not ElementFormat.E2M1:  # FP8 casts: the reference, for now
-        return quantize_reference(tensor, cast, dim=dim, out_dtype=out_dtype, generator=generator,
-                                  noise=noise, amax_group=amax_group, return_codes=return_codes)
     from snip_megatron.formats.fused import quantize_fused
 
     return quantize_fused(tensor, cast, dim=dim, out_dtype=out_dtype, noise=noise,

@@ -1,5 +1,4 @@
-"""The fused quantizer (`quantize`) against the eager reference (`quantize_reference`), bit for bit
-(FP4 casts here; the FP8 casts run the reference until they are fused too).
+"""The fused quantizer (`quantize`) against the eager reference (`quantize_reference`), bit for bit.
 
 Every recipe and variant (FP8 blockwise with FP32 and power-of-two scales, E4M3 and HYBRID E5M2,
 tensorwise, MXFP8; NVFP4 with its 2D weight tiles, RHT and stochastic or nearest gradients;
@@ -35,7 +34,7 @@ FORMATS = {
     "tensorwise_e4m3": Formats(fp8_recipe="tensorwise", fp8_format="e4m3"),
     "mxfp8": Formats(fp8_recipe="mxfp8"),
 }
-SPECS = {}
+SPECS = {name: f.spec("fp8") for name, f in FORMATS.items()}
 SPECS["nvfp4"] = Formats().spec("fp4")
 SPECS["nvfp4_nearest"] = Formats(fp4_gradient_rounding="nearest").spec("fp4")
 SPECS["mxfp4"] = Formats(fp4_recipe="mxfp4").spec("fp4")
@@ -150,7 +149,7 @@ def test_fused_equals_reference_every_role(case, spec_name, chunking):
             assert_same_quantization(x, cast, role.contraction_dim, out_dtype=out_dtype, noise=noise)
 
 
-@pytest.mark.parametrize("spec_name", ["nvfp4", "nvfp4_nearest", "mxfp4"])
+@pytest.mark.parametrize("spec_name", ["nvfp4", "nvfp4_nearest", "blockwise_hybrid"])
 def test_same_generator_same_bits(spec_name):
     # Drawn from a generator, the noise is the reference's draw: same seed, same result.
     spec = SPECS[spec_name]
@@ -174,7 +173,7 @@ def _grid_probe(lo_exp: int, hi_exp: int) -> torch.Tensor:
     return torch.cat([pos, -pos, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
 
 
-@pytest.mark.parametrize("element", [ElementFormat.E2M1])
+@pytest.mark.parametrize("element", list(ElementFormat))
 def test_element_rounding_equals_the_casts(element):
     # The magic-number rounding against torch's float8 casts (after saturation) and the
     # reference's E2M1 rounding, on every tie, its neighbours and every binade in range.
@@ -203,7 +202,7 @@ def test_weight_and_activation_shapes_of_the_benchmarks():
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(512, 704, generator=g) * 3).bfloat16()
     w = (torch.randn(704, 128, generator=g) / 10).bfloat16()
-    for spec_name, role in itertools.product(("nvfp4", "mxfp4"), Role):
+    for spec_name, role in itertools.product(("blockwise", "nvfp4", "mxfp4", "tensorwise"), Role):
         t = w if role.operand == "weight" else x
         cast = SPECS[spec_name].cast(role)
         noise = torch.rand(t.shape, generator=g) if cast.rounding is Rounding.STOCHASTIC else None
