@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from snip_megatron.formats.fused import reserve_cpu_scratch  # noqa: E402
 from snip_megatron.shapes import ModelShape, get_shape  # noqa: E402
 from snip_megatron.stats import scale_model as sm  # noqa: E402
 
@@ -68,9 +69,13 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # An output on an input's storage (a view, an in-place op) allocated nothing: an untracked
+        # storage it views was there before the mode (e.g. the quantizer's kept CPU scratch).
+        inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track(t, inputs)
         return out
 
     def _viewing(self, key) -> list:
@@ -81,13 +86,15 @@ class LiveBytes(TorchDispatchMode):
                 alive.append(ref)
         return alive
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor, inputs=frozenset()) -> None:
         storage = t.untyped_storage()
         n, key = storage.nbytes(), storage.data_ptr()
         if n == 0:
             return
         if key in self.views and not self._viewing(key):
             self._free(key)  # a stale entry: its tensors moved to other storage
+        if key not in self.views and key in inputs:
+            return
         if key not in self.views:
             self.views[key], self.size[key] = [], n
             self.live += n
@@ -304,6 +311,9 @@ def main(argv=None) -> None:
 
     runtime.init_process_group()
     _install_hook_tagging()
+    # The fused quantizer keeps per-thread scratch on CPU (a GPU allocates it per call, inside
+    # the quantization peak that calibrate() measures); allocated here, before any counting.
+    reserve_cpu_scratch()
     quant = calibrate()
     print("quantization error E = Q(T) - T, peak bytes per float32 input element:")
     print("  " + ", ".join(f"{p}/{r} {v:.1f}" for (p, r), v in quant.items()))

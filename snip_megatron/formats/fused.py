@@ -239,6 +239,12 @@ def _scratch(n: int, device) -> _Scratch:
     return kept
 
 
+def reserve_cpu_scratch() -> None:
+    """Allocate this thread's CPU scratch at its largest size now, so that no later call grows it
+    (memory accounting that should see what a GPU allocates: bench/measure_scale.py)."""
+    _scratch(4 * CHUNK_ELEMENTS, torch.device("cpu"))
+
+
 def _round_in_place(y, element: ElementFormat, u, scratch: _Scratch, c: dict) -> None:
     """y (flat float32) -> its values on the element grid, saturated, sign kept (-0 stays -0,
     NaN stays NaN): nearest-even, or stochastic with noise u (y's rows, x's layout)."""

@@ -298,7 +298,9 @@ def adam_bytes(lay: MeasureLayout) -> int:
     largest = max(r * c for r, c, _, _ in lay.linears().values())
     if lay.distributed_optimizer:
         largest = math.ceil(largest / (lay.dp * lay.cp))
-    blocks = 6 * 8 * min(largest, BLOCK_ELEMS)
+    # five float64 blocks live at once in adam.py's loop (v_hat, denom, scale, and the update's
+    # two temporaries; the moments themselves are read through views, not copied)
+    blocks = 5 * 8 * min(largest, BLOCK_ELEMS)
     return int(blocks + (2 * 4 * largest if lay.moment_bytes == 1 else 0))
 
 
