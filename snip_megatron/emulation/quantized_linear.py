@@ -8,8 +8,13 @@ Each Q is the role quantizer of the layer's FormatSpec (formats.Role). Quantized
 dequantized to float32 and multiplied in float32 (the tensor cores accumulate in FP32); results come
 back in the input's dtype (G_W in the weight's). Operands that a spec leaves unquantized (BF16) go
 through the plain GEMM in their own dtype, as Megatron's local linear computes it.
-Works on any device; the high-precision X and W are saved and re-quantized in backward, so the
-layer keeps the memory footprint of the BF16 layer.
+Works on any device. Each operand is quantized once per GEMM role, and once for two roles whose
+casts give the same values (`shares_quantization`): W's fprop and dgrad casts with one scale or
+square tiles (blockwise FP8's 128x128, NVFP4's 16x16); X's and G_Y's under tensorwise FP8.
+Backward keeps what its GEMMs read: X in high precision, re-quantized for wgrad along the token
+dim (or, under tensorwise FP8, fprop's quantized X in its place), and fprop's quantized W where
+dgrad shares its quantization. Quantized operands are kept in FP32, the form the emulated GEMM
+reads: a kept quantized W costs 4 bytes per weight element from forward to backward.
 """
 
 from __future__ import annotations
@@ -59,28 +64,41 @@ class QuantizedLinear(torch.autograd.Function):
         output = _gemm(input_q, weight_q.t())
         if bias is not None:
             output = output + bias  # in FP32 when quantized, as a GEMM epilogue
-        ctx.save_for_backward(input, weight)
+        # Save what the backward GEMMs read: fprop's quantized operand where the backward role
+        # shares its quantization, else the high-precision one (re-quantized in backward).
+        share_input = ctx.needs_input_grad[1] and shares_quantization(spec, Role.FPROP_INPUT, Role.WGRAD_INPUT)
+        wgrad_input = input_q if share_input else input_hp
+        dgrad_weight_q = (weight_q if ctx.needs_input_grad[0]
+                          and shares_quantization(spec, Role.FPROP_WEIGHT, Role.DGRAD_WEIGHT) else None)
+        ctx.save_for_backward(wgrad_input, weight, dgrad_weight_q)
         ctx.spec, ctx.runtime, ctx.has_bias = spec, runtime, bias is not None
+        ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
+        ctx.wgrad_input_is_quantized = share_input
         return output.to(input.dtype).reshape(*input.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors
+        wgrad_input, weight, dgrad_weight_q = ctx.saved_tensors
         spec, runtime = ctx.spec, ctx.runtime
         grad_output_hp = grad_output.reshape(-1, grad_output.shape[-1])
-        input_hp = input.reshape(-1, input.shape[-1])
-        grad_input = grad_weight = grad_bias = None
+        grad_input = grad_weight = grad_bias = grad_output_q = None
 
         if ctx.needs_input_grad[0]:
             grad_output_q = _q(grad_output_hp, spec, Role.DGRAD_GRAD_OUTPUT,
                                runtime.grad_output_group, runtime)
-            weight_q = _q(weight, spec, Role.DGRAD_WEIGHT, runtime.weight_group)
-            grad_input = _gemm(grad_output_q, weight_q).to(input.dtype).reshape(input.shape)
+            if dgrad_weight_q is None:
+                dgrad_weight_q = _q(weight, spec, Role.DGRAD_WEIGHT, runtime.weight_group)
+            grad_input = _gemm(grad_output_q, dgrad_weight_q).to(ctx.input_dtype).reshape(ctx.input_shape)
 
         if ctx.needs_input_grad[1]:
-            grad_output_q_t = _q(grad_output_hp, spec, Role.WGRAD_GRAD_OUTPUT,
-                                 runtime.grad_output_group, runtime)
-            input_q_t = _q(input_hp, spec, Role.WGRAD_INPUT, runtime.input_group)
+            if grad_output_q is not None and shares_quantization(spec, Role.DGRAD_GRAD_OUTPUT,
+                                                                 Role.WGRAD_GRAD_OUTPUT):
+                grad_output_q_t = grad_output_q
+            else:
+                grad_output_q_t = _q(grad_output_hp, spec, Role.WGRAD_GRAD_OUTPUT,
+                                     runtime.grad_output_group, runtime)
+            input_q_t = (wgrad_input if ctx.wgrad_input_is_quantized
+                         else _q(wgrad_input, spec, Role.WGRAD_INPUT, runtime.input_group))
             grad_weight = _gemm(grad_output_q_t.t(), input_q_t).to(weight.dtype)
             if runtime.accumulate_into_main_grad:
                 grad_weight = _accumulate_main_grad(weight, grad_weight)
@@ -88,6 +106,16 @@ class QuantizedLinear(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output_hp.sum(dim=0)
         return grad_input, grad_weight, grad_bias, None, None
+
+
+def shares_quantization(spec: FormatSpec, a: Role, b: Role) -> bool:
+    """Whether roles `a` and `b` of one operand quantize it to the same values: the same cast,
+    deterministic (nearest rounding, no Hadamard transform), and blocks that do not depend on which
+    dim is contracted (one scale for the tensor, or square tiles)."""
+    cast = spec.cast(a)
+    return (cast is not None and cast == spec.cast(b) and not cast.hadamard
+            and cast.rounding is Rounding.NEAREST_EVEN
+            and (cast.block is None or cast.block[0] == cast.block[1]))
 
 
 def _q(tensor, spec, role, group, runtime: QuantRuntime | None = None):

@@ -1,7 +1,10 @@
+import sys
+
 import pytest
 import torch
 
 from snip_megatron.emulation import QuantRuntime, quantized_linear
+from snip_megatron.emulation.quantized_linear import shares_quantization
 from snip_megatron.formats import FormatSpec, Role, quantize_for_role
 
 RECIPES = {"blockwise": ("fp8", {}), "tensorwise": ("fp8", {"fp8_recipe": "tensorwise"}),
@@ -127,3 +130,58 @@ def test_quantized_gemm_runs_at_highest_fp32_precision(monkeypatch):
         assert torch.get_float32_matmul_precision() == "high"  # restored
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+# Roles of one operand whose quantizations are the same values, per recipe: W's fprop and dgrad
+# casts with one scale or square tiles; X's and G_Y's fprop/wgrad and dgrad/wgrad casts with one
+# scale (tensorwise FP8).
+SHARED = {"blockwise": {"weight"}, "tensorwise": {"weight", "grad_output", "input"}, "mxfp8": set(),
+          "nvfp4": {"weight"}, "mxfp4": set()}
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_shared_quantizations_follow_the_casts(name):
+    spec = _spec(name)
+    shared = {operand for operand, (a, b) in {
+        "weight": (Role.FPROP_WEIGHT, Role.DGRAD_WEIGHT),
+        "grad_output": (Role.DGRAD_GRAD_OUTPUT, Role.WGRAD_GRAD_OUTPUT),
+        "input": (Role.FPROP_INPUT, Role.WGRAD_INPUT)}.items() if shares_quantization(spec, a, b)}
+    assert shared == SHARED[name]
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_each_operand_is_quantized_once_per_distinct_cast(name, monkeypatch):
+    spec = _spec(name)
+    calls = []
+
+    def counting(tensor, spec, role, **kw):
+        calls.append(Role(role))
+        return quantize_for_role(tensor, spec, role, **kw)
+
+    # the module, not the function the package exports under the same name
+    monkeypatch.setattr(sys.modules["snip_megatron.emulation.quantized_linear"], "quantize_for_role", counting)
+    _run(*_data(), spec)
+    expected = set(Role)
+    if "weight" in SHARED[name]:
+        expected.discard(Role.DGRAD_WEIGHT)
+    if "grad_output" in SHARED[name]:
+        expected.discard(Role.WGRAD_GRAD_OUTPUT)
+    if "input" in SHARED[name]:
+        expected.discard(Role.WGRAD_INPUT)
+    assert sorted(calls) == sorted(expected)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("m", [200, 48])
+def test_shared_quantizations_are_bit_exact_on_partial_tiles(name, m):
+    # W [m, 256] with m not a multiple of the 128x128 (FP8) tiles: a partial tile row at the edge.
+    spec = _spec(name)
+    x, w, gy = _data(m=m, seed=3)
+    y, gx, gw, _ = _run(x, w, gy, spec, seed=7)
+    x2, gy2 = x.reshape(-1, 256), gy.reshape(-1, m)
+    q = lambda t, role, **kw: quantize_for_role(t, spec, role, out_dtype=torch.float32, **kw)  # noqa: E731
+    g = torch.Generator().manual_seed(7)
+    u_dgrad, u_wgrad = torch.rand(gy2.shape, generator=g), torch.rand(gy2.shape, generator=g)
+    assert torch.equal(gx.reshape(-1, 256), q(gy2, Role.DGRAD_GRAD_OUTPUT, noise=u_dgrad) @ q(w, Role.DGRAD_WEIGHT))
+    assert torch.equal(gw, q(gy2, Role.WGRAD_GRAD_OUTPUT, noise=u_wgrad).t() @ q(x2, Role.WGRAD_INPUT))
+    assert torch.equal(y.reshape(-1, m), q(x2, Role.FPROP_INPUT) @ q(w, Role.FPROP_WEIGHT).t())
