@@ -94,6 +94,11 @@ def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
     }
 
 
+def keys(num_layers: int) -> list[LayerKey]:
+    """Every key of a GPT with `num_layers` layers, in forward order (no shape needed)."""
+    return [LayerKey(layer, s.name) for layer in range(1, num_layers + 1) for s in LINEARS]
+
+
 def entry(layer: int, name: str, out_in: tuple[int, int], *, sequence_parallel: bool = False) -> InventoryEntry:
     slot = SLOTS[name]
     # Under SP a column-parallel linear gathers its token-sharded input itself; a row-parallel one
