@@ -118,34 +118,42 @@ def _pattern(path: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 
 
+def planned_modules(chunk):
+    """(module path, module, entry) of every planned linear of one built chunk, in registration
+    order; `entry` is the linear's inventory entry, its layer number the enclosing layer's
+    `layer_number`, its whole shape its weight's times TP along the sharded dim."""
+    for path, module in chunk.named_modules():
+        parsed = parse_path(path)
+        if parsed is None:
+            continue
+        number = getattr(chunk.get_submodule(layer_path(path)), "layer_number", None)
+        if not isinstance(number, int):
+            raise ValueError(f"{layer_path(path)!r} has no integer layer_number; not a TransformerLayer?")
+        config = getattr(module, "config", None)
+        tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+        out_f, in_f = (int(d) for d in module.weight.shape)
+        kind = SLOTS[parsed[1]].kind
+        whole = (out_f * tp, in_f) if kind is ParallelKind.COLUMN else (out_f, in_f * tp)
+        yield path, module, entry(number, parsed[1], whole,
+                                  sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
+
+
 def discover(model_chunks) -> Inventory:
     """This rank's part of the inventory, read from its built chunk(s) (one, or a list under VPP).
 
-    A planned linear is a module under `decoder.layers.<i>` with Megatron's `finish_init` (TE
-    linears and SNIP's emulated ones); its layer number is the enclosing layer's `layer_number`,
-    its whole shape its weight's times TP along the sharded dim. Other modules that take a
-    quant_recipe (MTP, experts) are listed as unplanned."""
+    A planned linear is a module under `decoder.layers.<i>` that takes a quant_recipe through
+    Megatron's `finish_init` (TE linears and SNIP's emulated ones). Other modules that take one
+    (MTP, experts) are listed as unplanned."""
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     found, unplanned = [], dict.fromkeys(UNPLANNED)
     for chunk in chunks:
+        for path, module, e in planned_modules(chunk):
+            if callable(getattr(module, "finish_init", None)):
+                found.append(e)
         for path, module in chunk.named_modules():
-            if not callable(getattr(module, "finish_init", None)):
-                continue
-            parsed = parse_path(path)
-            if parsed is None:
+            if callable(getattr(module, "finish_init", None)) and parse_path(path) is None:
                 unplanned[Unplanned(_pattern(path), "takes a quant_recipe but the GPT adapter does not plan "
                                                     "it (not a decoder layer's attention or dense MLP linear)")] = None
-                continue
-            number = getattr(chunk.get_submodule(layer_path(path)), "layer_number", None)
-            if not isinstance(number, int):
-                raise ValueError(f"{layer_path(path)!r} has no integer layer_number; not a TransformerLayer?")
-            config = getattr(module, "config", None)
-            tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
-            out_f, in_f = (int(d) for d in module.weight.shape)
-            kind = SLOTS[parsed[1]].kind
-            whole = (out_f * tp, in_f) if kind is ParallelKind.COLUMN else (out_f, in_f * tp)
-            found.append(entry(number, parsed[1], whole,
-                               sequence_parallel=bool(getattr(config, "sequence_parallel", False))))
     order = {name: i for i, name in enumerate(LINEAR_NAMES)}
     found.sort(key=lambda e: (e.layer, order[e.key.name]))  # modules register proj before qkv
     return Inventory(FAMILY, found, unplanned)

@@ -7,6 +7,8 @@ already in this order), so a plan's order and digest do not depend on how it was
 
 from __future__ import annotations
 
+import zlib
+
 from snip_megatron.models import gpt
 from snip_megatron.models.keys import LayerKey
 
@@ -16,3 +18,17 @@ _RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.LINEAR_NAMES))}
 def forward_order(key: LayerKey) -> tuple[int, int, str]:
     """Sort key: layer, then the linear's position in the forward pass (unknown names last, by name)."""
     return key.layer, _RANK.get(key.name, len(_RANK)), key.name
+
+
+_LEGACY = 4  # the dense GPT's linears per layer, the only names before the inventory
+
+
+def key_index(key: LayerKey) -> int:
+    """A distinct non-negative integer per key (random streams are seeded from it).
+
+    A dense GPT's keys keep the value they always had (layer * 4 + position), so seeded noise and
+    statistics do not change; other names get their own range, from a hash of the name."""
+    rank = _RANK.get(key.name)
+    if rank is not None and rank < _LEGACY:
+        return key.layer * _LEGACY + rank
+    return (1 << 40) + key.layer * (1 << 20) + zlib.crc32(key.name.encode()) % (1 << 20)
