@@ -3,11 +3,15 @@
 The only place that names them. Keys are (global `TransformerLayer.layer_number`, linear name);
 module paths inside a chunk use the layer index local to the pipeline stage / virtual chunk, so a
 chunk's layer offset (Megatron's `get_transformer_layer_offset`) turns one into the other.
-Megatron is imported only inside `discover`, so the pure parts of SNIP can use the rest.
+Megatron is never imported here (the layer-spec helpers and `discover` work on objects Megatron
+built), so the pure parts of SNIP can use the rest.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import re
 from typing import NamedTuple
 
@@ -157,3 +161,60 @@ def discover(model_chunks) -> Inventory:
     order = {name: i for i, name in enumerate(LINEAR_NAMES)}
     found.sort(key=lambda e: (e.layer, order[e.key.name]))  # modules register proj before qkv
     return Inventory(FAMILY, found, unplanned)
+
+
+# -- layer specs: which spec fields hold the planned linears ---------------------------------------
+
+
+def _spec_fields(column_cls, row_cls) -> dict[str, dict[str, object]]:
+    """{layer submodule: {spec field: class}}, each planned linear's class by its parallel kind."""
+    out: dict[str, dict[str, object]] = {}
+    for s in LINEARS:
+        parent, leaf = s.suffix.split(".")
+        out.setdefault(parent, {})[leaf] = column_cls if s.kind is ParallelKind.COLUMN else row_cls
+    return out
+
+
+def _submodules(module_spec):
+    if isinstance(module_spec, functools.partial):  # megatron-core >= 0.17 builds the MLP as a partial
+        return module_spec.keywords.get("submodules")
+    return getattr(module_spec, "submodules", None)
+
+
+def spec_lacks(layer_spec) -> list[str]:
+    """The planned linears (module suffixes) a GPT layer spec has no field for (a block spec,
+    another attention): SNIP cannot plan such a spec."""
+    lacking = []
+    for parent, fields in _spec_fields(None, None).items():
+        subs = _submodules(getattr(getattr(layer_spec, "submodules", None), parent, None))
+        lacking += [f"{parent}.{leaf}" for leaf in fields if not hasattr(subs, leaf)]
+    return lacking
+
+
+def spec_linear_class(layer_spec, suffix: str):
+    """The class a GPT layer spec builds for the planned linear at `suffix` (None if it has none)."""
+    parent, leaf = suffix.split(".")
+    return getattr(_submodules(getattr(layer_spec.submodules, parent, None)), leaf, None)
+
+
+def first_linear_suffix() -> str:
+    """The suffix of a layer's first planned linear (the one a TE spec fuses the input norm into)."""
+    return LINEARS[0].suffix
+
+
+def replace_planned_linears(layer_spec, column_cls, row_cls):
+    """A copy of a GPT layer spec whose column-parallel planned linears are `column_cls` and
+    row-parallel ones `row_cls`. megatron-core 0.16 builds the MLP as `ModuleSpec(MLP,
+    submodules=MLPSubmodules)`, 0.17+ as `functools.partial(MLP.as_mlp_submodule, submodules=...)`."""
+    spec = copy.deepcopy(layer_spec)
+    for parent, fields in _spec_fields(column_cls, row_cls).items():
+        module_spec = getattr(spec.submodules, parent)
+        if isinstance(module_spec, functools.partial):
+            new = dataclasses.replace(module_spec.keywords["submodules"], **fields)
+            module_spec = functools.partial(module_spec.func, *module_spec.args,
+                                            **{**module_spec.keywords, "submodules": new})
+        else:  # a ModuleSpec (deep-copied above)
+            for leaf, cls in fields.items():
+                setattr(module_spec.submodules, leaf, cls)
+        setattr(spec.submodules, parent, module_spec)
+    return spec

@@ -47,8 +47,8 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float | None, 
       --first-last-layers-bf16); FP4 goes to the others from the middle layer outwards.
     - last_fraction: the last ceil(fraction * layers) transformer layers stay high (NVIDIA's NVFP4
       recipe keeps the last ~15%); FP4 goes to the others in forward order.
-    - layer_type: every `keep_type` linear stays high (default: the kind of the model's last linear,
-      a dense GPT's linear_fc2); FP4 goes to the others in forward order.
+    - layer_type: every `keep_type` linear stays high (default: the kind of linear that comes last in
+      forward order, a dense GPT's MLP down-projection); FP4 goes to the others in forward order.
     - min_rel_error: FP4 goes first to the linears whose relative FP4 quantization error (`rel_error`:
       LayerKey -> float, or LayerKey -> {Precision: float}) is smallest.
     - random: FP4 in a random order drawn from `seed`.
