@@ -62,3 +62,25 @@ def test_the_adapter_and_the_inventory_import_no_megatron_nor_torch():
     code = ("import sys, snip_megatron.models.gpt, snip_megatron.models.agree; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_only_the_adapter_names_the_gpt_linears_in_code():
+    """Outside models/gpt.py no code uses a GPT linear's name as a value or an attribute (docstrings
+    and messages may mention them)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(gpt.__file__).resolve().parents[1]
+    names = set(gpt.LINEAR_NAMES)
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == Path(gpt.__file__).resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(package)}:{node.lineno} {node.value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in names:
+                found.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.keyword) and node.arg in names:
+                found.append(f"{path.relative_to(package)}:{node.lineno} {node.arg}=")
+    assert not found, "\n".join(found)
