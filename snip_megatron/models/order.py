@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import zlib
 
-from snip_megatron.models import gpt
+from snip_megatron.models import gpt, hybrid
 from snip_megatron.models.keys import LayerKey
 
-_RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.LINEAR_NAMES))}
+_RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.LINEAR_NAMES + hybrid.NAMES))}
 
 
 def forward_order(key: LayerKey) -> tuple[int, int, str]:

@@ -28,4 +28,5 @@ def _bench_fixture(fixture: str, module: str, file: str):
 quality = _bench_fixture("quality", "bench_quality", "quality.py")
 oracle = _bench_fixture("oracle", "bench_quality_oracle", "quality_oracle.py")
 regimes = _bench_fixture("regimes", "bench_quality_regimes", "quality_regimes.py")
+planner_scale = _bench_fixture("planner_scale", "bench_planner_scale", "planner_scale.py")
 fidelity = _bench_fixture("fidelity", "bench_fidelity", "estimator_fidelity.py")
