@@ -1,4 +1,5 @@
-"""Planner solve time at scale: the 70B layout (80 layers x 4 linears) and a 126-layer 405B-like one.
+"""Planner solve time at scale: the 70B layout (80 layers x 4 linears), a 126-layer 405B-like one and
+a 70B-class HybridModel (112 Mamba / MLP / attention layers in 8 '|' pipeline segments).
 
 Synthetic but shaped costs (FP4 harm ~10x FP8 harm, edge layers more sensitive, lognormal spread);
 real FLOP tables. Every case is solved by CBC (through solve_plan, model building and the CBC
@@ -8,9 +9,11 @@ fallback; the relative gap is CBC's objective over the exact one. cbc_s is the m
 solve_plan (what the controller waits for), cbc_cpu the CBC processes' CPU time per solve; a status
 other than "optimal", or "exact" as solver, means CBC did not prove its answer in its time limit.
 Run: python bench/planner_scale.py [--repeats 3] [--no-plain]. Last line:
-RESULT solve_s_70b=<max over the 70B cases> solve_s_405b=<max over the 405B cases> max_rel_gap=<x>
-max_solve_s=<max over all cases> all_optimal=<1 if CBC proved every case> plain_max_s=<the plain
-model's max> (targets: solve_s_70b < 1.0, max_solve_s < 2.0, all_optimal=1, max_rel_gap=0).
+RESULT solve_s_70b=<max over the 70B cases> solve_s_405b=<max over the 405B cases>
+solve_s_hybrid70b=<max over the hybrid cases, inventory built from the pattern included>
+max_rel_gap=<x> max_solve_s=<max over all cases> all_optimal=<1 if CBC proved every case>
+plain_max_s=<the plain model's max> (targets: solve_s_70b < 1.0, solve_s_hybrid70b < 1.0,
+max_solve_s < 2.0, all_optimal=1, max_rel_gap=0).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from dataclasses import replace
 import numpy as np
 
 from snip_megatron.formats.precision import Precision
+from snip_megatron.models import hybrid
+from snip_megatron.models.inventory import Inventory
 from snip_megatron.planner import (PlannerConfig, cbc_available, flop_table, solve_plan,
                                    stage_of_layers, stages_for_keys)
 from snip_megatron.shapes import ModelShape, get_shape
@@ -33,35 +38,68 @@ from snip_megatron.shapes import ModelShape, get_shape
 LLAMA_405B = ModelShape(name="llama_405b", num_layers=126, hidden_size=16384, ffn_hidden_size=53248,
                         num_attention_heads=128, num_query_groups=8, vocab_size=128256,
                         seq_length=8192)
+# A Nemotron-H-like 70B-class HybridModel: per pipeline segment 6 Mamba, 6 MLP (squared ReLU, not
+# gated) and 2 attention layers; hidden 8192; about 68B parameters in its planned linears.
+HYBRID_70B_PATTERN = "|".join(["M-M-M*-M-M-M*-"] * 8)
+HYBRID_70B = ModelShape(name="hybrid_70b", num_layers=112, hidden_size=8192, ffn_hidden_size=57344,
+                        num_attention_heads=64, num_query_groups=8, gated_linear_unit=False,
+                        vocab_size=131072, seq_length=8192)
+HYBRID_70B_DIMS = hybrid.HybridDims()
 TWO = (Precision.FP8, Precision.FP4)
 THREE = (Precision.BF16, Precision.FP8, Precision.FP4)
 
 
-def synthetic_costs(shape: ModelShape, seed: int) -> dict:
-    """Q_l(p): FP4 lognormal around 1, edge layers up to 4x, FP8 2-10% of FP4, BF16 0."""
+def synthetic_costs(model: "ModelShape | Inventory", seed: int = 0) -> dict:
+    """Q_l(p): FP4 lognormal around 1, edge layers up to 4x, FP8 2-10% of FP4, BF16 0, over a
+    model's inventory (or a dense GPT's shape)."""
     rng = np.random.default_rng(seed)
     costs = {}
-    for key in flop_table(shape, tokens=1):
-        edge = min(key.layer - 1, shape.num_layers - key.layer)
+    keys = list(model.keys()) if isinstance(model, Inventory) else list(flop_table(model, tokens=1))
+    num_layers = max(k.layer for k in keys)
+    for key in keys:
+        edge = min(key.layer - 1, num_layers - key.layer)
         fp4 = float(rng.lognormal(0.0, 0.7) * (1.0 + 3.0 * math.exp(-edge / 2.0)))
         costs[key] = {Precision.BF16: 0.0, Precision.FP8: fp4 * float(rng.uniform(0.02, 0.1)),
                       Precision.FP4: fp4}
     return costs
 
 
+def hybrid_stages(pattern: str, pp: int) -> dict:
+    """Global layer -> pipeline stage of a '|'-cut hybrid pattern (Megatron's segment selection)."""
+    segments = len(hybrid.parse_pattern(pattern))
+    out = {}
+    for index in range(segments):
+        offset, symbols = hybrid.segment(pattern, index % pp, pp, index // pp if segments > pp else None)
+        out.update({offset + i + 1: index % pp for i in range(len(symbols))})
+    return out
+
+
 def cases(seed: int):
-    """(group, label, shape, config, pipeline stages or None)."""
-    for shape, group, pp in ((get_shape("llama_70b"), "70b", 8), (LLAMA_405B, "405b", 9)):
-        costs = synthetic_costs(shape, seed)
-        stages = stages_for_keys(costs, stage_of_layers(shape.num_layers, pp))
+    """(group, label, model: a GPT shape or an Inventory, costs, config, pipeline stages or None)."""
+    inventory = hybrid.inventory(HYBRID_70B, HYBRID_70B_PATTERN, HYBRID_70B_DIMS)
+    for model, group, pp in ((get_shape("llama_70b"), "70b", 8), (LLAMA_405B, "405b", 9),
+                             (inventory, "hybrid70b", 8)):
+        shape = HYBRID_70B if model is inventory else model
+        costs = synthetic_costs(model, seed)
+        layer_stage = (hybrid_stages(HYBRID_70B_PATTERN, pp) if model is inventory
+                       else stage_of_layers(shape.num_layers, pp))
+        stages = stages_for_keys(costs, layer_stage)
         for allowed in (TWO, THREE):
             for rho in (0.5, 0.75, 0.9):
                 for staged in (False, True):
                     label = f"{shape.name} {len(allowed)}p rho={rho}" + (f" pp={pp}" if staged else "")
-                    yield group, label, shape, costs, PlannerConfig(rho=rho, allowed=allowed), \
+                    yield group, label, model, costs, PlannerConfig(rho=rho, allowed=allowed), \
                         stages if staged else None
         label = f"{shape.name} 3p speedup=3.0 pp={pp}"
-        yield group, label, shape, costs, PlannerConfig(budget="speedup", speedup=3.0, allowed=THREE), stages
+        yield group, label, model, costs, PlannerConfig(budget="speedup", speedup=3.0, allowed=THREE), stages
+
+
+def model_flops(model: "ModelShape | Inventory") -> dict:
+    """The FLOP table of one sequence: a hybrid's inventory is built from its pattern here, so
+    its time counts with the solve's."""
+    if isinstance(model, Inventory):
+        return hybrid.inventory(HYBRID_70B, HYBRID_70B_PATTERN, HYBRID_70B_DIMS).flop_table(HYBRID_70B.seq_length)
+    return flop_table(model)
 
 
 def _child_cpu() -> float:
@@ -84,23 +122,28 @@ def main() -> None:
     warm = get_shape("llama_tiny")
     solve_plan(synthetic_costs(warm, 0), flop_table(warm), PlannerConfig())
 
-    worst = {"70b": 0.0, "405b": 0.0}
-    worst_cpu = {"70b": 0.0, "405b": 0.0}  # model building + CBC, CPU seconds per solve
+    worst = {"70b": 0.0, "405b": 0.0, "hybrid70b": 0.0}
+    worst_cpu = {"70b": 0.0, "405b": 0.0, "hybrid70b": 0.0}  # model building + CBC, CPU seconds per solve
     max_gap, plain_max, all_optimal = 0.0, 0.0, True
     print(f"{'case':38s} {'solver':6s} {'status':8s} {'cbc_s':>7s} {'cbc_cpu':>7s} {'plain_s':>7s} "
           f"{'plain':8s} {'exact_s':>8s} {'objective':>12s} {'rel_gap':>9s} {'fp4':>6s} "
           f"{'min_stage_fp4':>13s} {'speedup':>7s}")
-    for group, label, shape, costs, config, stages in cases(args.seed):
-        flops = flop_table(shape)
+    for group, label, model, costs, config, stages in cases(args.seed):
+        flops = model_flops(model)
         config = replace(config, time_limit_s=args.time_limit)
         child_cpu, own_cpu = _child_cpu(), time.process_time()
-        runs = [solve_plan(costs, flops, config, stages=stages) for _ in range(args.repeats)]
+        runs, enumerate_s = [], 0.0
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            flops = model_flops(model)  # the hybrid's inventory, from its pattern, every time
+            enumerate_s = max(enumerate_s, time.perf_counter() - start)
+            runs.append(solve_plan(costs, flops, config, stages=stages))
         cbc_cpu = (_child_cpu() - child_cpu) / args.repeats
         total_cpu = cbc_cpu + (time.process_time() - own_cpu) / args.repeats
         worst_cpu[group] = max(worst_cpu[group], total_cpu)
         ilp = runs[-1]
         exact = solve_plan(costs, flops, replace(config, solver="exact"), stages=stages)
-        seconds = statistics.median(r.seconds for r in runs)
+        seconds = statistics.median(r.seconds for r in runs) + enumerate_s
         gap = (ilp.objective - exact.objective) / max(abs(exact.objective), 1e-12)
         worst[group] = max(worst[group], seconds)
         max_gap = max(max_gap, abs(gap))
@@ -117,9 +160,11 @@ def main() -> None:
               f"{ilp.achieved.fp4_fraction:6.3f} {stage_fp4:13.3f} {ilp.achieved.speedup:7.3f}"
               + (f"  [{ilp.fallback_reason}]" if ilp.fallback_reason else ""))
     print(f"CPU solve_cpu_s_70b={worst_cpu['70b']:.3f} solve_cpu_s_405b={worst_cpu['405b']:.3f} "
+          f"solve_cpu_s_hybrid70b={worst_cpu['hybrid70b']:.3f} "
           f"(wall/CPU differ when the machine is shared; load average {os.getloadavg()[0]:.1f})")
     plain = "" if args.no_plain else f" plain_max_s={plain_max:.3f}"
-    print(f"RESULT solve_s_70b={worst['70b']:.3f} solve_s_405b={worst['405b']:.3f} max_rel_gap={max_gap:.2e} "
+    print(f"RESULT solve_s_70b={worst['70b']:.3f} solve_s_405b={worst['405b']:.3f} "
+          f"solve_s_hybrid70b={worst['hybrid70b']:.3f} max_rel_gap={max_gap:.2e} "
           f"max_solve_s={max(worst.values()):.3f} all_optimal={int(all_optimal)}{plain}")
 
 if __name__ == "__main__":

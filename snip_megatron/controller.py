@@ -35,7 +35,9 @@ import torch.distributed as dist
 from snip_megatron.config import SnipConfig
 from snip_megatron.formats.precision import Precision
 from snip_megatron.hooks import StepContext, StepHook
-from snip_megatron.plan import LayerKey, Plan, all_keys, parse_key
+from snip_megatron.models import gpt
+from snip_megatron.models.inventory import Inventory
+from snip_megatron.plan import LayerKey, Model, Plan, parse_key
 from snip_megatron.shapes import ModelShape
 
 COST_EMA = 0.5
@@ -75,19 +77,20 @@ class _Pending:
     reported: bool = False
 
 
-def initial_plan(config: SnipConfig, num_layers: int) -> tuple[Plan, str]:
+def initial_plan(config: SnipConfig, model: Model) -> tuple[Plan, str]:
     """The plan a run starts with, and where it came from (the one place this is decided).
 
     SNIP off: BF16 everywhere. A saved plan (`config.plan`, pinned or not), checked against the
     model. Else every planned linear in `initial_precision`. A resumed run replaces it with its
     checkpoint's plan (`SnipController.load_state_dict`), except a pinned plan, which always wins.
+    `model`: the model's inventory (or a dense GPT's layer count).
     """
     if not config.enabled:
-        return Plan.uniform(num_layers, Precision.BF16), "off"
+        return Plan.uniform(model, Precision.BF16), "off"
     if config.plan:
         kind = "pinned" if config.pin_plan else "file"
-        return Plan.load_for(config.plan, num_layers), f"{kind} {config.plan}"
-    return Plan.uniform(num_layers, config.initial_precision), f"initial {config.initial_precision}"
+        return Plan.load_for(config.plan, model), f"{kind} {config.plan}"
+    return Plan.uniform(model, config.initial_precision), f"initial {config.initial_precision}"
 
 
 def _collective_device():
@@ -111,14 +114,17 @@ class SnipController(StepHook):
                  stages: Mapping[LayerKey, int] | None = None, log: Callable[[str], None] = print,
                  excluded: Mapping[LayerKey, Mapping] | None = None,
                  measure: Callable | None = None, estimate: Callable | None = None,
-                 solve: Callable | None = None, apply: Callable | None = None):
+                 solve: Callable | None = None, apply: Callable | None = None,
+                 inventory: Inventory | None = None):
         from snip_megatron.planner.flops import flop_table
         from snip_megatron.report import PlanLog
 
         self.config = config
         self.shape = shape
-        self.keys = all_keys(shape.num_layers)
-        self.flops = flop_table(shape, tokens_per_step)
+        self.inventory = inventory if inventory is not None else gpt.inventory(shape)
+        """The planned linears (default: the dense GPT of `shape`)."""
+        self.keys = list(self.inventory.keys())
+        self.flops = flop_table(self.inventory, shape.seq_length if tokens_per_step is None else tokens_per_step)
         self.stages = dict(stages) if stages else None
         self._log = log
         self.plan_log = PlanLog(run_dir, self.flops, log=log, gemm_cost=config.gemm_costs(),
@@ -131,7 +137,7 @@ class SnipController(StepHook):
                                  lag=config.lag)
         self.excluded = {parse_key(k): {Precision.parse(p) for p in ps} for k, ps in (excluded or {}).items()}
         """Precisions the backend cannot run per linear (TE's shape rules): never planned."""
-        self.plan, self.plan_source = initial_plan(config, shape.num_layers)
+        self.plan, self.plan_source = initial_plan(config, self.inventory)
         if self.excluded:
             if config.measures:
                 self._check_excluded_budget()
@@ -368,7 +374,7 @@ class SnipController(StepHook):
 
     def _broadcast_plan(self, plan: Plan | None) -> Plan | None:
         """Every rank gets rank 0's plan (ids over all global layers; -1 = keep the current plan)."""
-        n = self.shape.num_layers
+        n = self.inventory
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return plan
         ids = torch.tensor(plan.to_ids(n) if plan is not None else [-1] * len(self.keys),
@@ -447,16 +453,16 @@ class SnipController(StepHook):
         A pinned plan (`pin_plan`) stays: it beats the checkpoint's."""
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError(f"SNIP controller state: unknown or missing version (expected {STATE_VERSION})")
-        plan = Plan.from_dict(state["plan"]).check_model(self.shape.num_layers)
+        plan = Plan.from_dict(state["plan"]).check_model(self.inventory)
         smoothed = state.get("smoothed_costs")
         if smoothed is not None:
             smoothed = {parse_key(k): {Precision.parse(p): float(q) for p, q in row.items()}
                         for k, row in smoothed.items()}
-            Plan({k: Precision.BF16 for k in smoothed}).check_model(self.shape.num_layers)
+            Plan({k: Precision.BF16 for k in smoothed}).check_model(self.inventory)
         pending = state.get("pending")
         pending_plan = None
         if pending is not None and pending.get("plan") is not None:
-            pending_plan = Plan.from_dict(pending["plan"]).check_model(self.shape.num_layers)
+            pending_plan = Plan.from_dict(pending["plan"]).check_model(self.inventory)
         # Validated: now commit (a plan of another layout keeps out what this one cannot run).
         if not self.config.pin_plan:
             self.plan, self.plan_source = self._runnable(plan), "checkpoint"

@@ -7,7 +7,7 @@ step N (the last plan applied at or before N). Formats:
 
 - `megatron`: the YAML Megatron-LM's `--te-precision-config-file` reads
   (`megatron.core.quantization.utils.load_quantization_recipe`): one config per precision and one
-  glob matcher per planned linear, its exact module path (`decoder.layers.<i>.mlp.linear_fc1`);
+  glob matcher per planned linear, its exact module path (`decoder.layers.<i>.<submodule>.<linear>`);
 - `bridge`: the same recipe as a Megatron-Bridge config override, `model.quant_recipe` with
   `_target_`s (Bridge's run_config.yaml form): `--config-file FILE` of a Bridge script or of
   snip-bridge-pretrain, or `process_config_with_overrides(cfg, FILE)`;
@@ -34,7 +34,8 @@ import json
 from pathlib import Path
 
 from snip_megatron.formats.precision import Formats, Precision
-from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan
+from snip_megatron.models import gpt
+from snip_megatron.plan import Plan
 
 FORMATS = ("megatron", "bridge", "json")
 DEFAULT_NAMES = {"megatron": "snip_precision_config.yaml", "bridge": "snip_quant_recipe.yaml",
@@ -73,8 +74,6 @@ def _chunks(num_layers: int, pp: int, vpp: "int | None") -> list[tuple[int, int 
 def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None) -> dict[str, Precision]:
     """Stage-local module path -> precision for the layout; ValueError where one path would need
     two precisions (see the module docstring)."""
-    from snip_megatron.megatron.layout import module_path
-
     if not isinstance(pp, int) or pp < 1:
         raise ValueError(f"--pp must be a positive integer, got {pp!r}")
     if vpp is not None and (pp < 2 or not isinstance(vpp, int) or vpp < 1):
@@ -82,12 +81,11 @@ def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None) -> dic
     out: dict[str, Precision] = {}
     seen: dict[str, list] = {}
     for _rank, _vp, offset, count in _chunks(plan.num_layers, pp, vpp):
-        for local in range(count):
-            for name in LINEAR_NAMES:
-                key = LayerKey(offset + local + 1, name)
-                path = module_path(local, name)
-                seen.setdefault(path, []).append((key, plan[key]))
-                out.setdefault(path, plan[key])
+        for key, precision in plan.items():
+            if offset < key.layer <= offset + count:
+                path = gpt.module_path(key, offset)
+                seen.setdefault(path, []).append((key, precision))
+                out.setdefault(path, precision)
     for path, entries in seen.items():
         if len({p for _, p in entries}) > 1:
             detail = ", ".join(f"layer {k.layer} {p.value}" for k, p in entries)

@@ -1,4 +1,9 @@
-"""Plan: which precision each planned linear layer runs in, keyed independently of TP/PP/VPP."""
+"""Plan: which precision each planned linear layer runs in, keyed independently of TP/PP/VPP.
+
+Keys are the model's inventory keys (`models.inventory`): (global layer number, linear name). A
+plan is checked against a model as an `Inventory`, or, as before the inventory existed, as the
+number of layers of a dense GPT (an int).
+"""
 
 from __future__ import annotations
 
@@ -6,58 +11,47 @@ import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Union
 
 from snip_megatron.formats.precision import Precision
+from snip_megatron.models import gpt
+from snip_megatron.models.inventory import Inventory
+from snip_megatron.models.keys import LayerKey, parse_key
+from snip_megatron.models.order import forward_order
 
 # Bumped when the serialised layout changes; readers refuse versions they do not know.
-PLAN_FORMAT_VERSION = 1
+# v1: the dense GPT's four linears per layer only. v2: any inventory's linear names.
+PLAN_FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
-# The four planned linears of a Megatron transformer layer, in forward order.
-LINEAR_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LINEAR_NAMES = gpt.LINEAR_NAMES
+"""The dense GPT layer's linears (the only names a v1 plan holds)."""
 
+Model = Union[int, Inventory]
+"""What a plan is checked against: a model's inventory, or the layer count of a dense GPT."""
 
-class LayerKey(NamedTuple):
-    """(global transformer layer number, linear name).
-
-    `layer` is Megatron's 1-based `TransformerLayer.layer_number` (global across pipeline stages),
-    so a key names the same weights whatever the TP/PP/VPP split.
-    """
-
-    layer: int
-    name: str
-
-    def __str__(self) -> str:
-        return f"{self.layer}.{self.name}"
-
-
-def parse_key(key: "LayerKey | tuple | str") -> LayerKey:
-    """LayerKey from a LayerKey, a (layer, name) pair or the string "12.linear_fc1"."""
-    if isinstance(key, str):
-        layer, sep, name = key.partition(".")
-        if not sep:
-            raise ValueError(f"bad layer key {key!r}; expected '<layer>.<linear name>'")
-        key = (layer, name)
-    try:
-        layer, name = key
-        layer = int(layer)
-    except (TypeError, ValueError):
-        raise ValueError(f"bad layer key {key!r}; expected (layer number, linear name)") from None
-    if layer < 1:
-        raise ValueError(f"bad layer key {key!r}: layer numbers start at 1 (Megatron's layer_number)")
-    if name not in LINEAR_NAMES:
-        raise ValueError(f"bad layer key {key!r}: unknown linear {name!r}; valid: {', '.join(LINEAR_NAMES)}")
-    return LayerKey(layer, name)
-
-
-def forward_order(key: LayerKey) -> tuple[int, int]:
-    """Sort key: layer, then the linear's position in the forward pass."""
-    return key.layer, LINEAR_NAMES.index(key.name)
+__all__ = ["LINEAR_NAMES", "LayerKey", "Model", "PLAN_FORMAT_VERSION", "Plan", "PlanChange", "all_keys",
+           "forward_order", "model_keys", "parse_key"]
 
 
 def all_keys(num_layers: int) -> list[LayerKey]:
-    """Every planned linear of a model with `num_layers` transformer layers, in forward order."""
-    return [LayerKey(layer, name) for layer in range(1, num_layers + 1) for name in LINEAR_NAMES]
+    """Every planned linear of a dense GPT with `num_layers` layers, in forward order."""
+    return gpt.keys(num_layers)
+
+
+def model_keys(model: Model) -> list[LayerKey]:
+    """The keys of `model` (an Inventory, or a dense GPT's layer count) in forward order."""
+    if isinstance(model, Inventory):
+        return list(model.keys())
+    if not isinstance(model, int) or isinstance(model, bool) or model < 1:
+        raise ValueError(f"a model is an Inventory or a positive number of layers, got {model!r}")
+    return all_keys(model)
+
+
+def _describe(model: Model) -> str:
+    if isinstance(model, Inventory):
+        return f"{model.family}: {len(model)} linears over {len(model.layers())} layers"
+    return f"{model} layers x {', '.join(LINEAR_NAMES)}"
 
 
 class PlanChange(NamedTuple):
@@ -74,21 +68,29 @@ class PlanChange(NamedTuple):
 class Plan(Mapping):
     """An immutable mapping LayerKey -> Precision, kept in forward order.
 
-    Serialised form (JSON or YAML)::
+    Serialised form (JSON or YAML), each layer's inventory keys in forward order::
 
-        {"version": 1, "num_layers": 2,
+        {"version": 2, "num_layers": 2,
          "layers": {"1": {"linear_qkv": "fp8", "linear_proj": "fp4", ...}, "2": {...}}}
+
+    Version 1 (before the inventory) is the same layout with a dense GPT's four names only; it
+    still loads, and a plan of only those names is still written as version 1 (same digest).
     """
 
-    def __init__(self, assignment: "Mapping | Iterable[tuple]" = ()):
+    def __init__(self, assignment: "Mapping | Iterable[tuple]" = (), *, inventory: "Inventory | None" = None):
+        """`inventory`: refuse keys that model does not have (ValueError naming them)."""
         items = assignment.items() if isinstance(assignment, Mapping) else assignment
         table = {parse_key(k): Precision.parse(p) for k, p in items}
+        if inventory is not None:
+            for k in table:
+                inventory.entry(k)
         self._table = dict(sorted(table.items(), key=lambda kv: forward_order(kv[0])))
 
     @classmethod
-    def uniform(cls, num_layers: int, precision: "Precision | str") -> "Plan":
+    def uniform(cls, model: Model, precision: "Precision | str") -> "Plan":
+        """Every linear of `model` (an Inventory, or a dense GPT's layer count) in `precision`."""
         p = Precision.parse(precision)
-        return cls({k: p for k in all_keys(num_layers)})
+        return cls({k: p for k in model_keys(model)})
 
     # -- Mapping -----------------------------------------------------------------------------
 
@@ -128,17 +130,17 @@ class Plan(Mapping):
 
     # -- checks against a model ----------------------------------------------------------------
 
-    def check_model(self, num_layers: int, names: Iterable[str] = LINEAR_NAMES) -> "Plan":
-        """Raise ValueError unless this plan covers exactly the planned linears of a model with
-        `num_layers` layers (each with the linears `names`). Returns self for chaining."""
-        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
-        names = tuple(names)
-        expected = {LayerKey(layer, n) for layer in range(1, num_layers + 1) for n in names}
+    def check_model(self, model: Model) -> "Plan":
+        """Raise ValueError unless this plan covers exactly the planned linears of `model` (an
+        Inventory, or the layer count of a dense GPT). Returns self for chaining."""
+        if not isinstance(model, Inventory) and (not isinstance(model, int) or isinstance(model, bool)
+                                                 or model < 1):
+            raise ValueError(f"num_layers must be a positive integer, got {model!r}")
+        expected = set(model_keys(model))
         extra = sorted(set(self._table) - expected, key=forward_order)
         if extra:
-            raise ValueError(f"plan has {len(extra)} key(s) the model lacks (model: {num_layers} "
-                             f"layers x {', '.join(names)}): {_preview(extra)}")
+            raise ValueError(f"plan has {len(extra)} key(s) the model lacks (model: {_describe(model)}): "
+                             f"{_preview(extra)}")
         missing = sorted(expected - set(self._table), key=forward_order)
         if missing:
             layers = sorted({k.layer for k in missing})
@@ -188,7 +190,10 @@ class Plan(Mapping):
         layers: dict[str, dict[str, str]] = {}
         for key, p in self._table.items():
             layers.setdefault(str(key.layer), {})[key.name] = p.value
-        return {"version": PLAN_FORMAT_VERSION, "num_layers": self.num_layers, "layers": layers}
+        # The oldest version that can hold the plan: a dense GPT plan stays v1, so its digest and
+        # older SNIP releases reading it do not change.
+        version = 1 if all(k.name in LINEAR_NAMES for k in self._table) else PLAN_FORMAT_VERSION
+        return {"version": version, "num_layers": self.num_layers, "layers": layers}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Plan":
@@ -196,8 +201,9 @@ class Plan(Mapping):
         if not isinstance(data, Mapping):
             raise ValueError(f"plan must be a mapping, got {type(data).__name__}")
         version = data.get("version")
-        if version != PLAN_FORMAT_VERSION:
-            raise ValueError(f"unsupported plan version {version!r}; expected {PLAN_FORMAT_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise ValueError(f"unsupported plan version {version!r}; this SNIP reads versions "
+                             f"{', '.join(map(str, READABLE_VERSIONS))}")
         layers = data.get("layers")
         if not isinstance(layers, Mapping):
             raise ValueError("plan 'layers' must be a mapping {layer: {linear name: precision}}")
@@ -205,6 +211,9 @@ class Plan(Mapping):
         for layer, linears in layers.items():
             if not isinstance(linears, Mapping):
                 raise ValueError(f"plan layer {layer!r} must map linear names to precisions")
+            if version == 1 and (unknown := sorted(set(linears) - set(LINEAR_NAMES))):
+                raise ValueError(f"plan layer {layer!r}: a version 1 plan holds only {', '.join(LINEAR_NAMES)}, "
+                                 f"not {', '.join(map(str, unknown))}; write it as version 2")
             items.extend(((layer, name), p) for name, p in linears.items())
         plan = cls(items)
         declared = data.get("num_layers")
@@ -263,29 +272,29 @@ class Plan(Mapping):
             raise ValueError(f"SNIP plan {path}: {e}") from None
 
     @classmethod
-    def load_for(cls, path: "str | Path", num_layers: int) -> "Plan":
-        """`load`, checked against a model of `num_layers` layers (the file named if it does not fit)."""
+    def load_for(cls, path: "str | Path", model: Model) -> "Plan":
+        """`load`, checked against `model` (the file named if it does not fit)."""
         plan = cls.load(path)
         try:
-            return plan.check_model(num_layers)
+            return plan.check_model(model)
         except ValueError as e:
             raise ValueError(f"SNIP plan {path} does not fit this model: {e}") from None
 
     # -- compact integer form (one collective to broadcast a plan) ------------------------------
 
-    def to_ids(self, num_layers: int) -> list[int]:
-        """Precision ids (index in `Precision`) over `all_keys(num_layers)`; the plan must cover
-        them exactly."""
-        self.check_model(num_layers)
+    def to_ids(self, model: Model) -> list[int]:
+        """Precision ids (index in `Precision`) over `model`'s keys in forward order; the plan
+        must cover them exactly."""
+        self.check_model(model)
         order = list(Precision)
-        return [order.index(self._table[k]) for k in all_keys(num_layers)]
+        return [order.index(self._table[k]) for k in model_keys(model)]
 
     @classmethod
-    def from_ids(cls, ids: Iterable[int], num_layers: int) -> "Plan":
+    def from_ids(cls, ids: Iterable[int], model: Model) -> "Plan":
         ids = [int(i) for i in ids]
-        keys = all_keys(num_layers)
+        keys = model_keys(model)
         if len(ids) != len(keys):
-            raise ValueError(f"expected {len(keys)} precision ids for {num_layers} layers, got {len(ids)}")
+            raise ValueError(f"expected {len(keys)} precision ids for {_describe(model)}, got {len(ids)}")
         order = list(Precision)
         bad = [i for i in ids if not 0 <= i < len(order)]
         if bad:

@@ -14,7 +14,7 @@ class ModelShape:
     hidden_size: int
     """Model width."""
     ffn_hidden_size: int
-    """SwiGLU inner width (linear_fc1 produces 2x this: gate and up)."""
+    """SwiGLU inner width (the first MLP linear produces 2x this: gate and up)."""
     num_attention_heads: int
     """Query heads."""
     num_query_groups: int
@@ -26,7 +26,7 @@ class ModelShape:
     kv_channels: "int | None" = None
     """Channels per attention head (Megatron's kv_channels); None: hidden_size / num_attention_heads."""
     gated_linear_unit: bool = True
-    """A gated MLP (SwiGLU: linear_fc1 produces 2 x ffn_hidden_size, gate and up); False: one projection."""
+    """A gated MLP (SwiGLU: the first MLP linear produces 2 x ffn_hidden_size, gate and up); False: one projection."""
     name: str = field(default="custom", compare=False)
     """Preset name, for logs."""
 
@@ -53,15 +53,11 @@ class ModelShape:
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of each planned linear, unsharded."""
-        qkv_out = (self.num_attention_heads + 2 * self.num_query_groups) * self.head_dim
-        fc1_out = (2 if self.gated_linear_unit else 1) * self.ffn_hidden_size  # SwiGLU: gate and up
-        return {
-            "linear_qkv": (qkv_out, self.hidden_size),
-            "linear_proj": (self.hidden_size, self.num_attention_heads * self.head_dim),
-            "linear_fc1": (fc1_out, self.hidden_size),
-            "linear_fc2": (self.hidden_size, self.ffn_hidden_size),
-        }
+        """(out_features, in_features) of each planned linear of a dense GPT layer, unsharded (the
+        dense-GPT adapter's table; `models.gpt.inventory(shape)` has the whole model's)."""
+        from snip_megatron.models import gpt  # the adapter imports this module
+
+        return gpt.linear_shapes(self)
 
     def with_(self, **changes) -> "ModelShape":
         return replace(self, **changes)

@@ -207,3 +207,19 @@ def test_state_for_another_model_is_refused_whole():
     assert other.plan == before
     with pytest.raises(ValueError, match="version"):
         other.load_state_dict({"plan": {}})
+
+
+def test_a_state_saved_before_the_inventory_resumes_identically():
+    """tests/fixtures/v1/snip_state.json: a run of this harness to step 16, saved by the release
+    before the inventory (plan format v1)."""
+    from pathlib import Path
+
+    state = json.loads((Path(__file__).parent / "fixtures" / "v1" / "snip_state.json").read_text())
+    full = Harness()
+    full.run(0, 40)
+    resumed = Harness()
+    resumed.ctrl.load_state_dict(state["controller"])
+    assert resumed.ctrl.pending.apply_step == 17
+    resumed.run(16, 40)
+    assert resumed.ctrl.plan == full.ctrl.plan
+    assert [h["step"] for h in resumed.ctrl.history] == [h["step"] for h in full.ctrl.history]

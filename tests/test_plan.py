@@ -26,7 +26,7 @@ def test_keys_parse_from_every_form():
     ("7", "expected '<layer>.<linear name>'"),
     ("0.linear_qkv", "start at 1"),
     ("x.linear_qkv", "expected (layer number"),
-    ("1.linear_fc3", "unknown linear 'linear_fc3'"),
+    ("1.linear fc3", "must be dotted identifiers"),
 ])
 def test_bad_keys_are_refused_by_name(bad, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
@@ -64,7 +64,8 @@ def test_handwritten_yaml_with_int_layers_and_upper_case_loads():
 
 
 @pytest.mark.parametrize("text, words", [
-    ('{"version": 2, "layers": {}}', "unsupported plan version 2"),
+    ('{"version": 3, "layers": {}}', "unsupported plan version 3; this SNIP reads versions 1, 2"),
+    ('{"version": 1, "layers": {"1": {"mixer.in_proj": "fp8"}}}', "a version 1 plan holds only linear_qkv"),
     ('{"version": 1}', "'layers' must be a mapping"),
     ('{"version": 1, "layers": {"1": "fp8"}}', "layer '1' must map"),
     ('{"version": 1, "num_layers": 3, "layers": {"1": {"linear_qkv": "fp8"}}}', "declares num_layers=3"),
@@ -161,3 +162,40 @@ def test_fp4_fraction_with_the_planners_flop_table():
     # Per layer: qkv 10240x8192, proj 8192x8192, fc1 57344x8192, fc2 8192x28672 -> MLP = 14/17.
     assert mlp_fp4.fp4_fraction(flop_table(shape)) == pytest.approx(14 / 17)
     assert mlp_fp4.fp4_fraction(flop_table(shape, tokens=7)) == pytest.approx(14 / 17)
+
+
+def test_keys_of_any_inventory_and_refusal_of_names_the_model_lacks():
+    from snip_megatron.models import gpt
+    from snip_megatron.shapes import get_shape
+
+    inv = gpt.inventory(get_shape("llama_tiny"))
+    assert Plan.uniform(inv, "fp8") == Plan.uniform(6, "fp8")
+    assert Plan.uniform(inv, "fp8").to_ids(inv) == Plan.uniform(6, "fp8").to_ids(6)
+    with pytest.raises(ValueError, match="no planned linear 1.linear_fc3; its layers have linear_fc1, linear_fc2"):
+        Plan({"1.linear_fc3": "fp8"}, inventory=inv)
+    with pytest.raises(ValueError, match=r"key\(s\) the model lacks \(model: gpt: 24 linears over 6 layers\): "
+                                         r"1.linear_fc3"):
+        Plan.uniform(inv, "fp8").replace({"1.linear_fc3": "fp8"}).check_model(inv)
+
+
+def test_other_names_are_written_as_version_2_and_read_back_in_forward_order(tmp_path):
+    plan = Plan({"2.out_proj": "fp4", "2.in_proj": "fp8", "1.linear_qkv": "bf16"})
+    assert list(plan) == [LayerKey(1, "linear_qkv"), LayerKey(2, "in_proj"), LayerKey(2, "out_proj")]
+    data = json.loads(plan.to_json())
+    assert data["version"] == 2 and list(data["layers"]["2"]) == [k.name for k in plan if k.layer == 2]
+    assert Plan.load(plan.save(tmp_path / "p.yaml")) == plan and Plan.from_json(plan.to_json()) == plan
+    assert json.loads(Plan.uniform(2, "fp8").to_json())["version"] == 1  # a GPT plan stays readable by v1 readers
+
+
+def test_plans_and_state_written_before_the_inventory_still_load_and_resume():
+    """tests/fixtures/v1: files written by the release before the inventory (plan format v1)."""
+    from pathlib import Path
+
+    from snip_megatron.pretrain.state import read_state_file
+
+    here = Path(__file__).parent / "fixtures" / "v1"
+    plan = Plan.load_for(here / "plan.json", 4)
+    assert Plan.load(here / "plan.yaml") == plan and plan.counts() == {"bf16": 0, "fp8": 10, "fp4": 6}
+    state = read_state_file(here / "snip_state.json")
+    assert Plan.from_dict(state["plan"]) == plan
+    assert Plan.from_dict(state["controller"]["pending"]["plan"]).counts()["fp4"] > 0

@@ -45,13 +45,16 @@ class SnipLayerSpec:
 
 def check_emulated_spec(spec, backend: str) -> None:
     """The emulated backend replaces the planned linears of a local spec; a Transformer Engine
-    spec fuses the attention norm into linear_qkv (TELayerNormColumnParallelLinear), so replacing
-    it would drop that norm: refused."""
-    attention = getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "submodules", None)
-    qkv = getattr(attention, "linear_qkv", None)
-    if backend == "emulated" and "transformer_engine" in getattr(qkv, "__module__", ""):
+    spec fuses the attention norm into the layer's first linear (TELayerNormColumnParallelLinear),
+    so replacing it would drop that norm: refused."""
+    from snip_megatron.models import gpt
+
+    if not hasattr(getattr(spec, "submodules", None), "self_attention"):
+        return
+    first = gpt.spec_linear_class(spec, gpt.first_linear_suffix())
+    if backend == "emulated" and "transformer_engine" in getattr(first, "__module__", ""):
         raise ValueError(f"model.transformer_impl='local' (SNIP's emulated linears) with a Transformer "
-                         f"Engine layer spec ({qkv.__name__}): set model.transformer_layer_spec="
+                         f"Engine layer spec ({first.__name__}): set model.transformer_layer_spec="
                          "local_layer_spec, or model.transformer_impl='transformer_engine' for TE linears")
 
 

@@ -2,7 +2,7 @@
 
     from snip_megatron.estimate import cost_table, EstimateConfig
     costs = cost_table(stats_table, EstimateConfig(lam=0.3))   # CostEstimate
-    costs.costs[LayerKey(3, "linear_fc1")][Precision.FP4]
+    costs.costs[key][Precision.FP4]  # key: a LayerKey of the model's inventory
 
 No torch modules and no collectives here (docs/method.md derives the formulas).
 """

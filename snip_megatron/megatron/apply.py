@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from megatron.core.quantization.quant_config import MatchContext, QuantizationConfig
 
 from snip_megatron.formats.precision import Formats, Precision
-from snip_megatron.megatron.quant_recipe import check_runnable, config_dict_for, parse_planned_path
+from snip_megatron.megatron.quant_recipe import check_runnable, config_dict_for
+from snip_megatron.models import gpt
+from snip_megatron.models.inventory import InventoryEntry
 from snip_megatron.plan import LayerKey, Plan, PlanChange, forward_order
 from snip_megatron.te.options import TEOptions
 from snip_megatron.te.translate import precision_of_te_params
@@ -30,6 +32,8 @@ class PlannedLinear:
     """Its name in that chunk's `named_modules()` (stage-local layer index)."""
     module: object
     """The module itself."""
+    entry: "InventoryEntry | None" = None
+    """Its inventory entry (whole shape, parallel kind)."""
 
     def __iter__(self):
         # Unpacks as a (key, module) pair: `for key, module in list_planned_linears(chunks)`.
@@ -56,25 +60,17 @@ def _chunks(model) -> list:
 
 
 def list_planned_linears(model) -> list[PlannedLinear]:
-    """Every planned linear (qkv, proj, fc1, fc2 of each decoder layer) of this rank's chunk(s),
-    in forward order of their global keys."""
+    """Every planned linear of this rank's chunk(s) (by the model family's adapter), in forward
+    order of their global keys."""
     found: list[PlannedLinear] = []
     seen: dict[LayerKey, str] = {}
     for c, chunk in enumerate(_chunks(model)):
-        for path, module in chunk.named_modules():
-            parsed = parse_planned_path(path)
-            if parsed is None:
-                continue
-            layer_path = path.rsplit(".", 2)[0]  # ...decoder.layers.<i>
-            layer = chunk.get_submodule(layer_path)
-            number = getattr(layer, "layer_number", None)
-            if not isinstance(number, int):
-                raise ValueError(f"{layer_path!r} has no integer layer_number; not a TransformerLayer?")
-            key = LayerKey(number, parsed[1])
+        for path, module, entry in gpt.planned_modules(chunk):
+            key = entry.key
             if key in seen:
                 raise ValueError(f"{key} appears twice on this rank: {seen[key]!r} and chunk {c} {path!r}")
             seen[key] = f"chunk {c} {path}"
-            found.append(PlannedLinear(key, c, path, module))
+            found.append(PlannedLinear(key, c, path, module, entry))
     return sorted(found, key=lambda pl: forward_order(pl.key))  # modules register proj before qkv
 
 
@@ -209,7 +205,7 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         if is_emulated_linear(pl.module):
             pl.module.set_precision(new, formats)
         else:
-            local = parse_planned_path(pl.module_path)[0]
+            local = gpt.parse_path(pl.module_path)[0]
             pl.module.finish_init(QuantizationConfig(config, MatchContext(pl.module_path, local), new.value))
         changes.append(AppliedChange(pl.key, pl.module_path, pl.chunk, old, new))
     return changes

@@ -1,8 +1,8 @@
 """A Transformer Engine linear, unfused and unquantized, for the measurement's passes.
 
 SNIP's statistics hooks read a planned linear's GEMM input X, its output Y and their gradients.
-Megatron's TE spec fuses the norm into `linear_qkv` and `linear_fc1` (TELayerNormColumnParallel-
-Linear, with `input_layernorm=IdentityOp`), so a hook on that module sees the residual stream, not
+Megatron's TE spec fuses the norm into the column-parallel linears that follow a norm
+(TELayerNormColumnParallelLinear, with `input_layernorm=IdentityOp`), so a hook on that module sees the residual stream, not
 the normalised X the GEMM reads; and TE runs each linear in its planned FP8/FP4 recipe inside its
 own autocast. For a measurement pass, `unfused(module)` therefore runs the module as Megatron's local
 linear would, in the parameters' precision: the norm (TE's arithmetic: FP32, then the activation

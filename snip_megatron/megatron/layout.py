@@ -15,13 +15,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from snip_megatron.formats.precision import Precision
-from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan, all_keys, forward_order
+from snip_megatron.models import gpt
+from snip_megatron.models.inventory import ParallelKind
+from snip_megatron.plan import LayerKey, Plan, forward_order
 from snip_megatron.shapes import ModelShape, get_shape
-
-# Where each planned linear sits inside a TransformerLayer, and how TP shards its weight.
-SUBMODULE = {"linear_qkv": "self_attention", "linear_proj": "self_attention",
-             "linear_fc1": "mlp", "linear_fc2": "mlp"}
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # output dim sharded; the others shard the input dim
 
 
 @dataclass(frozen=True)
@@ -53,7 +50,7 @@ class RankLayout:
 
 def module_path(local_index: int, name: str) -> str:
     """The path Megatron gives a planned linear inside a GPTModel chunk."""
-    return f"decoder.layers.{local_index}.{SUBMODULE[name]}.{name}"
+    return gpt.module_path(LayerKey(local_index + 1, name))
 
 
 def layout_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: "int | None" = None):
@@ -94,8 +91,8 @@ def pipeline_stages(config) -> dict[LayerKey, int]:
     for pp_rank in range(pp):
         for vp_stage in (range(vpp) if vpp else [None]):
             offset, count = chunk_layers(config, pp_rank, vp_stage)
-            for layer in range(offset + 1, offset + count + 1):
-                stages.update({LayerKey(layer, name): pp_rank for name in LINEAR_NAMES})
+            layers = range(offset + 1, offset + count + 1)
+            stages.update({key: pp_rank for key in gpt.keys(config.num_layers) if key.layer in layers})
     return stages
 
 
@@ -104,17 +101,16 @@ def rank_layout(shape: ModelShape, config, *, tp_rank: int, pp_rank: int, dp_ran
     """One rank's planned linears. Rank order is Megatron's default 'tp-cp-ep-dp-pp' (cp=ep=1)."""
     tp, pp = config.tensor_model_parallel_size, config.pipeline_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size
-    full = shape.linear_shapes()
+    inventory = gpt.inventory(shape)
     slots, offsets = [], []
     for chunk, vp_stage in enumerate(range(vpp) if vpp else [None]):
         offset, count = chunk_layers(config, pp_rank, vp_stage)
         offsets.append(offset)
-        for local in range(count):
-            for name in LINEAR_NAMES:
-                out_f, in_f = full[name]
-                local_shape = (out_f // tp, in_f) if name in COLUMN_PARALLEL else (out_f, in_f // tp)
-                slots.append(LinearSlot(LayerKey(offset + local + 1, name), chunk,
-                                        module_path(local, name), local_shape))
+        for e in inventory:
+            if offset < e.layer <= offset + count:
+                out_f, in_f = e.shape
+                local_shape = (out_f // tp, in_f) if e.kind is ParallelKind.COLUMN else (out_f, in_f // tp)
+                slots.append(LinearSlot(e.key, chunk, gpt.module_path(e.key, offset), local_shape))
     rank = tp_rank + tp * (dp_rank + dp * pp_rank)
     return RankLayout(rank, tp_rank, pp_rank, dp_rank, tuple(offsets), tuple(slots))
 
@@ -137,7 +133,7 @@ def check_ownership(shape: ModelShape, ranks: list[RankLayout], tp: int) -> None
         for s in r.linears:
             owners[s.key].add((r.pp_rank, s.chunk))
             tp_ranks[(s.key, r.pp_rank, r.dp_rank)].add(r.tp_rank)
-    expected = set(all_keys(shape.num_layers))
+    expected = set(gpt.keys(shape.num_layers))
     if set(owners) != expected:
         missing = sorted(expected - set(owners), key=forward_order)
         extra = sorted(set(owners) - expected, key=forward_order)
@@ -153,7 +149,7 @@ def check_ownership(shape: ModelShape, ranks: list[RankLayout], tp: int) -> None
 
 def random_plan(num_layers: int, seed: int = 0) -> Plan:
     rng = random.Random(seed)
-    return Plan({k: rng.choice(list(Precision)) for k in all_keys(num_layers)})
+    return Plan({k: rng.choice(list(Precision)) for k in gpt.keys(num_layers)})
 
 
 def roundtrip_plan(plan: Plan, ranks: list[RankLayout]) -> Plan:

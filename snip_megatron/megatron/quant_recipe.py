@@ -2,7 +2,7 @@
 
 Megatron (0.16.1 and 0.19.2) calls `get_quant_config_or_none(name, config.quant_recipe)` for every
 module with `finish_init` at the end of `GPTModel.__init__`. `name` is the module path inside
-that model chunk, e.g. `decoder.layers.3.mlp.linear_fc1`, where 3 is the index *local to the
+that model chunk, e.g. `decoder.layers.3.<linear>`, where 3 is the index *local to the
 pipeline stage / virtual chunk*, 0-based; `MatchContext.layer_number` is that same local index
 (parsed from the path), not the global `TransformerLayer.layer_number`. A Plan is keyed by the
 global 1-based layer number, so each chunk's matcher carries that chunk's layer offset.
@@ -10,11 +10,10 @@ global 1-based layer number, so each chunk's matcher carries that chunk's layer 
 
 from __future__ import annotations
 
-import re
-
 from megatron.core.quantization.quant_config import MatchContext, Matcher, RecipeConfig
 
 from snip_megatron.formats.precision import Formats, Precision
+from snip_megatron.models import gpt
 from snip_megatron.plan import LayerKey, Plan
 from snip_megatron.te.gpu import current_sm
 from snip_megatron.te.options import TEOptions
@@ -23,26 +22,15 @@ from snip_megatron.te.translate import emulated_params, te_config_dict, te_unava
 QUANT_BACKENDS = ("emulated", "te")
 """Planned-linear backends that read a quant_recipe (the third, "local", runs Megatron's plain linears)."""
 
-# A planned linear inside a GPTModel chunk: the decoder's attention and dense-MLP linears.
-# MTP layers (`mtp.layers...`) and MoE experts (`mlp.experts...`) do not match: not planned.
-PLANNED_PATH = re.compile(
-    r"(?:^|\.)decoder\.layers\.(\d+)\.(?:self_attention|mlp)\."
-    r"(linear_qkv|linear_proj|linear_fc1|linear_fc2)$")
-
-
 def parse_planned_path(module_path: str) -> "tuple[int, str] | None":
-    """(stage-local 0-based layer index, linear name) of a planned linear's path, else None."""
-    m = PLANNED_PATH.search(module_path)
-    return (int(m.group(1)), m.group(2)) if m else None
+    """(stage-local 0-based layer index, linear name) of a planned linear's path, else None
+    (the dense-GPT adapter's rule: MTP layers and MoE experts are not planned)."""
+    return gpt.parse_path(module_path)
 
 
 def key_for_path(module_path: str, layer_offset: int) -> "LayerKey | None":
     """The global LayerKey of a module path in a chunk whose first layer is `layer_offset` + 1."""
-    parsed = parse_planned_path(module_path)
-    if parsed is None:
-        return None
-    local, name = parsed
-    return LayerKey(layer_offset + local + 1, name)
+    return gpt.key_for_path(module_path, layer_offset)
 
 
 class PlanMatcher(Matcher):

@@ -16,7 +16,7 @@ from snip_megatron.megatron.apply import is_emulated_linear, list_planned_linear
 
 
 def step_seed(base_seed: int, key, step: int) -> int:
-    """A 63-bit seed from the run's seed, a layer key ("12.linear_fc1") and a step."""
+    """A 63-bit seed from the run's seed, a layer key (str(LayerKey)) and a step."""
     return zlib.crc32(f"{int(base_seed)}:{key}:{int(step)}".encode()) | (int(step) << 32)
 
 

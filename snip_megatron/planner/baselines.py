@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from snip_megatron.formats.precision import Precision
-from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan, forward_order, parse_key
+from snip_megatron.plan import LayerKey, Plan, forward_order, parse_key
 from snip_megatron.planner.config import BUDGETS, DEFAULT_GEMM_COST
 from snip_megatron.planner.costs import CostTable
 from snip_megatron.planner.flops import validate_flops
@@ -35,7 +35,7 @@ BASELINES = ("uniform_bf16", "uniform_fp8", "uniform_fp4", "first_last_k", "last
 
 def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float | None, *,
                   high: Precision | str = Precision.FP8, rel_error: Mapping | None = None,
-                  seed: int = 0, k: int = 1, fraction: float = 0.15, keep_type: str = "linear_fc2",
+                  seed: int = 0, k: int = 1, fraction: float = 0.15, keep_type: "str | None" = None,
                   stages: Mapping | None = None, costs: Mapping | None = None,
                   gemm_cost: Mapping | None = None, relax: bool = False,
                   budget: str = "fp4_fraction") -> PlanResult:
@@ -47,7 +47,8 @@ def baseline_plan(name: str, keys: Iterable, flops: Mapping, rho: float | None, 
       --first-last-layers-bf16); FP4 goes to the others from the middle layer outwards.
     - last_fraction: the last ceil(fraction * layers) transformer layers stay high (NVIDIA's NVFP4
       recipe keeps the last ~15%); FP4 goes to the others in forward order.
-    - layer_type: every `keep_type` linear stays high; FP4 goes to the others in forward order.
+    - layer_type: every `keep_type` linear stays high (default: the kind of linear that comes last in
+      forward order, a dense GPT's MLP down-projection); FP4 goes to the others in forward order.
     - min_rel_error: FP4 goes first to the linears whose relative FP4 quantization error (`rel_error`:
       LayerKey -> float, or LayerKey -> {Precision: float}) is smallest.
     - random: FP4 in a random order drawn from `seed`.
@@ -124,8 +125,10 @@ def _priority(name: str, keys: list[LayerKey], *, rel_error, seed, k, fraction,
         kept = math.ceil(fraction * n - 1e-9)
         return list(keys), {key for key in keys if pos[key.layer] >= n - kept}
     if name == "layer_type":
-        if keep_type not in LINEAR_NAMES:
-            raise ValueError(f"keep_type={keep_type!r} is unknown; valid: {', '.join(LINEAR_NAMES)}")
+        names = list(dict.fromkeys(key.name for key in keys))
+        keep_type = names[-1] if keep_type is None else keep_type  # keys are in forward order
+        if keep_type not in names:
+            raise ValueError(f"keep_type={keep_type!r} is unknown; valid: {', '.join(names)}")
         order = sorted(keys, key=lambda key: (key.name == keep_type, forward_order(key)))
         return order, {key for key in keys if key.name == keep_type}
     if name == "min_rel_error":

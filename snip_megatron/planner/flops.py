@@ -5,20 +5,28 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from snip_megatron.plan import LINEAR_NAMES, LayerKey, parse_key
+from snip_megatron.models import gpt
+from snip_megatron.models.inventory import Inventory
+from snip_megatron.plan import LayerKey, parse_key
 from snip_megatron.shapes import ModelShape
 
 
-def flop_table(shape: ModelShape, tokens: int | None = None) -> dict[LayerKey, float]:
+def flop_table(model: "ModelShape | Inventory", tokens: int | None = None) -> dict[LayerKey, float]:
     """FLOPs of one training step of every planned linear: fprop + dgrad + wgrad = 3 GEMMs of
     2*n*m*k each, so 6*n*m*k, with n tokens (default: one sequence, `shape.seq_length`), m x k the
-    unsharded weight. Independent of TP: only ratios matter to the planner."""
-    n = shape.seq_length if tokens is None else tokens
+    unsharded weight. Independent of TP: only ratios matter to the planner.
+
+    `model`: the model's inventory, or the shape of a dense GPT (its inventory is built)."""
+    if isinstance(model, ModelShape):
+        n = model.seq_length if tokens is None else tokens
+        model = gpt.inventory(model)
+    elif tokens is None:
+        raise ValueError("flop_table of an Inventory needs the tokens per step")
+    else:
+        n = tokens
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise ValueError(f"tokens={tokens!r} must be a positive integer")
-    linears = shape.linear_shapes()
-    return {LayerKey(layer, name): float(6 * n * linears[name][0] * linears[name][1])
-            for layer in range(1, shape.num_layers + 1) for name in LINEAR_NAMES}
+    return model.flop_table(n)
 
 
 def stage_of_layers(num_layers: int, pp: int, vpp: int | None = None) -> dict[int, int]:

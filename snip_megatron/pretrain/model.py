@@ -35,10 +35,12 @@ def with_planned_linears(spec, backend: str):
     """The spec with SNIP's emulated linears for the emulated backend; the TE backend keeps
     Megatron's TE linears (they read the plan through quant_recipe). A spec whose planned linears
     SNIP cannot find (a block spec, another attention) is refused."""
-    attention = getattr(getattr(getattr(spec, "submodules", None), "self_attention", None), "submodules", None)
-    if attention is None or not hasattr(attention, "linear_qkv") or not hasattr(attention, "linear_proj"):
-        raise ValueError(f"the layer spec ({type(spec).__name__}) has no self_attention.linear_qkv / "
-                         "linear_proj: SNIP plans the GPT layer's attention and dense MLP linears only")
+    from snip_megatron.models import gpt
+
+    lacking = gpt.spec_lacks(spec)
+    if lacking:
+        raise ValueError(f"the layer spec ({type(spec).__name__}) has no {' / '.join(lacking)}: SNIP plans "
+                         "the GPT layer's attention and dense MLP linears only")
     if backend != "emulated":
         return spec
     from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
@@ -73,23 +75,21 @@ def check_user_recipe(user_recipe, num_layers: int, source: str) -> None:
     from megatron.core.quantization.quant_config import MatchContext
 
     from snip_megatron.formats.precision import Precision
-    from snip_megatron.megatron.layout import module_path
-    from snip_megatron.plan import LINEAR_NAMES
+    from snip_megatron.models import gpt
 
     if user_recipe is None:
         return
     clash = sorted(set(user_recipe.configs) & {p.value for p in Precision})
     if clash:
         raise ValueError(f"{source} defines config keys {clash}, the names SNIP's plan uses; rename them")
-    for index in range(num_layers):
-        for name in LINEAR_NAMES:
-            path = module_path(index, name)
-            for matcher in user_recipe.matchers:
-                key = matcher.match(MatchContext(path, index))
-                if key is not None:
-                    raise ValueError(f"{source} sets {path} (config {key!r}), a linear SNIP plans; "
-                                     "drop that matcher, or freeze a plan with --snip-plan PATH "
-                                     "--snip-pin-plan instead")
+    for planned in gpt.keys(num_layers):  # each one's path as if the model were one stage
+        path = gpt.module_path(planned)
+        for matcher in user_recipe.matchers:
+            key = matcher.match(MatchContext(path, planned.layer - 1))
+            if key is not None:
+                raise ValueError(f"{source} sets {path} (config {key!r}), a linear SNIP plans; "
+                                 "drop that matcher, or freeze a plan with --snip-plan PATH "
+                                 "--snip-pin-plan instead")
 
 
 def snip_layer_spec(run, user_spec):

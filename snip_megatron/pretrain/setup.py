@@ -52,8 +52,8 @@ def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
 
     refuse(getattr(args, "num_experts", None), "--num-experts (MoE): SNIP plans dense GPT layers only; "
            "expert linears would run unplanned. Train dense, or drop --snip")
-    refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention: SNIP plans linear_qkv/"
-           "linear_proj attention only; drop one of them")
+    refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention: SNIP plans the GPT "
+           "layer's standard attention only; drop one of them")
     refuse(getattr(args, "hybrid_layer_pattern", None), "--hybrid-layer-pattern: SNIP plans GPT layers only")
     refuse(args.transformer_impl not in ("local", "transformer_engine"),
            f"--transformer-impl {args.transformer_impl}: SNIP needs local or transformer_engine")

@@ -46,7 +46,7 @@ from snip_megatron.plan import LayerKey
 from snip_megatron.stats import noise, tokens, weights
 from snip_megatron.stats.accumulator import Accumulator
 from snip_megatron.stats.quant_error import ErrorFn
-from snip_megatron.stats.reduce import COLUMN_PARALLEL
+from snip_megatron.models.inventory import ParallelKind
 
 MODES = ("clean", "fwd_noise", "bwd_noise", "noise")
 
@@ -105,7 +105,10 @@ class LinearProbe:
 
     def __init__(self, key: LayerKey, module, collector: "Collector"):
         self.key, self.module, self.c = key, module, collector
-        self.column = key.name in COLUMN_PARALLEL
+        kind = ParallelKind(collector.kinds[key])
+        if kind is ParallelKind.DUPLICATED:
+            raise NotImplementedError(f"{key}: statistics of TP-duplicated linears are not measured yet")
+        self.column = kind is ParallelKind.COLUMN
         w = module.weight
         tp = collector.tp_size
         self.stride = int(getattr(w, "partition_stride", 1) or 1)
@@ -338,17 +341,17 @@ class LinearProbe:
 class Collector:
     """Attach probes to a rank's planned linears; `begin(mode)` ... run a pass ... `end()`."""
 
-    def __init__(self, linears: list, *, num_layers: int, error_fn: ErrorFn, precisions=None,
+    def __init__(self, linears: list, *, keys, kinds, error_fn: ErrorFn, precisions=None,
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, token_stride: int = 1, grad_token_stride: int = 1,
                  interleave_noise: bool = False, noise_on_halves: bool = False,
                  sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, device=None,
                  step_positions: "list[int] | None" = None):
-        from snip_megatron.plan import all_keys
         from snip_megatron.stats.table import CANDIDATES
 
         self.precisions = tuple(Precision.parse(p) for p in (precisions or CANDIDATES))
-        self.keys = all_keys(num_layers)
+        self.keys = list(keys)  # every planned linear of the model: the table's rows
+        self.kinds = dict(kinds)  # LayerKey -> ParallelKind of this rank's linears
         self.error_fn, self.seed, self.first_order = error_fn, seed, first_order
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.sequence_parallel = sequence_parallel and tp_size > 1

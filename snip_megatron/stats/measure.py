@@ -31,12 +31,14 @@ from snip_megatron.stats import adam
 from snip_megatron.stats.accumulator import to_table
 from snip_megatron.stats.collector import Collector
 from snip_megatron.stats.config import MeasureConfig
-from snip_megatron.megatron.apply import is_te_linear
+from snip_megatron.megatron.apply import is_te_linear, list_planned_linears
 from snip_megatron.megatron.gemm_view import unfused
-from snip_megatron.stats.discover import _unwrap, planned_linears
+from snip_megatron.models.inventory import ParallelKind
+from snip_megatron.plan import model_keys
+from snip_megatron.stats.discover import _unwrap
 from snip_megatron.stats.microbatches import sample_microbatches, step_positions, summed_mask
 from snip_megatron.stats.quant_error import ErrorFn, formats_error_fn
-from snip_megatron.stats.reduce import (ADAM_FIELDS, COLUMN_PARALLEL, gather_pp_tensor, megatron_groups, reduce_tp_dp_tensor,
+from snip_megatron.stats.reduce import (ADAM_FIELDS, gather_pp_tensor, megatron_groups, reduce_tp_dp_tensor,
                                         tp_sharded_mask)
 from snip_megatron.stats.table import GLOBAL_FIELDS, StatsTable
 
@@ -214,14 +216,15 @@ def agree_on_failure(error: "str | None", what: str) -> None:
 def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length: int,
                    micro_batch_size: int, optimizer=None, config: MeasureConfig = MeasureConfig(),
                    error_fn: "ErrorFn | None" = None, reduce: bool = True,
-                   pp_to_all: bool = False) -> StatsTable:
+                   pp_to_all: bool = False, keys=None) -> StatsTable:
     """Statistics of every planned linear for the step made of `batches` (micro-batches).
 
     Measures `config.micro_batches` of them (stats/microbatches.py), scaled up to the step.
     Returns the table reduced over TP and DP x CP and gathered over PP onto the first stage
     (global rank 0 holds all rows; every stage with `pp_to_all`). `reduce=False` returns this
     rank's local table, unreduced (for tests). Statistics stay on the device until the one
-    transfer at the end."""
+    transfer at the end. `keys`: the table's rows, every planned linear of the model in forward
+    order (its inventory's keys; default: a dense GPT of the config's layers)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -237,8 +240,11 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
             cp = ps.get_context_parallel_world_size()
             # TE linears run unfused and unquantized while measured (megatron/gemm_view.py)
-            linears = [(k, views.enter_context(unfused(m, column=k.name in COLUMN_PARALLEL))
-                        if is_te_linear(m) else m) for k, m in planned_linears(chunks)]
+            planned = list_planned_linears(chunks)
+            kinds = {pl.key: pl.entry.kind for pl in planned}
+            linears = [(pl.key, views.enter_context(unfused(pl.module,
+                                                            column=kinds[pl.key] is ParallelKind.COLUMN))
+                        if is_te_linear(pl.module) else pl.module) for pl in planned]
             error_fn = error_fn or formats_error_fn(config.formats, config.seed)
             # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
             group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
@@ -258,7 +264,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
             device = next(iter(chunks[0].parameters())).device
-            collector = Collector(linears, num_layers=mconfig.num_layers, error_fn=error_fn,
+            collector = Collector(linears, keys=model_keys(mconfig.num_layers) if keys is None else keys,
+                                  kinds=kinds, error_fn=error_fn,
                                   precisions=config.precisions, seed=config.seed, first_order=config.first_order,
                                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
                                   tp_group=ps.get_tensor_model_parallel_group(),
@@ -274,7 +281,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
         reducing = reduce and dist.is_initialized()
         if reducing:
             tp_group, dp_group, pp_group = megatron_groups()
-            tp_mask = torch.from_numpy(tp_sharded_mask(layout, sp)).to(device)
+            tp_mask = torch.from_numpy(tp_sharded_mask(layout, kinds, sp)).to(device)
             adam_cols = [layout.col(f) for f in ADAM_FIELDS]
         summed = torch.from_numpy(summed_mask(layout)).to(device)
 

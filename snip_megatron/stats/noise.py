@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from snip_megatron.plan import LINEAR_NAMES, LayerKey
+from snip_megatron.models.order import key_index
+from snip_megatron.plan import LayerKey
 
 FORWARD, BACKWARD = 0, 1
 WORD_BITS = 32
@@ -26,7 +27,7 @@ CHUNK_ELEMS = 1 << 22  # rows are unpacked this many elements at a time (4 bytes
 
 
 def noise_seed(seed: int, key: LayerKey, microbatch: int, stream: int) -> int:
-    idx = (key.layer * len(LINEAR_NAMES) + LINEAR_NAMES.index(key.name)) * 2 + stream
+    idx = key_index(key) * 2 + stream
     return (seed * 1_000_003 + idx * 10_007 + microbatch) % (2**63 - 1)
 
 

@@ -22,9 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from snip_megatron.models.inventory import ParallelKind
 from snip_megatron.stats.table import StatsTable
-
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")  # output dim sharded, input replicated
 
 # Fields that are sums over a TP-sharded tensor, per kind of layer (anything else is replicated).
 # dY of a row-parallel layer and the per-token <G_Y, dY> are all-reduced in the hooks (they are
@@ -41,21 +40,30 @@ _TOKEN_SHARDED_ROW = {"y_sq", "gy_sq", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq
 ADAM_FIELDS = ("adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel")
 
 
-def tp_sharded(field: str, linear_name: str, sequence_parallel: bool = False) -> bool:
-    """Is `field` of a `linear_name` layer a sum over TP shards (True) or replicated (False)?"""
+def tp_sharded(field: str, kind: ParallelKind, sequence_parallel: bool = False) -> bool:
+    """Is `field` of a linear of parallel `kind` a sum over TP shards (True) or replicated (False)?"""
     base = field.split(".", 1)[0]
-    column = linear_name in COLUMN_PARALLEL
+    kind = ParallelKind(kind)
+    if kind is ParallelKind.DUPLICATED:
+        raise NotImplementedError("statistics of TP-duplicated linears (weights replicated over TP) are not "
+                                  "reduced yet; measure this model at TP=1")
+    column = kind is ParallelKind.COLUMN
     sharded = _SHARDED_ALWAYS | (_SHARDED_COLUMN if column else _SHARDED_ROW)
     if sequence_parallel:
         sharded = sharded | (_TOKEN_SHARDED_COLUMN if column else _TOKEN_SHARDED_ROW)
     return base in sharded
 
 
-def tp_sharded_mask(table: StatsTable, sequence_parallel: bool = False) -> np.ndarray:
-    """Bool mask over `table.to_array()`; the run-level row counts as replicated."""
+def tp_sharded_mask(table: StatsTable, kinds, sequence_parallel: bool = False) -> np.ndarray:
+    """Bool mask over `table.to_array()`; the run-level row counts as replicated. `kinds`: the
+    ParallelKind of the keys this rank holds (an Inventory, or a mapping key -> kind); a row it
+    does not hold is zero on all its TP peers too (they hold the same layers), so it is left
+    replicated."""
+    kind_of = {e.key: e.kind for e in kinds} if not hasattr(kinds, "items") else dict(kinds)
     mask = np.zeros((len(table.keys) + 1, len(table.fields)), dtype=bool)
     for i, k in enumerate(table.keys):
-        mask[i] = [tp_sharded(f, k.name, sequence_parallel) for f in table.fields]
+        if k in kind_of:
+            mask[i] = [tp_sharded(f, kind_of[k], sequence_parallel) for f in table.fields]
     return mask
 
 
@@ -103,7 +111,7 @@ def gather_pp_tensor(t: torch.Tensor, *, pp_group, to_all: bool = False) -> torc
     return t
 
 
-def reduce_tp_dp(table: StatsTable, *, tp_group=None, dp_group=None, adam_dp_sharded: bool = False,
+def reduce_tp_dp(table: StatsTable, *, kinds, tp_group=None, dp_group=None, adam_dp_sharded: bool = False,
                  use_megatron_groups: bool = True, sequence_parallel: bool = False) -> StatsTable:
     """TP sum (replicated counted once), then DP mean. Every rank gets the values of its rows."""
     if not dist.is_initialized():
@@ -111,7 +119,7 @@ def reduce_tp_dp(table: StatsTable, *, tp_group=None, dp_group=None, adam_dp_sha
     if use_megatron_groups and tp_group is None and dp_group is None:
         tp_group, dp_group, _ = megatron_groups()
     dev = _device()
-    mask = torch.from_numpy(tp_sharded_mask(table, sequence_parallel)).to(dev)
+    mask = torch.from_numpy(tp_sharded_mask(table, kinds, sequence_parallel)).to(dev)
     t = reduce_tp_dp_tensor(torch.from_numpy(table.to_array()).to(dev), mask,
                             [table.col(f) for f in ADAM_FIELDS], tp_group=tp_group, dp_group=dp_group,
                             adam_dp_sharded=adam_dp_sharded)
@@ -129,8 +137,9 @@ def gather_pp(table: StatsTable, *, pp_group=None, to_all: bool = False,
     return StatsTable.from_array(table.keys, t.cpu().numpy(), table.precisions)
 
 
-def reduce_stats(table: StatsTable, *, adam_dp_sharded: bool = False, pp_to_all: bool = False,
+def reduce_stats(table: StatsTable, *, kinds, adam_dp_sharded: bool = False, pp_to_all: bool = False,
                  sequence_parallel: bool = False) -> StatsTable:
     """The full reduction with Megatron's groups: TP, DP x CP, then PP onto global rank 0."""
-    return gather_pp(reduce_tp_dp(table, adam_dp_sharded=adam_dp_sharded, sequence_parallel=sequence_parallel),
+    return gather_pp(reduce_tp_dp(table, kinds=kinds, adam_dp_sharded=adam_dp_sharded,
+                                  sequence_parallel=sequence_parallel),
                      to_all=pp_to_all)

@@ -30,9 +30,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from snip_megatron.models import gpt
+from snip_megatron.models.inventory import ParallelKind
 from snip_megatron.shapes import ModelShape
 
-COLUMN = ("linear_qkv", "linear_fc1")
 TOKEN_CHUNK = 16
 NOISE_CHUNK = 1 << 22  # noise.CHUNK_ELEMS
 BLOCK_ELEMS = 1 << 22  # tokens.BLOCK_ELEMS, adam.BLOCK
@@ -134,11 +135,19 @@ class MeasureLayout:
     def layers(self) -> int:
         return self.shape.num_layers // self.pp
 
+    def column(self, name: str) -> bool:
+        """Whether TP shards the output dim of a layer's linear `name`."""
+        return self._kinds()[name] is ParallelKind.COLUMN
+
+    def _kinds(self) -> dict:
+        return {e.key.name: e.kind for e in gpt.inventory(self.shape.with_(num_layers=1))}
+
     def linears(self) -> dict:
         """name -> (weight rows, weight cols, X features, G_Y features) on this rank."""
         out = {}
-        for name, (m, k) in self.shape.linear_shapes().items():
-            if name in COLUMN:
+        for e in gpt.inventory(self.shape.with_(num_layers=1)):
+            name, (m, k) = e.key.name, e.shape
+            if e.kind is ParallelKind.COLUMN:
                 out[name] = (m // self.tp, k, k, m // self.tp)
             else:
                 out[name] = (m, k // self.tp, k // self.tp, m)
@@ -193,7 +202,7 @@ def _sp(lay: MeasureLayout) -> bool:
 def clean_hook_phases(lay: MeasureLayout, name: str, tokens: "int | None" = None, first: bool = True) -> dict:
     """Peak bytes of each phase of the clean pass's G_Y hook (collector._on_gy_clean), in its order."""
     rows_w, cols_w, kx, my = lay.linears()[name]
-    column = name in COLUMN
+    column = lay.column(name)
     n = tokens or lay.tokens
     a = lay.act_bytes
     ps = _precisions(lay)
@@ -245,7 +254,7 @@ def bwd_noise_hook_bytes(lay: MeasureLayout, name: str, tokens: "int | None" = N
     """Peak working set of the backward-noise pass's G_Y hook (||G_Y^T X||^2 on the sample): the
     chunk Grams, then the sampled rows and a block of G_W with its square."""
     rows_w, cols_w, kx, my = lay.linears()[name]
-    column = name in COLUMN
+    column = lay.column(name)
     n, a = tokens or lay.tokens, lay.act_bytes
     gathered = (n * kx * a if column else n * my * a) if _sp(lay) else 0
     nf = _kept(n, lay.token_stride) if n >= 2 * lay.token_stride * TOKEN_CHUNK else n
@@ -259,7 +268,7 @@ def bwd_noise_hook_bytes(lay: MeasureLayout, name: str, tokens: "int | None" = N
 def gx_hook_bytes(lay: MeasureLayout, name: str, tokens: "int | None" = None) -> int:
     """The clean pass's G_X hook: ||G_X||^2, then <G_X, E_X> on the sample."""
     _, _, kx, _ = lay.linears()[name]
-    shard = lay.tp if (_sp(lay) and name in COLUMN) else 1
+    shard = lay.tp if (_sp(lay) and lay.column(name)) else 1
     n = (tokens or lay.tokens) // shard
     nf = _kept(tokens or lay.tokens, lay.token_stride) // shard
     sampled = 4 * nf * kx + 4 * nf * kx if lay.first_order else 0
@@ -271,7 +280,7 @@ def noise_add_bytes(lay: MeasureLayout, name: str) -> int:
     conversion, on top of the new tensor that replaces Y (not extra: Y itself is dropped)."""
     _, _, kx, my = lay.linears()[name]
     numel = lay.tokens * my
-    full = numel * (lay.tp if name in COLUMN else 1)
+    full = numel * (lay.tp if lay.column(name) else 1)
     return int(_noise_unpack(numel, full) + lay.act_bytes * min(numel, NOISE_CHUNK))
 
 
@@ -282,7 +291,7 @@ def held_bytes(lay: MeasureLayout) -> int:
     sp = lay.sequence_parallel and lay.tp > 1
     total = 0
     for name, (_, _, kx, _) in lay.linears().items():
-        tokens = lay.tokens // lay.tp if (sp and name in COLUMN) else lay.tokens
+        tokens = lay.tokens // lay.tp if (sp and lay.column(name)) else lay.tokens
         total += tokens * kx * lay.act_bytes
     return total * lay.layers
 
@@ -306,7 +315,7 @@ def adam_bytes(lay: MeasureLayout) -> int:
 
 def persistent_bytes(lay: MeasureLayout) -> int:
     """Two device tables (clean, noise), their reductions' copies, masks and noise scales."""
-    rows = 4 * lay.shape.num_layers + 1
+    rows = len(gpt.inventory(lay.shape)) + 1
     return rows * FIELDS * (8 * 6 + 2) + rows * 2 * 8
 
 

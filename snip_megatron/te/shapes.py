@@ -16,16 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from snip_megatron.formats.precision import Formats, Precision
-from snip_megatron.plan import LayerKey, all_keys
+from snip_megatron.models import gpt
+from snip_megatron.models.inventory import Inventory, InventoryEntry, ParallelKind
+from snip_megatron.plan import LayerKey
 from snip_megatron.shapes import ModelShape
 
 FP8_EXEC_ALIGN = (8, 16)
 """(leading dims, last dim) every FP8/FP4 GEMM operand of a TE linear must divide by."""
 RECIPE_ALIGN = {"mxfp8": (32, 32), "nvfp4": (16, 16)}
 """Stricter (leading, last) alignments of the block-scaled recipes' quantized tensors."""
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
-"""Column-parallel linears: their input is sequence-sharded under sequence parallelism (TE checks
-the local input, before its all-gather); row-parallel ones get the whole sequence."""
 
 
 @dataclass(frozen=True)
@@ -38,17 +37,26 @@ class LocalGemm:
     """Leading dims of the input TE checks (sequence x micro-batch, local)."""
 
 
+def local_gemm(entry: InventoryEntry, tokens: int, *, tp: int = 1, sequence_parallel: bool = False) -> LocalGemm:
+    """One rank's view of a planned linear of a TP=`tp` layout, `tokens` the local sequence x batch.
+
+    A column-parallel linear's input is sequence-sharded under sequence parallelism (TE checks the
+    local input, before its all-gather); a row-parallel one gets the whole sequence."""
+    o, i = entry.shape
+    if entry.kind is ParallelKind.DUPLICATED:
+        return LocalGemm(o, i, tokens // tp if sequence_parallel and tp > 1 else tokens)
+    column = entry.kind is ParallelKind.COLUMN
+    local_tokens = tokens // tp if column and sequence_parallel and tp > 1 else tokens
+    return LocalGemm(out_features=o // tp if column else o, in_features=i if column else i // tp,
+                     tokens=local_tokens)
+
+
 def local_gemms(shape: ModelShape, *, tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
                 micro_batch_size: int = 1) -> dict[str, LocalGemm]:
-    """{linear name: its LocalGemm} on one rank of a TP=`tp`, CP=`cp` layout."""
+    """{linear name: its LocalGemm} of a dense GPT layer on one rank of a TP=`tp`, CP=`cp` layout."""
     tokens = shape.seq_length // cp * micro_batch_size
-    out = {}
-    for name, (o, i) in shape.linear_shapes().items():
-        column = name in COLUMN_PARALLEL
-        local_tokens = tokens // tp if column and sequence_parallel and tp > 1 else tokens
-        out[name] = LocalGemm(out_features=o // tp if column else o, in_features=i if column else i // tp,
-                              tokens=local_tokens)
-    return out
+    return {e.key.name: local_gemm(e, tokens, tp=tp, sequence_parallel=sequence_parallel)
+            for e in gpt.inventory(shape.with_(num_layers=1))}
 
 
 def shape_problem(recipe: str, gemm: LocalGemm) -> "str | None":
@@ -67,18 +75,24 @@ def shape_problem(recipe: str, gemm: LocalGemm) -> "str | None":
             f"this rank's {' and '.join(bad)} are not")
 
 
-def te_exclusions(shape: ModelShape, formats: Formats, uses, **layout) -> dict[LayerKey, dict[Precision, str]]:
+def te_exclusions(shape: ModelShape, formats: Formats, uses, *, inventory: "Inventory | None" = None, tp: int = 1,
+                  sequence_parallel: bool = False, cp: int = 1,
+                  micro_batch_size: int = 1) -> dict[LayerKey, dict[Precision, str]]:
     """{LayerKey: {precision: why}} of the planned linears TE cannot run in a precision of `uses`
-    (FP8 and FP4 in `formats`) on a rank of `layout` (local_gemms' arguments); absent: runs all."""
-    gemms = local_gemms(shape, **layout)
+    (FP8 and FP4 in `formats`) on a rank of the layout; absent: runs all. `inventory`: the model's
+    linears (default: the dense GPT of `shape`); `shape` gives the sequence length."""
+    inventory = gpt.inventory(shape) if inventory is None else inventory
+    tokens = shape.seq_length // cp * micro_batch_size
     recipes = {Precision.FP8: formats.fp8_recipe, Precision.FP4: formats.fp4_recipe}
-    by_name = {}
-    for name, gemm in gemms.items():
-        reasons = {p: problem for p in (Precision.parse(u) for u in uses) if p in recipes
-                   if (problem := shape_problem(recipes[p], gemm)) is not None}
-        if reasons:
-            by_name[name] = reasons
-    return {key: dict(by_name[key.name]) for key in all_keys(shape.num_layers) if key.name in by_name}
+    wanted = [p for p in (Precision.parse(u) for u in uses) if p in recipes]
+    out, by_gemm = {}, {}
+    for e in inventory:
+        gemm = local_gemm(e, tokens, tp=tp, sequence_parallel=sequence_parallel)
+        if gemm not in by_gemm:  # every layer repeats the same few shapes
+            by_gemm[gemm] = {p: problem for p in wanted if (problem := shape_problem(recipes[p], gemm)) is not None}
+        if by_gemm[gemm]:
+            out[e.key] = dict(by_gemm[gemm])
+    return out
 
 
 def describe_exclusions(excluded: dict[LayerKey, dict[Precision, str]]) -> list[str]:

@@ -28,5 +28,6 @@ def _bench_fixture(fixture: str, module: str, file: str):
 quality = _bench_fixture("quality", "bench_quality", "quality.py")
 oracle = _bench_fixture("oracle", "bench_quality_oracle", "quality_oracle.py")
 regimes = _bench_fixture("regimes", "bench_quality_regimes", "quality_regimes.py")
+planner_scale = _bench_fixture("planner_scale", "bench_planner_scale", "planner_scale.py")
 fidelity = _bench_fixture("fidelity", "bench_fidelity", "estimator_fidelity.py")
 emulation_profile = _bench_fixture("emulation_profile", "bench_emulation_profile", "emulation_profile.py")

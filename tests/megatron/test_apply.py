@@ -223,6 +223,16 @@ def test_layout_enumeration_matches_the_built_model(runs, case):
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
+def test_every_rank_agrees_on_the_inventory_its_shape_gives(runs, case):
+    """Each rank discovers its own layers; the all-gathered merge is the whole model on every rank."""
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE
+
+    for r in runs[case]:
+        assert r["local_inventory"] == [str(k) for k in all_keys(SMOKE_SHAPE.num_layers) if str(k) in r["build"]]
+        assert r["inventory"] == [str(k) for k in all_keys(SMOKE_SHAPE.num_layers)]
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
 def test_training_continues_across_the_replan_and_loss_falls(runs, case):
     losses = [r["losses"] for r in runs[case] if r["losses"]]
     assert losses, "no rank reported losses"
@@ -285,6 +295,8 @@ def run_layout(tp: int, pp: int, vpp: "int | None") -> dict:
     from snip_megatron.megatron.model import build_gpt_model, make_transformer_config
     from snip_megatron.megatron.quant_recipe import recipe_for_chunk
     from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape, wrap_ddp_and_optimizer
+    from snip_megatron.models import gpt
+    from snip_megatron.models.agree import agree
 
     n = shape.num_layers
     config = make_transformer_config(shape, tp=tp, pp=pp, vpp=vpp)
@@ -331,7 +343,9 @@ def run_layout(tp: int, pp: int, vpp: "int | None") -> dict:
         changes=[(str(c.key), c.old.value, c.new.value) for c in changes],
         out_changed={k: not torch.equal(before[k], after_out[k]) for k in before},
         paths={str(pl.key): [pl.chunk, pl.module_path] for pl in list_planned_linears(ddp_chunks)},
-        weights={str(pl.key): list(pl.module.weight.shape) for pl in list_planned_linears(chunks)})
+        weights={str(pl.key): list(pl.module.weight.shape) for pl in list_planned_linears(chunks)},
+        local_inventory=[str(e.key) for e in gpt.discover(ddp_chunks)],
+        inventory=[str(e.key) for e in agree(gpt.discover(ddp_chunks), expected=gpt.inventory(shape))])
     runtime.destroy()
     return result
 

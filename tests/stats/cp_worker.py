@@ -25,15 +25,17 @@ def main():
 
     cpu_shim.install()
     ps.initialize_model_parallel(context_parallel_size=2)
-    from snip_megatron.plan import all_keys
+    from snip_megatron.models import gpt
+    from snip_megatron.shapes import get_shape
     from snip_megatron.stats.reduce import ADAM_FIELDS, megatron_groups, reduce_tp_dp_tensor, tp_sharded_mask
     from snip_megatron.stats.table import StatsTable
 
     tp_group, dp_group, _ = megatron_groups()
-    layout = StatsTable(keys=all_keys(1))
+    inventory = gpt.inventory(get_shape("llama_tiny").with_(num_layers=1))
+    layout = StatsTable(keys=inventory.keys())
     rank = dist.get_rank()
     t = torch.full((len(layout.keys) + 1, len(layout.fields)), float(rank + 1), dtype=torch.float64)
-    out = reduce_tp_dp_tensor(t, torch.from_numpy(tp_sharded_mask(layout)), [layout.col(f) for f in ADAM_FIELDS],
+    out = reduce_tp_dp_tensor(t, torch.from_numpy(tp_sharded_mask(layout, inventory)), [layout.col(f) for f in ADAM_FIELDS],
                               tp_group=tp_group, dp_group=dp_group, adam_dp_sharded=True)
     if rank == 0:
         np.save(args.out, np.stack([out.numpy(), np.full(out.shape, float(dist.get_world_size(dp_group))),

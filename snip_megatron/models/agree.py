@@ -1,0 +1,30 @@
+"""One global inventory agreed by every rank, from each rank's discovered part.
+
+Each rank discovers only its own layers (its pipeline stage, its virtual chunks); an all-gather
+gives every rank every part, so every rank merges the same list and refuses the same mismatch.
+"""
+
+from __future__ import annotations
+
+from snip_megatron.models.inventory import Inventory, merge
+
+
+def agree(local: Inventory, *, expected: "Inventory | None" = None, group=None) -> Inventory:
+    """The merged inventory of all ranks (`group`, default the world; alone without a process
+    group), checked against `expected` (e.g. the one built from the config) when given.
+
+    Call it at start-up on every rank: ValueError, the same on every rank, when ranks disagree or
+    the model does not hold what the config says."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, local, group=group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(len(parts))
+        merged = merge(parts, names=[f"rank {r}" for r in ranks])
+    else:
+        merged = merge([local])
+    if expected is not None:
+        expected.check_same(merged, what="the model built on these ranks (the config and the built "
+                                          "layer spec disagree)")
+    return merged

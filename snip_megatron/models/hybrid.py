@@ -1,0 +1,182 @@
+"""HybridModel adapter (`--hybrid-layer-pattern`): every pattern symbol is its own layer.
+
+`*` attention layer (self_attention.linear_qkv, linear_proj), `-` MLP layer (mlp.linear_fc1,
+linear_fc2), `M` Mamba layer (mixer.in_proj, out_proj), `G` gated delta net (self_attention.in_proj,
+out_proj); `|` cuts pipeline segments. Layer i of a segment has `layer_number = i + 1 + offset`,
+the offset being the layers of the segments before it (Megatron's `select_pipeline_segment`).
+MoE (`E`), MLA (`+`), DSA (`D`) and MTP (`/`) are refused by name until SNIP plans them. An
+attention layer's keys are a GPT layer's (GPT layer L is hybrid layers 2L-1 and 2L of `*-*-...`).
+Pure: the pattern and the config's widths give the inventory; Megatron is not imported.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from snip_megatron.models import gpt
+from snip_megatron.models.gpt import LinearSlot
+from snip_megatron.models.inventory import Inventory, InventoryEntry, ParallelKind, Unplanned
+from snip_megatron.models.keys import LayerKey
+from snip_megatron.shapes import ModelShape
+
+FAMILY = "hybrid"
+PIPE = "|"
+
+LINEARS: dict[str, tuple[LinearSlot, ...]] = {
+    # an attention layer and an MLP layer are the two halves of a GPT layer, with its names
+    "*": tuple(s for s in gpt.LINEARS if s.suffix.startswith("self_attention.")),
+    "-": tuple(s for s in gpt.LINEARS if s.suffix.startswith("mlp.")),
+    "M": (LinearSlot("in_proj", "mixer.in_proj", ParallelKind.COLUMN),
+          LinearSlot("out_proj", "mixer.out_proj", ParallelKind.ROW)),
+    "G": (LinearSlot("in_proj", "self_attention.in_proj", ParallelKind.COLUMN),
+          LinearSlot("out_proj", "self_attention.out_proj", ParallelKind.ROW)),
+}
+"""Each planned layer symbol's linears, in forward order."""
+LAYER_NAMES = {"*": "attention", "-": "MLP", "M": "Mamba", "G": "gated delta net"}
+REFUSED = {
+    "E": "MoE layers (E): SNIP plans MoE experts after the MoE issue; use '-' (dense MLP) layers",
+    "+": "multi-latent attention layers (+): SNIP does not plan MLA yet; use '*' attention layers",
+    "D": "DeepSeek sparse attention layers (D): SNIP does not plan DSA yet; use '*' attention layers",
+    "/": "multi-token prediction ('/' in the pattern): SNIP does not plan MTP layers yet; drop the "
+         "'/...' part of the pattern",
+}
+NAMES = tuple(dict.fromkeys(s.name for slots in LINEARS.values() for s in slots))
+"""Every linear name a hybrid layer can have, in forward order within a layer."""
+
+UNPLANNED = (
+    Unplanned("embedding", "embeddings stay in BF16"),
+    Unplanned("decoder.layers.*.input_layernorm", "norms stay in BF16"),
+    Unplanned("decoder.layers.*.mixer.conv1d", "Mamba's convolution and SSM scan stay in BF16/FP32"),
+    Unplanned("decoder.layers.*.self_attention.core_attention", "the attention core stays in BF16"),
+    Unplanned("decoder.final_norm", "norms stay in BF16"),
+    Unplanned("output_layer", "the output layer stays in BF16"),
+)
+
+_SUFFIX = {s.suffix: s for slots in LINEARS.values() for s in slots}
+_PATH = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.(" + "|".join(re.escape(s) for s in _SUFFIX) + r")$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridDims:
+    """The widths of Mamba and gated-delta-net layers (Megatron's TransformerConfig fields)."""
+
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: "int | None" = None
+    """None: hidden_size * mamba_expand / mamba_head_dim."""
+    mamba_expand: int = 2
+    """MambaMixer's `expand` (2 in Megatron's hybrid spec)."""
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+
+    @classmethod
+    def of(cls, config) -> "HybridDims":
+        """The dims of a TransformerConfig (or anything with its field names)."""
+        fields = {f: getattr(config, f) for f in cls.__dataclass_fields__ if getattr(config, f, None) is not None}
+        return cls(**fields)
+
+
+def parse_pattern(pattern: str) -> tuple[str, ...]:
+    """The pipeline segments of a hybrid layer pattern ('|' cuts them), each a string of layer
+    symbols; ValueError naming each symbol SNIP cannot plan, or does not know."""
+    if not isinstance(pattern, str) or not pattern.replace(PIPE, ""):
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r} has no layers")
+    refused = [REFUSED[c] for c in dict.fromkeys(pattern) if c in REFUSED]
+    if refused:
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: " + "; ".join(refused))
+    unknown = sorted({c for c in pattern if c not in LINEARS and c != PIPE})
+    if unknown:
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: unknown layer symbol(s) {', '.join(unknown)}; "
+                         f"SNIP plans {', '.join(f'{s} ({n})' for s, n in LAYER_NAMES.items())}")
+    return tuple(pattern.split(PIPE))
+
+
+def layer_symbols(pattern: str) -> str:
+    """The pattern's layers in order (symbol i is global layer i + 1)."""
+    return "".join(parse_pattern(pattern))
+
+
+def segment(pattern: str, pp_rank: int = 0, pp: int = 1, vp_stage: "int | None" = None) -> tuple[int, str]:
+    """(layer offset, layer symbols) of one pipeline chunk, as Megatron's `select_pipeline_segment`
+    selects it: segment vp_stage * pp + pp_rank of the '|'-cut pattern, or without '|' an even
+    split over `pp` stages."""
+    segments = parse_pattern(pattern)
+    if len(segments) == 1 and pp > 1:
+        if vp_stage is not None:
+            raise ValueError("virtual pipelining needs '|' in --hybrid-layer-pattern to cut its chunks")
+        if len(segments[0]) % pp:
+            raise ValueError(f"{len(segments[0])} layers do not split evenly over {pp} pipeline stages; "
+                             "cut the pattern with '|'")
+        per = len(segments[0]) // pp
+        return pp_rank * per, segments[0][pp_rank * per:(pp_rank + 1) * per]
+    if len(segments) > 1 and len(segments) % pp:
+        raise ValueError(f"--hybrid-layer-pattern has {len(segments)} '|' segments, not a multiple of "
+                         f"{pp} pipeline stages")
+    index = (vp_stage or 0) * pp + pp_rank
+    if index >= len(segments):
+        raise ValueError(f"pipeline chunk {index} (pp_rank={pp_rank}, vp_stage={vp_stage}) is beyond the "
+                         f"pattern's {len(segments)} segments")
+    return sum(len(s) for s in segments[:index]), segments[index]
+
+
+def linear_shapes(shape: ModelShape, dims: HybridDims = HybridDims()) -> dict[str, dict[str, tuple[int, int]]]:
+    """{symbol: {linear name: (out_features, in_features)}}, unsharded."""
+    h = shape.hidden_size
+    dense = gpt.linear_shapes(shape)
+    d_inner = (dims.mamba_num_heads * dims.mamba_head_dim if dims.mamba_num_heads
+               else dims.mamba_expand * h)
+    nheads = d_inner // dims.mamba_head_dim
+    qk, v = dims.linear_key_head_dim * dims.linear_num_key_heads, dims.linear_value_head_dim * dims.linear_num_value_heads
+    return {
+        "*": {s.name: dense[s.name] for s in LINEARS["*"]},
+        "-": {s.name: dense[s.name] for s in LINEARS["-"]},
+        # MambaMixer's in_proj packs z, x, B, C, dt
+        "M": {"in_proj": (2 * d_inner + 2 * dims.mamba_num_groups * dims.mamba_state_dim + nheads, h),
+              "out_proj": (h, d_inner)},
+        # GatedDeltaNet's in_proj packs q, k, v, z, beta, alpha
+        "G": {"in_proj": (2 * qk + 2 * v + 2 * dims.linear_num_value_heads, h), "out_proj": (h, v)},
+    }
+
+
+def inventory(shape: ModelShape, pattern: str, dims: HybridDims = HybridDims(), *,
+              sequence_parallel: bool = False) -> Inventory:
+    """Every planned linear of a HybridModel of `pattern` with `shape`'s widths, without building it."""
+    symbols = layer_symbols(pattern)
+    if shape.num_layers != len(symbols):
+        raise ValueError(f"the model has num_layers={shape.num_layers} but --hybrid-layer-pattern {pattern!r} "
+                         f"has {len(symbols)} layers; they must agree")
+    shapes = linear_shapes(shape, dims)
+    entries = []
+    for i, symbol in enumerate(symbols):
+        for slot in LINEARS[symbol]:
+            entries.append(InventoryEntry(LayerKey(i + 1, slot.name), slot.suffix, shapes[symbol][slot.name],
+                                          slot.kind, sequence_parallel and slot.kind is not ParallelKind.ROW))
+    return Inventory(FAMILY, entries, UNPLANNED)
+
+
+def parse_path(module_path: str) -> "tuple[int, str] | None":
+    """(stage-local 0-based layer index, linear name) of a planned linear's module path, else None."""
+    m = _PATH.search(module_path)
+    return (int(m.group(1)), _SUFFIX[m.group(2)].name) if m else None
+
+
+def key_for_path(module_path: str, layer_offset: int = 0) -> "LayerKey | None":
+    """The global key of a module path in a chunk whose first layer is `layer_offset` + 1 (the
+    suffix alone tells the layer kind: mixer.* is Mamba, self_attention.in_proj a GDN)."""
+    parsed = parse_path(module_path)
+    return None if parsed is None else LayerKey(layer_offset + parsed[0] + 1, parsed[1])
+
+
+def module_path(key: LayerKey, pattern: str, layer_offset: int = 0) -> str:
+    """The path Megatron gives `key` inside the chunk whose first layer is `layer_offset` + 1."""
+    symbols = layer_symbols(pattern)
+    local = key.layer - layer_offset - 1
+    slots = {s.name: s for s in LINEARS[symbols[key.layer - 1]]} if 1 <= key.layer <= len(symbols) else {}
+    if local < 0 or key.name not in slots:
+        raise ValueError(f"{key} is not a planned linear of pattern {pattern!r} in a chunk starting after "
+                         f"layer {layer_offset}")
+    return f"decoder.layers.{local}.{slots[key.name].suffix}"

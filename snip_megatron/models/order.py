@@ -1,0 +1,34 @@
+"""The canonical forward order of planned linears, for keys without an inventory at hand (pure).
+
+Within a layer, linears sort by their position in the forward pass of whichever model family
+has them; every adapter registers its names here, in its order (a test checks each inventory is
+already in this order), so a plan's order and digest do not depend on how it was built.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from snip_megatron.models import gpt, hybrid
+from snip_megatron.models.keys import LayerKey
+
+_RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.LINEAR_NAMES + hybrid.NAMES))}
+
+
+def forward_order(key: LayerKey) -> tuple[int, int, str]:
+    """Sort key: layer, then the linear's position in the forward pass (unknown names last, by name)."""
+    return key.layer, _RANK.get(key.name, len(_RANK)), key.name
+
+
+_LEGACY = 4  # the dense GPT's linears per layer, the only names before the inventory
+
+
+def key_index(key: LayerKey) -> int:
+    """A distinct non-negative integer per key (random streams are seeded from it).
+
+    A dense GPT's keys keep the value they always had (layer * 4 + position), so seeded noise and
+    statistics do not change; other names get their own range, from a hash of the name."""
+    rank = _RANK.get(key.name)
+    if rank is not None and rank < _LEGACY:
+        return key.layer * _LEGACY + rank
+    return (1 << 40) + key.layer * (1 << 20) + zlib.crc32(key.name.encode()) % (1 << 20)

@@ -1,0 +1,86 @@
+"""The dense-GPT adapter: the inventory from a shape equals the one discovered from a built model."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from snip_megatron.models import gpt
+from snip_megatron.models.keys import LayerKey
+from snip_megatron.plan import all_keys
+from snip_megatron.shapes import PRESETS, get_shape
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_inventory_of_every_preset_lists_todays_keys_in_order(preset):
+    shape = get_shape(preset)
+    inv = gpt.inventory(shape)
+    assert list(inv.keys()) == all_keys(shape.num_layers)
+    assert {e.key.name: e.shape for e in inv if e.layer == 1} == shape.linear_shapes()
+
+
+def test_the_70b_layout_enumerates_without_weights_in_milliseconds():
+    start = time.perf_counter()
+    inv = gpt.inventory(get_shape("llama_70b"))
+    assert time.perf_counter() - start < 0.5
+    assert len(inv) == 320 and inv.entry("80.linear_fc1").shape == (2 * 28672, 8192)
+
+
+def test_paths_and_keys_translate_both_ways():
+    assert gpt.key_for_path("decoder.layers.2.mlp.linear_fc1", 10) == LayerKey(13, "linear_fc1")
+    assert gpt.key_for_path("module.decoder.layers.0.self_attention.linear_qkv") == LayerKey(1, "linear_qkv")
+    assert gpt.key_for_path("decoder.layers.0.mlp.experts.linear_fc1") is None
+    assert gpt.key_for_path("mtp.layers.0.transformer_layer.mlp.linear_fc1") is None
+    assert gpt.module_path(LayerKey(13, "linear_fc1"), 10) == "decoder.layers.2.mlp.linear_fc1"
+    assert gpt.layer_path("module.decoder.layers.3.mlp.linear_fc2") == "module.decoder.layers.3"
+    with pytest.raises(ValueError, match="not a planned linear of a GPT chunk"):
+        gpt.module_path(LayerKey(3, "linear_fc1"), 5)
+
+
+@pytest.mark.parametrize("backend", ["emulated", "local"])
+def test_discovered_from_the_built_model_equals_the_one_from_its_shape(megatron_single, backend):
+    from snip_megatron.megatron.model import build_model_chunks
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape
+    from snip_megatron.models.agree import agree
+
+    chunks = build_model_chunks(shape, backend=backend)
+    found = gpt.discover(chunks)
+    if backend == "local":  # Megatron's plain linears take no quant_recipe: nothing to plan
+        assert len(found) == 0
+        return
+    assert found == gpt.inventory(shape)
+    assert agree(found, expected=gpt.inventory(shape)) == found
+    with pytest.raises(ValueError, match="does not match the model built on these ranks"):
+        agree(found, expected=gpt.inventory(shape.with_(num_layers=shape.num_layers + 1)))
+
+
+def test_the_adapter_and_the_inventory_import_no_megatron_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, snip_megatron.models.gpt, snip_megatron.models.agree; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'torch')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_only_the_adapter_names_the_gpt_linears_in_code():
+    """Outside models/gpt.py no code uses a GPT linear's name as a value or an attribute (docstrings
+    and messages may mention them)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(gpt.__file__).resolve().parents[1]
+    names = set(gpt.LINEAR_NAMES)
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path == Path(gpt.__file__).resolve():
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(package)}:{node.lineno} {node.value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in names:
+                found.append(f"{path.relative_to(package)}:{node.lineno} .{node.attr}")
+            elif isinstance(node, ast.keyword) and node.arg in names:
+                found.append(f"{path.relative_to(package)}:{node.lineno} {node.arg}=")
+    assert not found, "\n".join(found)

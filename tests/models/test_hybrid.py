@@ -1,0 +1,101 @@
+"""The HybridModel adapter: pattern parsing, pipeline segments and module names checked against
+Megatron's own (megatron.core.models.hybrid, absent in the compat lane's megatron-core), and
+shapes. The 70B-class pattern's planning time is tests/bench/test_planner_scale.py's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from snip_megatron.models import gpt, hybrid
+from snip_megatron.models.inventory import ParallelKind
+from snip_megatron.models.keys import LayerKey
+from snip_megatron.models.order import forward_order
+from snip_megatron.plan import Plan
+from snip_megatron.shapes import get_shape
+
+TINY = get_shape("llama_tiny")
+
+
+def test_a_gpt_block_is_an_attention_layer_then_an_mlp_layer():
+    inv = hybrid.inventory(TINY.with_(num_layers=4), "*-*-")
+    assert [str(k) for k in inv.keys()] == ["1.linear_qkv", "1.linear_proj", "2.linear_fc1", "2.linear_fc2",
+                                           "3.linear_qkv", "3.linear_proj", "4.linear_fc1", "4.linear_fc2"]
+    dense = gpt.inventory(TINY.with_(num_layers=2))
+    # GPT layer L is hybrid layers 2L-1 (attention) and 2L (MLP): same shapes, kinds and suffixes
+    assert [(e.shape, e.kind, e.suffix) for e in inv] == [(e.shape, e.kind, e.suffix) for e in dense]
+    assert list(inv.keys()) == sorted(inv.keys(), key=forward_order)
+
+
+def test_mamba_and_gdn_layers_and_their_shapes():
+    shape = TINY.with_(num_layers=4, hidden_size=4096, num_attention_heads=32, num_query_groups=8)
+    inv = hybrid.inventory(shape, "M*G-")
+    assert [str(k) for k in inv.keys()][:2] == ["1.in_proj", "1.out_proj"]
+    mamba_in = inv.entry("1.in_proj")
+    # d_inner = 2 x 4096; in_proj packs z, x (2 d_inner), B, C (2 x 8 groups x 128 state), dt (8192 / 64 heads)
+    assert mamba_in.shape == (2 * 8192 + 2 * 8 * 128 + 128, 4096) and mamba_in.suffix == "mixer.in_proj"
+    assert inv.entry("1.out_proj").shape == (4096, 8192) and inv.entry("1.out_proj").kind is ParallelKind.ROW
+    gdn_in = inv.entry("3.in_proj")
+    assert gdn_in.suffix == "self_attention.in_proj" and gdn_in.shape == (2 * 2048 + 2 * 4096 + 64, 4096)
+    assert list(inv.keys()) == sorted(inv.keys(), key=forward_order)
+    plan = Plan.uniform(inv, "fp8")
+    assert Plan.from_json(plan.to_json()) == plan and plan.to_dict()["version"] == 2
+
+
+@pytest.mark.parametrize("pattern, words", [
+    ("*E*E", "MoE layers .E."), ("+-+-", r"multi-latent attention layers \(\+\)"),
+    ("D-D-", r"sparse attention layers \(D\)"), ("*-*-/*-", "multi-token prediction"),
+    ("*-X-", "unknown layer symbol.s. X"), ("||", "has no layers"),
+])
+def test_patterns_snip_cannot_plan_are_refused_by_name(pattern, words):
+    with pytest.raises(ValueError, match=words):
+        hybrid.parse_pattern(pattern)
+
+
+def test_paths_and_keys_translate_both_ways():
+    assert hybrid.key_for_path("decoder.layers.1.mixer.in_proj", 4) == LayerKey(6, "in_proj")
+    assert hybrid.key_for_path("module.decoder.layers.0.self_attention.in_proj") == LayerKey(1, "in_proj")
+    assert hybrid.key_for_path("decoder.layers.0.mixer.conv1d") is None
+    assert hybrid.module_path(LayerKey(6, "in_proj"), "M*M*|MGM*", 4) == "decoder.layers.1.self_attention.in_proj"
+    assert hybrid.module_path(LayerKey(5, "in_proj"), "M*M*|MGM*", 4) == "decoder.layers.0.mixer.in_proj"
+    with pytest.raises(ValueError, match="not a planned linear of pattern"):
+        hybrid.module_path(LayerKey(5, "linear_qkv"), "M*M*|MGM*", 4)
+
+
+def test_the_inventory_needs_the_patterns_layer_count():
+    with pytest.raises(ValueError, match="num_layers=6 but --hybrid-layer-pattern '.-.-' has 4 layers"):
+        hybrid.inventory(TINY, "*-*-")
+
+
+SEGMENT_CASES = [("*-*-", 1, None), ("*-|*-", 2, None), ("*-*-*-*-", 2, None), ("M-M*-|M-M*-|M-|M*", 2, 2),
+                 ("*-|*-*-|M|-", 4, None)]
+
+
+@pytest.mark.parametrize("pattern, pp, vpp", SEGMENT_CASES)
+def test_segments_are_megatrons(monkeypatch, pattern, pp, vpp):
+    allocation = pytest.importorskip("megatron.core.models.hybrid.hybrid_layer_allocation")
+    import torch.distributed as dist
+
+    # Megatron logs the chosen segment on each stage through parallel state; no process group here
+    monkeypatch.setattr(allocation, "log_on_each_pipeline_stage", lambda *a, **k: None)
+    monkeypatch.setattr(allocation, "log_single_rank", lambda *a, **k: None)
+    for pp_rank in range(pp):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, r=pp_rank: r)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: pp)
+        for vp_stage in range(vpp) if vpp else [None]:
+            symbols, offset = allocation.select_pipeline_segment(pattern, object() if pp > 1 else None, vp_stage)
+            assert hybrid.segment(pattern, pp_rank, pp, vp_stage) == (offset, "".join(symbols))
+    assert hybrid.layer_symbols(pattern) == "".join(allocation.validate_segment_layers(pattern.replace("|", "")))
+
+
+def test_module_names_are_those_of_megatrons_hybrid_spec():
+    specs = pytest.importorskip("megatron.core.models.hybrid.hybrid_layer_specs")
+    stack = specs.hybrid_stack_spec.submodules
+    layer_of = {"*": stack.attention_layer, "-": stack.mlp_layer, "M": stack.mamba_layer, "G": stack.gdn_layer}
+    for symbol, slots in hybrid.LINEARS.items():
+        for slot in slots:
+            parent, leaf = slot.suffix.split(".")
+            module_spec = getattr(layer_of[symbol].submodules, parent)
+            subs = module_spec.keywords["submodules"] if hasattr(module_spec, "keywords") else module_spec.submodules
+            assert hasattr(subs, leaf), (symbol, slot.suffix)
