@@ -81,7 +81,8 @@ def test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_load
     snip = ["--snip", "--snip-warmup", "2", "--snip-interval", "3", "--snip-lag", "1", "--snip-fp4-budget", "0.5"]
     common = ["--mock-data", "--vocab-size", "256", "--eval-interval", "100", "--save-interval", "2",
               "--train-iters", "8", *snip]  # the same schedule in every run; --exit-interval stops early
-    out = train(tmp_path, *common, "--exit-interval", "6", "--save", str(ckpt), "--async-save")
+    out = train(tmp_path, *common, "--exit-interval", "6", "--save", str(ckpt), "--async-save",
+                "--tensorboard-dir", str(tmp_path / "tb"))
     lines = snip_lines(out)
     assert ("[snip] on; backend emulated; formats fp8=blockwise fp4=nvfp4; plan: initial fp8 "
             "{'bf16': 0, 'fp8': 8, 'fp4': 0}") in lines
@@ -97,6 +98,7 @@ def test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_load
     assert (s4["iteration"], s4["controller"]["next_measure"]) == (4, 5)
     assert (s6["iteration"], s6["controller"]["next_measure"]) == (6, 8)
     assert Plan.from_dict(s4["plan"]).counts()["fp4"] > 0 and s4["plan_source"] == "initial fp8"
+    check_figures_in_tensorboard(tmp_path / "tb", plan_steps=[0, 3, 6], measured_steps=[3, 6], linears=8)
 
     # Resume the latest: the model is built with iteration 6's plan, whatever the flags say.
     plan6 = Plan.from_dict(s6["plan"]).counts()
@@ -113,6 +115,25 @@ def test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_load
     assert any(line.endswith(f"plan: checkpoint {plan4}") for line in snip_lines(out)), snip_lines(out)
     assert sorted(losses(out)) == [5, 6]
     assert any(line.startswith("[snip] step 6: plan") for line in snip_lines(out))
+
+
+def check_figures_in_tensorboard(folder: Path, plan_steps: list, measured_steps: list, linears: int) -> None:
+    """SNIP's scalars, heat map and plan table in the run's TensorBoard folder, read back with
+    TensorBoard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"images": 0, "tensors": 0, "scalars": 0}).Reload()
+    for tag in ("snip/flops_fp4", "snip/flops_fp8", "snip/flops_bf16", "snip/modelled_speedup",
+                "snip/linears_changed"):
+        assert [e.step for e in events.Scalars(tag)] == plan_steps, tag
+    for tag in ("snip/measure_s", "snip/solve_s", "snip/predicted_cost", "snip/predicted_loss_increase"):
+        assert [e.step for e in events.Scalars(tag)] == measured_steps, tag
+    assert events.Scalars("snip/flops_fp8")[0].value == 1.0  # the initial plan: every linear in FP8
+    assert events.Scalars("snip/flops_fp4")[1].value >= 0.5  # the budget
+    assert [e.step for e in events.Images("snip/plan_heatmap")] == plan_steps
+    tables = events.Tensors("snip/plan_table/text_summary")
+    last = tables[-1].tensor_proto.string_val[0].decode().splitlines()
+    assert last[0].startswith("| layer | linear | precision | previous | Q.") and len(last) == 2 + linears
 
 
 @needs_training

@@ -239,3 +239,22 @@ def test_a_saved_plan_with_fp4_is_refused_at_start_on_hopper_with_te(te_gpu):
                 run.check_plan_runs(plan)
         else:
             run.check_plan_runs(plan)
+
+
+def test_snips_figures_go_to_megatrons_own_writers(monkeypatch):
+    """run_loggers: Megatron's TensorBoard and W&B writers (global_vars), asked when SNIP writes."""
+    from megatron.training import global_vars
+
+    from snip_megatron.loggers import TensorBoardWriter, WandbWriter
+    from snip_megatron.pretrain.setup import run_loggers
+    from tests.test_loggers import FakeWandb, Recorder
+
+    assert not run_loggers(megatron_args()).enabled  # no --tensorboard-dir, no --wandb-project
+    loggers = run_loggers(megatron_args("--wandb-project", "p", "--wandb-exp-name", "e"))
+    assert loggers.enabled and loggers.writers() == []  # Megatron has not made its writers yet (or not here)
+    tb, wandb = Recorder(), FakeWandb()
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", tb)
+    monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", wandb)
+    tb_writer, wandb_writer = loggers.writers()
+    assert isinstance(tb_writer, TensorBoardWriter) and tb_writer.writer is tb
+    assert isinstance(wandb_writer, WandbWriter) and wandb_writer.run is wandb
