@@ -244,11 +244,37 @@ def test_bad_snip_settings_fail_before_megatron_starts(capsys):
     from snip_megatron.errors import run_cli
     from snip_megatron.pretrain.entry import main
 
-    assert run_cli("snip-pretrain-gpt", main, [*MODEL, "--mock-data", "--snip", "--snip-lag", "50",
-                                                "--snip-interval", "10"]) == 2
-    assert "--snip-lag=50 must be smaller than --snip-interval=10" in capsys.readouterr().err
-    assert run_cli("snip-pretrain-gpt", main, ["--snip-fp4-budget", "2"]) == 2
-    assert "--snip-fp4-budget must be a fraction in [0, 1], got 2.0" in capsys.readouterr().err
+    for argv, message in ((["--snip-lag", "50", "--snip-interval", "10"],
+                           "--snip-lag=50 must be smaller than --snip-interval=10"),
+                          (["--snip-fp4-budget", "2"], "--snip-fp4-budget must be a fraction in [0, 1], got 2.0")):
+        with pytest.raises(SystemExit) as stop:  # argparse's own exit, one line
+            run_cli("snip-pretrain-gpt", main, [*MODEL, "--mock-data", "--snip", *argv])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("snip-pretrain-gpt: error: ") and message in err[-1], err
+
+
+@needs_training
+@pytest.mark.parametrize("argv, message", [
+    (["--snip-fp4-budget", "1.5"], "--snip-fp4-budget must be a fraction in [0, 1], got 1.5"),
+    (["--snip-precisions", "fp4,int8"], "--snip-precisions has unknown precision 'int8'; valid: bf16, fp8, fp4"),
+    (["--snip-plan", "/missing/plan.json"], "--snip-plan /missing/plan.json: no such file; give the path of a "
+                                            "saved plan"),
+    (["--snip-lag", "50", "--snip-interval", "10"], "bad SNIP flags: --snip-lag=50 must be smaller than "
+                                                    "--snip-interval=10"),  # values that do not combine
+])
+def test_the_patched_megatron_lm_main_refuses_a_bad_snip_value_as_it_parses(tmp_path, argv, message):
+    """Through Megatron-LM's own parser (the patch's extra_args_provider): argparse refuses the
+    value, one line and exit 2, before Megatron validates or prints its arguments."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(PATCHED_MAIN)
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), *MODEL, "--mock-data", "--snip", *argv], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if "pretrain_gpt.py" in line]
+    assert len(ours) == 1 and ours[0].startswith(f"pretrain_gpt.py: error: {message}"), proc.stderr[-3000:]
+    assert proc.stdout == "" and "usage:" not in proc.stderr and "Traceback" not in proc.stderr
 
 
 @needs_training
