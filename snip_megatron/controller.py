@@ -422,7 +422,7 @@ class SnipController(StepHook):
         self.history.append({"step": step, "plan": {str(k): p.value for k, p in plan.items()},
                              "event": info.get("event", "update")})
         row = self.plan_log.record(step, plan, previous, info) if self.rank == 0 else None
-        self.plan_log.publish(row)  # every rank: the run's loggers may live on another one
+        self.plan_log.publish(row, self.history)  # every rank: the run's loggers may live on another one
 
     # -- checkpoint state (JSON-safe) -----------------------------------------------------------
     def state_dict(self) -> dict:

@@ -63,7 +63,7 @@ def _split(key: str) -> list:
 
 
 def heatmap_image(history: Sequence[tuple[int, Plan]]):
-    """The heat map so far (report.heatmap_figure) as an H x W x 3 uint8 array."""
+    """The heat map of `history` (report.heatmap_figure) as an H x W x 3 uint8 array."""
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -78,7 +78,8 @@ def heatmap_image(history: Sequence[tuple[int, Plan]]):
 
 
 def write_plan(writers: Sequence, row: Mapping, history: Sequence[tuple[int, Plan]]) -> None:
-    """One plan's scalars, heat map and table into every writer (snip_megatron.loggers adapters)."""
+    """One plan's scalars, the heat map of `history` (the plans so far) and the plan's table into
+    every writer (snip_megatron.loggers adapters)."""
     step = int(row["step"])
     scalars, image, (columns, rows) = plan_scalars(row), heatmap_image(history), plan_table(row)
     for writer in writers:
@@ -89,25 +90,24 @@ def write_plan(writers: Sequence, row: Mapping, history: Sequence[tuple[int, Pla
 
 
 class PlanFigures:
-    """The plans of one run, written to its loggers as they are applied."""
+    """Writes each plan of a run to its loggers as it is applied."""
 
     def __init__(self, loggers: "RunLoggers | None" = None):
         self.loggers = loggers or RunLoggers()
-        self.history: list[tuple[int, Plan]] = []
-        """(step, plan) of every plan published so far: the heat map's columns."""
 
-    def publish(self, row: "Mapping | None") -> None:
-        """Every rank, at every plan (`row`: PlanLog's on rank 0, None elsewhere). A logger that
-        fails is reported on this rank and never stops training."""
+    def publish(self, row: "Mapping | None", history: "Sequence[Mapping] | None" = None) -> None:
+        """Every rank, at every plan (`row`: PlanLog's on rank 0, None elsewhere; `history`: the
+        controller's plans so far on this rank, {"step", "plan"} each, this one last; None: this
+        one only). A logger that fails is reported on this rank and never stops training."""
         if not self.loggers.enabled:
             return
         row = _from_rank_0(row)
-        self.history.append((int(row["step"]), Plan(row["plan"])))
         writers = self.loggers.writers()
         if not writers:
             return
+        plans = [(int(h["step"]), Plan(h["plan"])) for h in (history or [row])]
         try:
-            write_plan(writers, row, self.history)
+            write_plan(writers, row, plans)
         except Exception as exc:  # noqa: BLE001 - a logger's failure never stops training
             print(f"[snip] writing the plan of step {row['step']} to the run's loggers failed: "
                   f"{type(exc).__name__}: {exc}", flush=True)

@@ -107,10 +107,10 @@ class PlanLog:
                 f.write(json.dumps(row, default=_json_default) + "\n")
         return row
 
-    def publish(self, row: "dict | None") -> None:
-        """Every rank, after each `record` (rank 0's row, None elsewhere): the plan's figures in
-        the run's loggers, on the rank that holds them."""
-        self.figures.publish(row)
+    def publish(self, row: "dict | None", history: "list | None" = None) -> None:
+        """Every rank, after each `record` (rank 0's row, None elsewhere; `history`: the plans so
+        far, for the heat map): the plan's figures in the run's loggers, on the rank that holds them."""
+        self.figures.publish(row, history)
 
 
 def _plan_sum(table: Mapping, plan: Plan) -> float:

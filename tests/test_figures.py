@@ -58,7 +58,7 @@ def test_no_logger_no_work_and_a_broken_one_never_stops_training(capsys):
     asked = []
     quiet = PlanLog(None, flops, log=lambda _: None, loggers=RunLoggers(lambda: asked.append(1) or [], enabled=False))
     quiet.publish(quiet.record(5, plan, previous, info))
-    assert asked == [] and quiet.figures.history == []
+    assert asked == []
 
     class Broken:
         def scalars(self, step, values):
@@ -77,11 +77,18 @@ def test_scalars_and_table_of_a_row_without_costs():
     assert plan_table(row) == (["layer", "linear", "precision"], [[1, "linear_qkv", "fp8"]])
 
 
-def test_history_is_kept_for_the_heat_map():
-    def row(step, precision):  # as PlanLog writes the plan
-        return {"step": step, "plan": {str(k): p.value for k, p in Plan.uniform(1, precision).items()}}
+def test_the_heat_map_shows_the_plans_so_far(monkeypatch):
+    """The controller's history (restored with a checkpoint) is the heat map's columns."""
+    import snip_megatron.figures as figures
 
-    figures = PlanFigures(RunLoggers(list, enabled=True))
-    figures.publish(row(0, "fp8"))
-    figures.publish(row(4, "fp4"))
-    assert [(s, p.counts()["fp4"]) for s, p in figures.history] == [(0, 0), (4, 4)]
+    drawn = []
+    monkeypatch.setattr(figures, "heatmap_image", lambda history: drawn.append(history) or np.zeros((2, 2, 3)))
+
+    def row(step, precision):  # as PlanLog and the controller write a plan
+        return {"step": step, "plan": {str(k): p.value for k, p in Plan.uniform(1, precision).items()},
+                "fp4_fraction": 0.0, "fp8_fraction": 1.0, "speedup": 2.0}
+
+    publish = PlanFigures(RunLoggers(lambda: [WandbWriter(FakeWandb())], enabled=True)).publish
+    publish(row(4, "fp4"), [row(0, "fp8"), row(4, "fp4")])
+    publish(row(5, "fp8"))  # no history given: this plan alone
+    assert [[(s, p.counts()["fp4"]) for s, p in h] for h in drawn] == [[(0, 0), (4, 4)], [(5, 0)]]
