@@ -185,8 +185,8 @@ def main(argv: "list[str] | None" = None) -> int:
     """Configure, set SNIP up and run Bridge's pretrain(); 2 on a configuration error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if not {"-h", "--help"} & set(argv):
-            require_bridge()
+        parser().parse_args(argv)  # --help and a malformed command line need nothing installed
+        require_bridge()
         from snip_megatron.megatron.startup import quiet_startup
 
         quiet_startup()  # one line per expected absence, before Bridge imports megatron.core

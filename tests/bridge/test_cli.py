@@ -79,6 +79,9 @@ def test_without_transformer_engine_one_line_names_what_to_install(tmp_path):
     assert ours == [f"snip-bridge-pretrain: error: {cli.TE_MISSING}"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert "pip install --no-build-isolation transformer_engine[pytorch]" in cli.TE_MISSING
+    helped = subprocess.run([sys.executable, "-m", "snip_megatron.bridge", "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: snip-bridge-pretrain")  # needs no TE
 
 
 def test_a_missing_bridge_is_named(monkeypatch, capsys):
