@@ -66,6 +66,56 @@ def _format_costs(costs: dict) -> str:
     return ",".join(f"{p.value}={costs[p]:g}" for p in Precision)
 
 
+_BOOLS = ("enabled", "per_stage_budget", "pin_plan", "baseline_relax")
+_FRACTIONS = ("fp4_budget", "fp8_budget", "baseline_fraction")
+_POSITIVE_INTS = ("interval", "loss_guard_window", "baseline_k")
+_NON_NEGATIVE_INTS = ("lag", "seed", "measure_micro_batches")
+_NON_NEGATIVE = ("lambda_wd", "switch_penalty")
+
+
+def check_field(name: str, v) -> None:
+    """The rule of one SnipConfig field on its own (its type, range or choices), whatever the other
+    fields hold; ValueError naming `SnipConfig.<name>`. SnipConfig checks every field with it, then
+    how they combine; the `--snip*` flags check each value with it as they parse (snip_megatron.flags)."""
+    def bad(rule: str):
+        return ValueError(f"SnipConfig.{name} must be {rule}, got {v!r}")
+
+    if name in _BOOLS and not isinstance(v, bool):
+        raise ValueError(f"SnipConfig.{name} must be true or false, got {v!r}")
+    if name in _FRACTIONS and v is not None and (not _is_number(v) or not 0.0 <= v <= 1.0):
+        raise bad("a fraction in [0, 1]" if name != "baseline_fraction" else "in [0, 1]")
+    if name in _POSITIVE_INTS and (not _is_int(v) or v < 1):
+        raise bad("a positive integer")
+    if name in _NON_NEGATIVE_INTS and (not _is_int(v) or v < 0):
+        raise bad("a non-negative integer")
+    if name in _NON_NEGATIVE and (not _is_number(v) or v < 0):
+        raise bad("a number >= 0")
+    if name in CHOICES and name != "precisions" and v is not None and v not in CHOICES[name]:
+        raise ValueError(f"SnipConfig.{name}={v!r} is not valid; choose one of: {', '.join(CHOICES[name])}")
+    if name == "precisions" and v is not None:
+        SnipConfig._check_precisions(v)
+    if name == "warmup":
+        if not _is_number(v) or v < 0:
+            raise bad("a fraction in [0, 1) or a step count >= 1")
+        if v >= 1 and float(v) != int(v):
+            raise ValueError(f"SnipConfig.warmup={v!r} is >= 1, so it is a step count and "
+                             "must be a whole number (use a value < 1 for a fraction of the run)")
+    if name == "speedup" and (not _is_number(v) or v < 1):
+        raise bad("a number >= 1 (1: no speed-up asked)")
+    if name == "gemm_cost" and v is not None:
+        _parse_costs(v)
+    if name == "plan" and v is not None and (not isinstance(v, str) or not v.strip()):
+        raise bad("a file path")
+    if name == "solver_time_limit_s" and (not _is_number(v) or v <= 0):
+        raise bad("> 0")
+    if name == "solver_gap" and (not _is_number(v) or not 0.0 <= v < 1.0):
+        raise bad("in [0, 1)")
+    if name == "noise_scale" and (not _is_number(v) or not 0.0 < v <= 1.0):
+        raise bad("in (0, 1]")
+    if name == "loss_guard_factor" and (not _is_number(v) or not (v == 0 or v > 1)):
+        raise bad("0 (off) or > 1")
+
+
 @dataclass(frozen=True)
 class PlanChoices:
     """What the planner chooses from and the budget it meets (SnipConfig.plan_choices)."""
@@ -172,75 +222,24 @@ class SnipConfig:
     """Seed of the noise passes and of the random baseline."""
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "per_stage_budget", "pin_plan", "baseline_relax"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SnipConfig.{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("fp4_budget", "fp8_budget"):
-            v = getattr(self, name)
-            if v is not None and (not _is_number(v) or not 0.0 <= v <= 1.0):
-                raise ValueError(f"SnipConfig.{name} must be a fraction in [0, 1], got {v!r}")
-        for name in ("interval", "loss_guard_window", "baseline_k"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"SnipConfig.{name} must be a positive integer, got {v!r}")
-        for name in ("lag", "seed", "measure_micro_batches"):
-            v = getattr(self, name)
-            if not _is_int(v) or v < 0:
-                raise ValueError(f"SnipConfig.{name} must be a non-negative integer, got {v!r}")
+        for f in fields(self):  # each field alone first, then how they combine
+            check_field(f.name, getattr(self, f.name))
         if self.lag >= self.interval:
             raise ValueError(f"SnipConfig.lag={self.lag} must be smaller than SnipConfig.interval={self.interval}: "
                              "a plan must be applied before the next measurement")
-        if not _is_number(self.warmup) or self.warmup < 0:
-            raise ValueError(f"SnipConfig.warmup must be a fraction in [0, 1) or a step count >= 1, "
-                             f"got {self.warmup!r}")
-        if self.warmup >= 1 and float(self.warmup) != int(self.warmup):
-            raise ValueError(f"SnipConfig.warmup={self.warmup!r} is >= 1, so it is a step count and "
-                             "must be a whole number (use a value < 1 for a fraction of the run)")
-        if self.budget is not None:
-            self._check_choice("budget")
         if self.precisions is not None:
             self.precisions = self._check_precisions(self.precisions)
-        for name in ("fp8_recipe", "fp4_recipe", "initial_precision"):
-            self._check_choice(name)
-        for name in ("fp8_format", "fp8_block_scales", "fp4_gradient_rounding"):
-            if getattr(self, name) is not None:
-                self._check_choice(name)
         try:
             self.formats  # noqa: B018 - the combination must be one the quantizers emulate
         except ValueError as e:
             raise ValueError(str(e).replace("Formats.", "SnipConfig.")) from None
-        if not _is_number(self.speedup) or self.speedup < 1:
-            raise ValueError(f"SnipConfig.speedup must be a number >= 1 (1: no speed-up asked), got {self.speedup!r}")
         self.gemm_cost = None if self.gemm_cost is None else _format_costs(_parse_costs(self.gemm_cost))
         self._check_plan_choices(self.plan_choices())
-        if self.baseline is not None:
-            self._check_choice("baseline")
-        if self.plan is not None and (not isinstance(self.plan, str) or not self.plan.strip()):
-            raise ValueError(f"SnipConfig.plan must be a file path, got {self.plan!r}")
         if self.pin_plan and self.plan is None:
             raise ValueError("SnipConfig.pin_plan is set but SnipConfig.plan is empty: give the plan to pin")
         if self.pin_plan and self.baseline is not None:
             raise ValueError(f"SnipConfig.pin_plan and SnipConfig.baseline={self.baseline!r} exclude each "
                              "other: a run follows either a saved plan or a baseline rule")
-        if not _is_number(self.baseline_fraction) or not 0.0 <= self.baseline_fraction <= 1.0:
-            raise ValueError(f"SnipConfig.baseline_fraction must be in [0, 1], got {self.baseline_fraction!r}")
-        for name in ("lambda_wd", "switch_penalty"):
-            v = getattr(self, name)
-            if not _is_number(v) or v < 0:
-                raise ValueError(f"SnipConfig.{name} must be a number >= 0, got {v!r}")
-        if not _is_number(self.solver_time_limit_s) or self.solver_time_limit_s <= 0:
-            raise ValueError(f"SnipConfig.solver_time_limit_s must be > 0, got {self.solver_time_limit_s!r}")
-        if not _is_number(self.solver_gap) or not 0.0 <= self.solver_gap < 1.0:
-            raise ValueError(f"SnipConfig.solver_gap must be in [0, 1), got {self.solver_gap!r}")
-        if not _is_number(self.noise_scale) or not 0.0 < self.noise_scale <= 1.0:
-            raise ValueError(f"SnipConfig.noise_scale must be in (0, 1], got {self.noise_scale!r}")
-        if not _is_number(self.loss_guard_factor) or not (self.loss_guard_factor == 0 or self.loss_guard_factor > 1):
-            raise ValueError(f"SnipConfig.loss_guard_factor must be 0 (off) or > 1, got {self.loss_guard_factor!r}")
-
-    def _check_choice(self, name: str) -> None:
-        v, valid = getattr(self, name), CHOICES[name]
-        if v not in valid:
-            raise ValueError(f"SnipConfig.{name}={v!r} is not valid; choose one of: {', '.join(valid)}")
 
     @staticmethod
     def _check_precisions(value) -> list[str]:

@@ -104,6 +104,8 @@ class SnipController(StepHook):
     reduced table on global rank 0 (None elsewhere). `estimate` maps a table to a CostEstimate,
     `solve` a cost table to a PlanResult, `apply(ctx, plan)` applies this rank's slice of a plan
     (default: `ctx.set_plan`). The defaults are SNIP's own, built from `config`; tests inject fakes.
+    `loggers` (snip_megatron.loggers.RunLoggers): the run's TensorBoard / W&B, where each plan's
+    figures go (snip_megatron.figures); none: the console and `run_dir` only.
     """
 
     name = "snip"
@@ -112,7 +114,7 @@ class SnipController(StepHook):
     def __init__(self, config: SnipConfig, shape: ModelShape, *, total_steps: int,
                  run_dir: str | Path | None = None, tokens_per_step: int | None = None,
                  stages: Mapping[LayerKey, int] | None = None, log: Callable[[str], None] = print,
-                 excluded: Mapping[LayerKey, Mapping] | None = None,
+                 excluded: Mapping[LayerKey, Mapping] | None = None, loggers=None,
                  measure: Callable | None = None, estimate: Callable | None = None,
                  solve: Callable | None = None, apply: Callable | None = None,
                  inventory: Inventory | None = None):
@@ -128,7 +130,7 @@ class SnipController(StepHook):
         self.stages = dict(stages) if stages else None
         self._log = log
         self.plan_log = PlanLog(run_dir, self.flops, log=log, gemm_cost=config.gemm_costs(),
-                                budget=config.plan_choices().budget)
+                                budget=config.plan_choices().budget, loggers=loggers)
         self._measure = measure or _default_measure(config)
         self._estimate = estimate or _default_estimate(config)
         self._solve = solve or _default_solve(config)
@@ -425,8 +427,8 @@ class SnipController(StepHook):
     def _record(self, step: int, plan: Plan, previous: Plan | None, info: dict) -> None:
         self.history.append({"step": step, "plan": {str(k): p.value for k, p in plan.items()},
                              "event": info.get("event", "update")})
-        if self.rank == 0:
-            self.plan_log.record(step, plan, previous, info)
+        row = self.plan_log.record(step, plan, previous, info) if self.rank == 0 else None
+        self.plan_log.publish(row, self.history)  # every rank: the run's loggers may live on another one
 
     # -- checkpoint state (JSON-safe) -----------------------------------------------------------
     def state_dict(self) -> dict:

@@ -12,6 +12,11 @@ import os
 import sys
 from collections.abc import Callable
 
+class MissingDependency(ValueError):
+    """A package the user's stack needs is not installed here: one line naming what to install,
+    exit status 2, like any bad input."""
+
+
 DEBUG_ENV = "SNIP_DEBUG"
 DEBUG_FLAG = "--debug"
 

@@ -46,14 +46,17 @@ def _default(f):
 def add_dataclass_flags(group, cls: type, *, flag_of: Callable[[str], str] | None = None,
                         only: Iterable[str] | None = None, exclude: Iterable[str] = (),
                         defaults: Mapping | None = None, choices: Mapping | None = None,
-                        metavars: Mapping | None = None) -> dict[str, str]:
+                        metavars: Mapping | None = None,
+                        check: Callable[[str, object], None] | None = None) -> dict[str, str]:
     """Add one flag per field of `cls` to `group` (a parser or argument group); returns
     {field name: argparse dest}. `flag_of(name)` names the flag (default `--<name-with-dashes>`);
     `defaults` replaces a field's default on the command line; `choices` lists valid values.
 
     bool fields become switches (`--x` for a False default, `--no-x` for a True one); `list[str]`
-    fields take a comma list (the config parses it); `X | None` takes X. Values are only parsed
-    here: the dataclass validates them.
+    fields take a comma list (the config parses it); `X | None` takes X. `check(field name, value)`,
+    when given, runs in each flag's argparse `type`, so a bad value is refused as the command line
+    is parsed (its ValueError is argparse's error message); the dataclass then validates how the
+    values combine.
     """
     flag_of = flag_of or (lambda name: "--" + name.replace("_", "-"))
     only = set(only) if only is not None else None
@@ -83,7 +86,7 @@ def add_dataclass_flags(group, cls: type, *, flag_of: Callable[[str], str] | Non
             base, default = str, None if default is None else ",".join(default)
             if f.name in choices:
                 doc += f" A comma list of {', '.join(choices[f.name])}."
-        kwargs: dict = {"type": base, "default": default}
+        kwargs: dict = {"type": base if check is None else _checked(base, f.name, check), "default": default}
         if f.name in choices and not comma_list:
             kwargs["choices"] = choices[f.name]
         else:
@@ -93,6 +96,40 @@ def add_dataclass_flags(group, cls: type, *, flag_of: Callable[[str], str] | Non
                            **kwargs)
         dests[f.name] = dest
     return dests
+
+
+def _checked(parse: Callable, name: str, check: Callable) -> Callable:
+    """An argparse `type`: `parse(text)`, then `check(name, value)`; a ValueError of the check is
+    the message argparse prints (one of `parse` stays argparse's own "invalid float value")."""
+    def parse_and_check(text):
+        value = parse(text)
+        try:
+            check(name, value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    parse_and_check.__name__ = getattr(parse, "__name__", "value")  # argparse names the type with it
+    return parse_and_check
+
+
+def one_line_errors(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """An argparse error about one of the flags starting with `prefix` is one line,
+    `<prog>: error: <flag and what to give>`, exit 2, without argparse's usage (which, for
+    Megatron-LM's parser, lists hundreds of flags). Other errors are argparse's own."""
+    import re
+
+    original = parser.error
+    pattern = re.compile(rf"argument ({re.escape(prefix)}[\w-]*)(?:/[^:]*)?: (.*)", re.S)
+
+    def error(message: str):
+        found = pattern.match(message)
+        if found is None:
+            return original(message)
+        flag, text = found.groups()
+        parser.exit(2, f"{parser.prog}: error: {text if text.startswith(flag) else f'{flag}: {text}'}\n")
+
+    parser.error = error
 
 
 def values_of(args: argparse.Namespace, dests: Mapping[str, str]) -> dict:

@@ -5,7 +5,8 @@ plan table, and the drawings (precision per layer over training, the loss curve)
     python -m snip_megatron.report export <run dir> --format megatron|bridge|json   (snip_megatron.export)
 
 `PlanLog` writes `<run dir>/snip_plans.jsonl` (one line per plan the controller applied: step, plan,
-the run's budget kind and what the plan achieves, solver, the cost table) and TensorBoard scalars; `make_report` reads it with
+the run's budget kind and what the plan achieves, solver, the cost table) and hands each line to the
+run's own TensorBoard / W&B (snip_megatron.figures); `make_report` reads it with
 `<run dir>/metrics.jsonl` (one line per training step: step, loss, optionally val_loss), writes
 `<run dir>/snip_heatmap.png` and `<run dir>/loss.png`, and prints their paths.
 """
@@ -30,7 +31,8 @@ _CODE = {Precision.BF16: 2, Precision.FP8: 1, Precision.FP4: 0}
 
 class PlanLog:
     """One record per applied plan: a console line (and the plan table when something changed or
-    was measured), a `snip_plans.jsonl` line and TensorBoard scalars when a run folder is given.
+    was measured), a `snip_plans.jsonl` line when a run folder is given, and SNIP's figures in the
+    run's loggers when it has any (`loggers`: snip_megatron.loggers.RunLoggers).
 
     The console line states the fraction the run's `budget` counts: "FP4 x% of linear FLOPs" for
     fp4_fraction and speedup, "FP8 or lower x% of linear FLOPs" for fp8_fraction and for a speedup
@@ -38,7 +40,8 @@ class PlanLog:
     """
 
     def __init__(self, run_dir: "str | Path | None", flops: Mapping, log: Callable[[str], None] = print,
-                 gemm_cost: "Mapping | None" = None, budget: str = "fp4_fraction"):
+                 gemm_cost: "Mapping | None" = None, budget: str = "fp4_fraction", loggers=None):
+        from snip_megatron.figures import PlanFigures
         from snip_megatron.planner.config import BUDGETS, DEFAULT_GEMM_COST
 
         if budget not in BUDGETS:
@@ -50,7 +53,8 @@ class PlanLog:
         self.budget = budget
         """The run's budget kind (SnipConfig.budget, resolved): which fraction the console line states."""
         self._log = log
-        self._tensorboard = None
+        self.figures = PlanFigures(loggers)
+        """The plan's figures in the run's TensorBoard / W&B (none without loggers)."""
 
     def record(self, step: int, plan: Plan, previous: "Plan | None", info: dict) -> dict:
         """Log one applied plan; `info` holds the solver's result, costs and timings, if any."""
@@ -71,6 +75,7 @@ class PlanLog:
         if info.get("event"):
             row["event"] = info["event"]
         changed = previous.diff(plan) if previous is not None else []
+        row["changed"] = len(changed)
         if self.budget == "fp8_fraction" or (self.budget == "speedup" and fp4 == 0):  # no FP4 to count
             share = (f"FP8 or lower {met.fp8_fraction:.1%} of linear FLOPs"
                      + (f" (FP4 {fp4:.1%})" if fp4 > 0 else ""))
@@ -92,27 +97,27 @@ class PlanLog:
                  **{f"dL.{p.value}": costs.loss_div[k][p] for p in costs.loss_div[k]},
                  **{f"WD.{p.value}": costs.weight_div[k][p] for p in costs.weight_div[k]}}
                 for k in plan]
+            # What the cost table predicts the plan costs: the planner's objective without switching
+            # penalties, and its loss-divergence part alone (the relative loss increase).
+            row["predicted_cost"] = _plan_sum(costs.costs, plan)
+            row["predicted_loss_increase"] = _plan_sum(costs.loss_div, plan)
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / PLANS_FILE, "a") as f:
                 f.write(json.dumps(row, default=_json_default) + "\n")
-            self._scalars(step, fp4, met.fp8_fraction, row["speedup"])
         return row
 
-    def _scalars(self, step: int, fp4: float, fp8: float, speedup: float) -> None:
-        """TensorBoard scalars when TensorBoard is installed (an optional dependency)."""
-        if self._tensorboard is None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except Exception:
-                self._tensorboard = False
-                return
-            self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
-        if self._tensorboard:
-            self._tensorboard.add_scalar("snip/fp4_fraction", fp4, step)
-            self._tensorboard.add_scalar("snip/fp8_fraction", fp8, step)
-            self._tensorboard.add_scalar("snip/modelled_speedup", speedup, step)
-            self._tensorboard.flush()
+    def publish(self, row: "dict | None", history: "list | None" = None) -> None:
+        """Every rank, after each `record` (rank 0's row, None elsewhere; `history`: the plans so
+        far, for the heat map): the plan's figures in the run's loggers, on the rank that holds them."""
+        self.figures.publish(row, history)
+
+
+def _plan_sum(table: Mapping, plan: Plan) -> float:
+    """Sum over the linears of `table[linear][its precision in plan]`; BF16 and absent entries count
+    0, non-finite ones (layers whose statistics were not finite) are left out."""
+    values = (table.get(k, {}).get(p, 0.0) for k, p in plan.items())
+    return math.fsum(v for v in values if math.isfinite(v))
 
 
 def format_plan_table(plan: Plan, previous: Plan, costs=None) -> str:
@@ -174,8 +179,9 @@ def load_plan_history(run_dir: Path) -> list[tuple[int, Plan]]:
     return history
 
 
-def draw_heatmap(history: list[tuple[int, Plan]], out: Path, last_step: int | None = None) -> Path:
-    """Layers (rows, forward order) x training steps (columns), colour = precision."""
+def heatmap_figure(history: list[tuple[int, Plan]], last_step: int | None = None, dpi: int = 120):
+    """Layers (rows, forward order) x training steps (columns), colour = precision: a matplotlib
+    Figure (the caller saves or renders it, then closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -192,7 +198,7 @@ def draw_heatmap(history: list[tuple[int, Plan]], out: Path, last_step: int | No
             if key in plan:
                 grid[i, j] = _CODE[plan[key]]
     edges = steps + [end]
-    fig, ax = plt.subplots(figsize=(8, max(3, 0.16 * len(keys) + 1.5)))
+    fig, ax = plt.subplots(figsize=(8, max(3, 0.16 * len(keys) + 1.5)), dpi=dpi)
     cmap = ListedColormap(["#d62728", "#ff7f0e", "#1f77b4"])  # fp4, fp8, bf16
     ax.pcolormesh(edges, np.arange(len(keys) + 1), grid, cmap=cmap, vmin=-0.5, vmax=2.5)
     ax.set_yticks(np.arange(len(keys)) + 0.5)
@@ -201,7 +207,15 @@ def draw_heatmap(history: list[tuple[int, Plan]], out: Path, last_step: int | No
     ax.set_xlabel("training step")
     ax.set_title("SNIP precision per linear layer (red FP4, orange FP8, blue BF16)")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    return fig
+
+
+def draw_heatmap(history: list[tuple[int, Plan]], out: Path, last_step: int | None = None) -> Path:
+    """The heat map of `heatmap_figure`, as a PNG at `out`."""
+    fig = heatmap_figure(history, last_step)
+    import matplotlib.pyplot as plt
+
+    fig.savefig(out)
     plt.close(fig)
     return out
 

@@ -86,7 +86,7 @@ def run_module(module: str, args: list[str], cwd) -> subprocess.CompletedProcess
 
 
 COMPACT = [
-    (["--snip", "--snip-plan", "/missing/plan.json"], "SNIP plan /missing/plan.json: no such file"),
+    (["--snip", "--snip-plan", "/missing/plan.json"], "--snip-plan /missing/plan.json: no such file"),
     (["--snip", "--snip-plan", "{root}/three_layers.json"], "does not fit this model"),
     (["--corpus", "/missing/texts"], "corpus '/missing/texts' does not exist"),
     (["--corpus", "{root}/corpus.jsonl"], "corpus.jsonl:2: not valid JSON"),
@@ -108,7 +108,7 @@ def test_the_compact_loop_refuses_bad_input(files, tmp_path, args, message):
 
 
 PRETRAIN = [
-    (["--snip", "--snip-plan", "/missing/plan.json"], "SNIP plan /missing/plan.json: no such file"),
+    (["--snip", "--snip-plan", "/missing/plan.json"], "--snip-plan /missing/plan.json: no such file"),
     (["--snip", "--load", "{root}/ckpt"], "ckpt/iter_0000002/snip_state.json: the SNIP state of this "
                                           "checkpoint cannot be read"),
     (["--snip", "--te-precision-config-file", "/missing/precision.yaml"],

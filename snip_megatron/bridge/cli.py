@@ -9,7 +9,8 @@ argument); `--config-file` (a YAML of the same shape) and then the `KEY=VALUE` o
 with Bridge's own override syntax (`process_config_with_overrides`, Hydra's grammar). Overrides and
 YAML entries under `snip.` go to SNIP's settings (SnipConfig, enabled by default; `snip.enabled=false`
 trains the recipe as it is) and are validated by SnipConfig after all of them are applied. A bad
-setting exits with status 2 and one message naming the field; nothing starts.
+setting, or a package Bridge needs that is missing here, exits with status 2 and one message naming
+the field or what to install; nothing starts.
 """
 
 from __future__ import annotations
@@ -38,6 +39,45 @@ class SnipOverrides:
 
 class UsageError(ValueError):
     """A command-line or configuration error: exit status 2, its message, no traceback."""
+
+
+TE_IMPORTER = "megatron.bridge.peft.lora_layers"
+"""The Bridge module that imports Transformer Engine unguarded (Megatron-Bridge 0.6.2): reached by
+`import megatron.bridge`, so Bridge cannot be imported without TE (or a stand-in for this module,
+as the bridge lane's tests put in sys.modules)."""
+
+
+def require_bridge() -> None:
+    """The absences that stop Megatron-Bridge from importing, named before anything imports it (no
+    half-imported Bridge, no screen of warnings): UsageError naming what to install."""
+    import importlib.util
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a missing parent package
+            return False
+
+    if not installed("megatron.bridge"):
+        raise UsageError("Megatron-Bridge is not installed here: pip install megatron-bridge (0.6.2 tested)")
+    if TE_IMPORTER not in sys.modules and not installed("transformer_engine"):
+        raise UsageError(TE_MISSING)
+
+
+def import_bridge() -> None:
+    """Import Megatron-Bridge; a module it misses (one `require_bridge` does not know) is named."""
+    try:
+        import megatron.bridge  # noqa: F401
+    except ModuleNotFoundError as e:
+        missing = (e.name or "?").split(".")[0]
+        raise UsageError(TE_MISSING if missing == "transformer_engine" else
+                         f"Megatron-Bridge cannot be imported: no module named {e.name!r}; install {missing}") from None
+
+
+TE_MISSING = ("Megatron-Bridge needs Transformer Engine (it imports transformer_engine.pytorch in "
+              "megatron/bridge/peft/lora_layers.py), which is not installed here: run in an NGC PyTorch "
+              "container, or pip install --no-build-isolation transformer_engine[pytorch] on a CUDA machine; "
+              "without a GPU, train with snip-pretrain-gpt (Megatron-LM's loop) instead")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -145,6 +185,12 @@ def main(argv: "list[str] | None" = None) -> int:
     """Configure, set SNIP up and run Bridge's pretrain(); 2 on a configuration error."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        parser().parse_args(argv)  # --help and a malformed command line need nothing installed
+        require_bridge()
+        from snip_megatron.megatron.startup import quiet_startup
+
+        quiet_startup()  # one line per expected absence, before Bridge imports megatron.core
+        import_bridge()
         cfg, snip, forward_step = configure(argv)
         from snip_megatron.bridge.enable import enable_snip
 

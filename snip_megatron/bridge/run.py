@@ -191,4 +191,18 @@ def make_controller(snip: SnipConfig, model_config, cfg):
     return SnipController(snip, model_shape(model_config), total_steps=cfg.train.train_iters,
                           run_dir=cfg.checkpoint.save,
                           tokens_per_step=cfg.train.global_batch_size * model_config.seq_length,
-                          stages=stages, log=_print_rank_0, excluded=excluded)
+                          stages=stages, log=_print_rank_0, excluded=excluded, loggers=run_loggers(cfg))
+
+
+def run_loggers(cfg):
+    """Bridge's own TensorBoard and W&B loggers (`logger.tensorboard_dir`, `logger.wandb_project`),
+    which the GlobalState of the run's pretrain() creates on the last rank."""
+    from snip_megatron.loggers import RunLoggers, writers_of
+
+    def writers():
+        run = active(cfg)
+        if run is None or run.state is None:  # before on_train_start: no GlobalState yet
+            return []
+        return writers_of(tensorboard=run.state.tensorboard_logger, wandb=run.state.wandb_logger)
+
+    return RunLoggers(writers, enabled=bool(cfg.logger.tensorboard_dir or cfg.logger.wandb_project))

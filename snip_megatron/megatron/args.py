@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from pathlib import Path
 
-from snip_megatron.config import CHOICES, SnipConfig
-from snip_megatron.flags import add_dataclass_flags, values_of
+from snip_megatron.config import CHOICES, SnipConfig, check_field
+from snip_megatron.flags import add_dataclass_flags, one_line_errors, values_of
 
 _DEFAULTS = SnipConfig()
 _FLAG_NAMES = {"enabled": "--snip", "solver_time_limit_s": "--snip-solver-time-limit"}
@@ -32,13 +33,52 @@ _DESTS = {f.name: flag_of(f.name)[2:].replace("-", "_") for f in fields(SnipConf
 
 
 def add_snip_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the `--snip*` flags to Megatron's parser (its `extra_args_provider`); returns the parser."""
+    """Add the `--snip*` flags to Megatron's parser (its `extra_args_provider`); returns the parser.
+
+    Each value is checked as it is parsed (`check_flag`), and how they combine once the parse is
+    done (`snip_config_from_args`): a bad one stops the parse with one line naming the flag, exit
+    status 2, before Megatron validates or prints its own arguments."""
     group = parser.add_argument_group(
         title="SNIP", description="adaptive per-layer FP8/FP4 precision (snip-megatron); each flag "
                                   "sets the SnipConfig field of its name")
     add_dataclass_flags(group, SnipConfig, flag_of=flag_of, choices=CHOICES,
-                        metavars={"plan": "PATH", "solver_time_limit_s": "SECONDS"})
+                        metavars={"plan": "PATH", "solver_time_limit_s": "SECONDS"}, check=check_flag)
+    if isinstance(parser, argparse.ArgumentParser):
+        one_line_errors(parser, "--snip")
+        _check_when_parsed(parser)
     return parser
+
+
+def _check_when_parsed(parser: argparse.ArgumentParser) -> None:
+    """After `parser` parses (parse_args goes through parse_known_args), the --snip* values
+    together: a combination SnipConfig refuses ends the parse with its one line, exit 2 (an
+    ArgumentError with the same message for a parser made with exit_on_error=False)."""
+    parse_known_args = parser.parse_known_args
+
+    def parse_and_check(*args, **kwargs):
+        namespace, extras = parse_known_args(*args, **kwargs)
+        try:
+            snip_config_from_args(namespace)
+        except ValueError as e:
+            if not parser.exit_on_error:
+                raise argparse.ArgumentError(None, str(e)) from None
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        return namespace, extras
+
+    parser.parse_known_args = parse_and_check
+
+
+def check_flag(name: str, value) -> None:
+    """The parse-time check of one `--snip*` value: SnipConfig's rule for that field alone, and
+    `--snip-plan` must be a file here. ValueError naming the flag."""
+    try:
+        check_field(name, value)
+    except ValueError as e:
+        raise ValueError(named_as_flags(str(e))) from None
+    if name == "plan" and not Path(value).is_file():
+        raise ValueError(f"--snip-plan {value}: no such file; give the path of a saved plan (JSON/YAML; "
+                         "`python -m snip_megatron.report export RUN_DIR --format json` writes one), "
+                         "or drop --snip-plan")
 
 
 def snip_config_from_args(args: argparse.Namespace) -> SnipConfig:

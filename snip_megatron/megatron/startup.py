@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ MEGATRON_MODULES = r"megatron"  # megatron.core, megatron.training and the vendo
 # deprecated). Nothing to act on for a SNIP user: filtered too, by message and megatron's modules.
 MEGATRON_NOTICES = (r"full scope is deprecated", r"MimoModelConfig is experimental")
 GPT_LOGGER, GPT_MESSAGE = "megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"
+# Megatron-Bridge logs each TE symbol it cannot find, with a traceback, when TE is absent
+# (utils/import_utils.safe_import_from, at INFO on its own handler): part of the TE absence.
+BRIDGE_IMPORT_LOGGER = "megatron.bridge.utils.import_utils"
+BRIDGE_TE_NOTICE = r"Import of \w+ from megatron\.core\.extensions\.transformer_engine failed"
 
 _done = False
 
@@ -73,6 +78,8 @@ def quiet_startup(stream=None) -> list[str]:
             continue
         for message in absence.messages:
             _ignore_megatron_warning(message)
+        if absence.module == "transformer_engine":
+            _set_filter(BRIDGE_IMPORT_LOGGER, _DropMatching(BRIDGE_TE_NOTICE))
         notices.append(absence.notice)
         if say:
             print(f"[snip] {absence.notice}", file=stream, flush=True)
@@ -111,6 +118,17 @@ class _DropMessage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.start)
+
+
+class _DropMatching(logging.Filter):
+    """Drops the records whose message matches `pattern` at its start."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.match(str(record.msg)) is None
 
 
 class _NoCudaRuntime(_DropMessage):

@@ -18,7 +18,10 @@ import sys
 
 
 def require_megatron_training() -> None:
-    """Fail with a clear message where megatron.training is missing (megatron-core < 0.19)."""
+    """MissingDependency (one line, exit 2 through run_cli) where megatron.training is missing
+    (megatron-core < 0.19)."""
+    from snip_megatron.errors import MissingDependency
+
     try:
         import megatron.training  # noqa: F401
         from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: F401
@@ -28,10 +31,10 @@ def require_megatron_training() -> None:
             have = f"megatron-core {mcore.__version__}"
         except Exception:
             have = "no megatron-core"
-        raise SystemExit(
-            f"snip-pretrain-gpt needs megatron.training (shipped with megatron-core >= 0.19); this "
-            f"environment has {have} ({type(e).__name__}: {e}). Install megatron-core>=0.19 or use "
-            "a Megatron-LM checkout with patches/megatron-lm-pretrain_gpt.patch.") from None
+        raise MissingDependency(
+            f"Megatron-LM's loop needs megatron.training (shipped with megatron-core >= 0.19); this "
+            f"environment has {have} ({type(e).__name__}: {e}): pip install 'megatron-core>=0.19', or "
+            "use a Megatron-LM checkout with patches/megatron-lm-pretrain_gpt.patch") from None
 
 
 def add_extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -230,7 +230,21 @@ def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None
     return SnipController(snip, model_shape(args, transformer_config), total_steps=args.train_iters,
                           run_dir=args.save,
                           tokens_per_step=args.global_batch_size * args.seq_length, stages=stages,
-                          log=_print_rank_0, excluded=excluded)
+                          log=_print_rank_0, excluded=excluded, loggers=run_loggers(args))
+
+
+def run_loggers(args):
+    """Megatron-LM's own TensorBoard and W&B writers (`--tensorboard-dir`, `--wandb-project`), which
+    Megatron creates on the last rank once `pretrain` has initialised."""
+    from snip_megatron.loggers import RunLoggers, writers_of
+
+    def writers():
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+        return writers_of(tensorboard=get_tensorboard_writer(), wandb=get_wandb_writer())
+
+    return RunLoggers(writers, enabled=bool(getattr(args, "tensorboard_dir", None)
+                                            or getattr(args, "wandb_project", None)))
 
 
 class CheckedRun(NamedTuple):

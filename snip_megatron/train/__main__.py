@@ -21,6 +21,7 @@ from snip_megatron.config import SnipConfig  # noqa: E402
 from snip_megatron.controller import SnipController
 from snip_megatron.data.prepare import DataConfig
 from snip_megatron.flags import add_dataclass_flags, values_of
+from snip_megatron.loggers import RunLoggers
 from snip_megatron.megatron.args import add_snip_args, snip_config_from_args
 from snip_megatron.shapes import PRESETS, get_shape
 from snip_megatron.megatron.spec import BACKENDS
@@ -80,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, 
 def main(argv: list[str] | None = None) -> int:
     config, snip, run_dir, te = parse_args(argv)
     hooks = []
+    loggers = RunLoggers(enabled=config.tensorboard_dir is not None)  # its writers: the Trainer's, below
     if te is not None:
         from snip_megatron.megatron.te_run import startup_lines
 
@@ -95,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             for line in describe_exclusions(excluded):
                 print(f"[snip] {line}", flush=True)
         hooks.append(SnipController(snip, config.shape, total_steps=config.steps, run_dir=run_dir,
-                                    tokens_per_step=config.micro_batch_size * config.seq_len, excluded=excluded))
+                                    tokens_per_step=config.micro_batch_size * config.seq_len, excluded=excluded,
+                                    loggers=loggers))
     trainer = Trainer(config, hooks=hooks)
+    loggers.writers = trainer.figure_writers
     history = trainer.fit()
     if trainer.is_reporter:
         vals = [m["val_loss"] for m in history if "val_loss" in m]

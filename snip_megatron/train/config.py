@@ -116,6 +116,9 @@ class TrainConfig(TrainingSchedule):
     """The FP8/FP4 formats of the emulated linears; with SNIP, SnipConfig.formats (what it measures)."""
     metrics_path: str | None = None
     """JSONL file for metrics (one object per logged step); None disables."""
+    tensorboard_dir: str | None = None
+    """TensorBoard folder: the logged metrics (train/loss, train/val_loss, ...) and SNIP's figures
+    of each plan; None disables. Needs the tensorboard package."""
     save_dir: str | None = None
     """Checkpoint folder; None disables saving."""
     load_dir: str | None = None

@@ -8,7 +8,8 @@ model chunks), `optimizer`, `forward_step_func`, `current_batch` (this step's mi
 `seq_length`, `micro_batch_size`, `formats`, `step` and `set_plan()` (apply a precision plan at a
 step boundary). Beyond it: `modules` (the GPTModel chunks inside DDP) and `forward_backward()` (an
 extra pass on the current batch that leaves gradients in `param.main_grad` and does not step the
-optimizer).
+optimizer). `figure_writers()`: the loop's TensorBoard writer (`tensorboard_dir`, on the rank that
+logs), for SNIP's figures (snip_megatron.loggers).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from snip_megatron.train.config import TrainConfig
 from snip_megatron.hooks import StepHook, check_unique_names, hooks_from_json, hooks_to_json
 
 LOSS_KEY = "lm loss"
+TENSORBOARD_METRICS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s")
+"""Metrics the loop writes to its TensorBoard folder, as train/<name>."""
 
 
 class Trainer:
@@ -50,6 +53,8 @@ class Trainer:
         self.current_batch: list[dict] | None = None
         self.history: list[dict] = []
         self._setup_parallel()
+        self.tensorboard = self._tensorboard_writer()
+        """A SummaryWriter on the reporting rank when `tensorboard_dir` is set, else None."""
         self._setup_data()
         self._setup_model()
         self.set_plan(Plan.uniform(self.shape.num_layers, config.precision))
@@ -90,6 +95,27 @@ class Trainer:
         # One rank writes logs and metrics: the last pipeline stage holds the loss.
         self.is_reporter = (self.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
                             and self.dp_rank == 0)
+
+    def _tensorboard_writer(self):
+        cfg = self.config
+        if cfg.tensorboard_dir is None:
+            return None
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:  # checked on every rank: all stop together
+            raise ValueError(f"TrainConfig.tensorboard_dir={cfg.tensorboard_dir!r} needs the tensorboard "
+                             "package: pip install tensorboard (or drop --tensorboard-dir)")
+        if not self.is_reporter:
+            return None
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(cfg.tensorboard_dir)
+
+    def figure_writers(self) -> list:
+        """This rank's writers for SNIP's figures (snip_megatron.loggers.RunLoggers.writers)."""
+        from snip_megatron.loggers import writers_of
+
+        return writers_of(tensorboard=self.tensorboard)
 
     def _setup_data(self) -> None:
         cfg = self.config
@@ -292,6 +318,11 @@ class Trainer:
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
                 f.write(json.dumps({k: _json_num(v) for k, v in metrics.items()}) + "\n")
+        if self.tensorboard is not None:
+            for name in TENSORBOARD_METRICS:
+                value = metrics.get(name)
+                if value is not None:
+                    self.tensorboard.add_scalar(f"train/{name}", float(value), metrics["step"])
 
     # ---- checkpoints -------------------------------------------------------------------------
 
@@ -363,7 +394,10 @@ class Trainer:
         return step
 
     def close(self) -> None:
-        """Tear down Megatron's parallel state (the process group stays for the caller)."""
+        """Close the TensorBoard writer and tear down Megatron's parallel state (the process group
+        stays for the caller)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         runtime.destroy()
 
 

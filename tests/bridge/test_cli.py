@@ -26,7 +26,8 @@ def test_a_bad_setting_exits_2_naming_it(capsys, argv, message):
 
     assert cli.main(["--recipe", RECIPE, *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("snip-bridge-pretrain: error: ") and re.search(message, err), err
+    notices, error = err.split("snip-bridge-pretrain: error: ", 1)  # SNIP's start-up notices (once), the error
+    assert all(line.startswith("[snip] ") for line in notices.splitlines()) and re.search(message, error), err
     assert "Traceback" not in err
 
 
@@ -58,3 +59,36 @@ def test_the_command_trains_the_recipe_with_snip(bridge_on_cpu, tmp_path, capsys
     assert "[snip] step 3: plan" in out
     state = json.loads((ckpt / "iter_0000003" / "snip_state.json").read_text())
     assert state["snip_config"]["fp4_budget"] == 0.5 and state["iteration"] == 3
+
+
+def test_without_transformer_engine_one_line_names_what_to_install(tmp_path):
+    """Megatron-Bridge imports TE unguarded: on a machine without it (this lane, outside the test
+    stand-in) the CLI says so in one line and exits 2, before importing Bridge."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.distributed import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "snip_megatron.bridge", "--recipe",
+                           "megatron.bridge.recipes.llama.llama3:llama32_1b_pretrain_config", "train.train_iters=4"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if "snip-bridge-pretrain" in line]
+    assert ours == [f"snip-bridge-pretrain: error: {cli.TE_MISSING}"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert "pip install --no-build-isolation transformer_engine[pytorch]" in cli.TE_MISSING
+    helped = subprocess.run([sys.executable, "-m", "snip_megatron.bridge", "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: snip-bridge-pretrain")  # needs no TE
+
+
+def test_a_missing_bridge_is_named(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "megatron.bridge" else real(name, *a))
+    assert cli.main(["--recipe", RECIPE]) == 2
+    assert capsys.readouterr().err == ("snip-bridge-pretrain: error: Megatron-Bridge is not installed here: "
+                                       "pip install megatron-bridge (0.6.2 tested)\n")

@@ -24,6 +24,7 @@ def test_a_short_run_replans_and_every_linear_runs_the_ilps_plan(bridge_on_cpu, 
 
     ckpt = tmp_path / "ckpt"
     cfg = tiny.tiny_config(num_layers=2, iters=4, save=str(ckpt), save_interval=4)
+    cfg.logger.tensorboard_dir = str(tmp_path / "tb")  # Bridge's own writer gets SNIP's figures
     snip = SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5)
     record = tiny.recorder()
     callbacks = enable_snip(cfg, snip)
@@ -49,6 +50,16 @@ def test_a_short_run_replans_and_every_linear_runs_the_ilps_plan(bridge_on_cpu, 
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert sorted(record.losses) == [1, 2, 3, 4] and all(math.isfinite(x) for x in record.losses.values())
     assert active() is None  # on_train_end: the process has no SNIP run any more
+    # SNIP's figures in Bridge's TensorBoard folder, read back with TensorBoard's event reader.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"images": 0, "tensors": 0}).Reload()
+    steps = [h["step"] for h in controller.history]
+    assert [e.step for e in events.Scalars("snip/flops_fp4")] == steps
+    assert events.Scalars("snip/flops_fp4")[-1].value >= 0.5
+    assert [e.step for e in events.Scalars("snip/predicted_cost")] == [2]
+    assert [e.step for e in events.Images("snip/plan_heatmap")] == steps
+    assert events.Tensors("snip/plan_table/text_summary")[-1].tensor_proto.string_val[0].decode().count("\n") == 9
 
 
 def test_disabled_snip_changes_nothing():

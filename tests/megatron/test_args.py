@@ -21,6 +21,16 @@ def parse(*argv):
     return parser.parse_args(list(argv))
 
 
+@pytest.fixture(autouse=True)
+def saved_plans(tmp_path, monkeypatch):
+    """plan.json and p.json in the working folder: --snip-plan files exist as they are parsed."""
+    from snip_megatron.plan import Plan
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("plan.json", "p.json"):
+        Plan.uniform(2, "fp8").save(tmp_path / name)
+
+
 def test_defaults_match_snipconfig():
     cfg = snip_config_from_args(parse())
     assert cfg == SnipConfig()
@@ -73,10 +83,23 @@ def test_values_of_the_wrong_type_or_choice_are_rejected_by_the_parser(argv, mes
     (["--snip-interval", "0"], "--snip-interval must be a positive integer"),
     (["--snip-warmup", "12.5"], "--snip-warmup=12.5 is >= 1, so it is a step count"),
     (["--snip-precisions", "fp8,int8"], "--snip-precisions has unknown precision 'int8'"),
+    (["--snip-plan", "missing.json"], "--snip-plan missing.json: no such file"),
 ])
-def test_bad_values_are_refused_by_snipconfig_naming_the_flag(argv, message):
-    with pytest.raises(ValueError, match=message):
-        snip_config_from_args(parse(*argv))
+def test_bad_values_are_refused_as_they_parse_naming_the_flag(argv, message):
+    """SnipConfig's rule for the field, in the flag's argparse type (check_field)."""
+    with pytest.raises(argparse.ArgumentError, match=message):
+        parse(*argv)
+
+
+def test_an_error_is_one_line_without_the_usage(capsys):
+    parser = add_snip_args(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    with pytest.raises(SystemExit) as stop:
+        parser.parse_args(["--snip-fp4-budget", "1.5"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "pretrain_gpt.py: error: --snip-fp4-budget must be a fraction in [0, 1], got 1.5\n"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--no-such-flag"])  # not SNIP's: argparse's own usage and error
+    assert capsys.readouterr().err.startswith("usage: pretrain_gpt.py")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -87,8 +110,8 @@ def test_bad_values_are_refused_by_snipconfig_naming_the_flag(argv, message):
     (["--snip", "--snip-loss-guard-factor", "0.9"], "--snip-loss-guard-factor"),
 ])
 def test_bad_combinations_name_the_flags(argv, message):
-    with pytest.raises(ValueError, match=message):
-        snip_config_from_args(parse(*argv))
+    with pytest.raises(argparse.ArgumentError, match=message):  # refused as the parse ends
+        parse(*argv)
 
 
 def test_launch_line_round_trip():

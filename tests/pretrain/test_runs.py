@@ -81,7 +81,8 @@ def test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_load
     snip = ["--snip", "--snip-warmup", "2", "--snip-interval", "3", "--snip-lag", "1", "--snip-fp4-budget", "0.5"]
     common = ["--mock-data", "--vocab-size", "256", "--eval-interval", "100", "--save-interval", "2",
               "--train-iters", "8", *snip]  # the same schedule in every run; --exit-interval stops early
-    out = train(tmp_path, *common, "--exit-interval", "6", "--save", str(ckpt), "--async-save")
+    out = train(tmp_path, *common, "--exit-interval", "6", "--save", str(ckpt), "--async-save",
+                "--tensorboard-dir", str(tmp_path / "tb"))
     lines = snip_lines(out)
     assert ("[snip] on; backend emulated; formats fp8=blockwise fp4=nvfp4; plan: initial fp8 "
             "{'bf16': 0, 'fp8': 8, 'fp4': 0}") in lines
@@ -97,6 +98,11 @@ def test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_load
     assert (s4["iteration"], s4["controller"]["next_measure"]) == (4, 5)
     assert (s6["iteration"], s6["controller"]["next_measure"]) == (6, 8)
     assert Plan.from_dict(s4["plan"]).counts()["fp4"] > 0 and s4["plan_source"] == "initial fp8"
+    check_figures_in_tensorboard(tmp_path / "tb", plan_steps=[0, 3, 6], measured_steps=[3, 6], linears=8)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fp4 = EventAccumulator(str(tmp_path / "tb")).Reload().Scalars("snip/flops_fp4")
+    assert fp4[0].value == 0.0 and fp4[1].value >= 0.5  # the initial plan (all FP8), then the budget
 
     # Resume the latest: the model is built with iteration 6's plan, whatever the flags say.
     plan6 = Plan.from_dict(s6["plan"]).counts()
@@ -113,6 +119,25 @@ def test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_load
     assert any(line.endswith(f"plan: checkpoint {plan4}") for line in snip_lines(out)), snip_lines(out)
     assert sorted(losses(out)) == [5, 6]
     assert any(line.startswith("[snip] step 6: plan") for line in snip_lines(out))
+
+
+def check_figures_in_tensorboard(folder: Path, plan_steps: list, measured_steps: list, linears: int) -> None:
+    """SNIP's scalars, heat map and plan table in the run's TensorBoard folder, read back with
+    TensorBoard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"images": 0, "tensors": 0, "scalars": 0}).Reload()
+    for tag in ("snip/flops_fp4", "snip/flops_fp8", "snip/flops_bf16", "snip/modelled_speedup",
+                "snip/linears_changed"):
+        assert [e.step for e in events.Scalars(tag)] == plan_steps, tag
+    for tag in ("snip/measure_s", "snip/solve_s", "snip/predicted_cost", "snip/predicted_loss_increase"):
+        found = events.Scalars(tag) if tag in events.Tags()["scalars"] else []
+        assert [e.step for e in found] == measured_steps, tag
+    assert [e.step for e in events.Images("snip/plan_heatmap")] == plan_steps
+    tables = events.Tensors("snip/plan_table/text_summary")
+    last = tables[-1].tensor_proto.string_val[0].decode().splitlines()
+    header = "| layer | linear | precision | previous | Q." if measured_steps else "| layer | linear | precision |"
+    assert last[0].startswith(header) and len(last) == 2 + linears
 
 
 @needs_training
@@ -169,11 +194,13 @@ def test_real_text_tp2_pinned_plan(tmp_path):
                 "--corpus-cache", str(tmp_path / "cache"), "--vocab-size", "300", "--split", "90,10,0",
                 "--train-iters", "3", "--eval-interval", "3", "--save", str(tmp_path / "ckpt"),
                 "--save-interval", "3", "--snip", "--snip-plan", str(tmp_path / "pin.json"), "--snip-pin-plan",
-                nproc=2)
+                "--tensorboard-dir", str(tmp_path / "tb"), nproc=2)
     assert f"[snip] rank 0 runs the plan on its 8 planned linears: {pinned.counts()}" in out
     assert "validation loss at iteration 3" in out and sorted(losses(out)) == [1, 2, 3]
     state = state_of(tmp_path / "ckpt", 3)
     assert Plan.from_dict(state["plan"]) == pinned and state["plan_source"].startswith("pinned")
+    # Megatron's writer is on the last rank, the plan on rank 0: its figures reached the writer.
+    check_figures_in_tensorboard(tmp_path / "tb", plan_steps=[0], measured_steps=[], linears=8)
 
 
 # The main block of Megatron-LM's pretrain_gpt.py (core_v0.19.0) with the patch's SNIP lines, on CPU.
@@ -223,11 +250,37 @@ def test_bad_snip_settings_fail_before_megatron_starts(capsys):
     from snip_megatron.errors import run_cli
     from snip_megatron.pretrain.entry import main
 
-    assert run_cli("snip-pretrain-gpt", main, [*MODEL, "--mock-data", "--snip", "--snip-lag", "50",
-                                                "--snip-interval", "10"]) == 2
-    assert "--snip-lag=50 must be smaller than --snip-interval=10" in capsys.readouterr().err
-    assert run_cli("snip-pretrain-gpt", main, ["--snip-fp4-budget", "2"]) == 2
-    assert "--snip-fp4-budget must be a fraction in [0, 1], got 2.0" in capsys.readouterr().err
+    for argv, message in ((["--snip-lag", "50", "--snip-interval", "10"],
+                           "--snip-lag=50 must be smaller than --snip-interval=10"),
+                          (["--snip-fp4-budget", "2"], "--snip-fp4-budget must be a fraction in [0, 1], got 2.0")):
+        with pytest.raises(SystemExit) as stop:  # argparse's own exit, one line
+            run_cli("snip-pretrain-gpt", main, [*MODEL, "--mock-data", "--snip", *argv])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("snip-pretrain-gpt: error: ") and message in err[-1], err
+
+
+@needs_training
+@pytest.mark.parametrize("argv, message", [
+    (["--snip-fp4-budget", "1.5"], "--snip-fp4-budget must be a fraction in [0, 1], got 1.5"),
+    (["--snip-precisions", "fp4,int8"], "--snip-precisions has unknown precision 'int8'; valid: bf16, fp8, fp4"),
+    (["--snip-plan", "/missing/plan.json"], "--snip-plan /missing/plan.json: no such file; give the path of a "
+                                            "saved plan"),
+    (["--snip-lag", "50", "--snip-interval", "10"], "bad SNIP flags: --snip-lag=50 must be smaller than "
+                                                    "--snip-interval=10"),  # values that do not combine
+])
+def test_the_patched_megatron_lm_main_refuses_a_bad_snip_value_as_it_parses(tmp_path, argv, message):
+    """Through Megatron-LM's own parser (the patch's extra_args_provider): argparse refuses the
+    value, one line and exit 2, before Megatron validates or prints its arguments."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(PATCHED_MAIN)
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), *MODEL, "--mock-data", "--snip", *argv], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if "pretrain_gpt.py" in line]
+    assert len(ours) == 1 and ours[0].startswith(f"pretrain_gpt.py: error: {message}"), proc.stderr[-3000:]
+    assert proc.stdout == "" and "usage:" not in proc.stderr and "Traceback" not in proc.stderr
 
 
 @needs_training
@@ -248,10 +301,12 @@ def test_help_shows_the_flags_generated_from_snipconfig(capsys):
 
 
 def test_refuses_clearly_without_megatron_training(monkeypatch):
+    from snip_megatron.errors import MissingDependency
     from snip_megatron.pretrain.entry import require_megatron_training
 
     monkeypatch.setitem(sys.modules, "megatron.training", None)  # import fails as on megatron-core 0.16
-    with pytest.raises(SystemExit, match=r"needs megatron.training \(shipped with megatron-core >= 0.19\)"):
+    with pytest.raises(MissingDependency, match=r"needs megatron.training \(shipped with megatron-core >= 0.19\)"
+                                                r".*pip install 'megatron-core>=0.19'"):
         require_megatron_training()
 
 
@@ -259,5 +314,7 @@ def test_refuses_clearly_without_megatron_training(monkeypatch):
 def test_command_fails_with_the_reason_in_the_compat_lane():
     proc = subprocess.run([sys.executable, "-m", "snip_megatron.megatron.pretrain_gpt", "--snip"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "snip-pretrain-gpt needs megatron.training" in proc.stderr and "0.16" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    *notices, error = proc.stderr.strip().splitlines()  # SNIP's start-up notices, then one line
+    assert all(line.startswith("[snip] ") for line in notices), proc.stderr
+    assert error.startswith("snip-pretrain-gpt: error: Megatron-LM's loop needs megatron.training") and "0.16" in error

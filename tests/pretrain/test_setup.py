@@ -19,7 +19,7 @@ from snip_megatron.pretrain.setup import check_run, refusals, resolve_backend, s
 def megatron_args(*argv):
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)))
     return parser.parse_args(["--transformer-impl", "local", *argv])
 
 
@@ -112,9 +112,8 @@ def test_what_the_gpu_cannot_run_is_refused_with_the_flag_and_fix(te_gpu, monkey
     te_gpu(sm)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    args = megatron_args("--transformer-impl", "transformer_engine", "--snip", *argv)
-    with pytest.raises(ValueError, match=words):
-        check_run(args)
+    with pytest.raises((ValueError, argparse.ArgumentError), match=words):  # some refused as they parse
+        check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *argv))
 
 
 def test_what_each_generation_runs_by_default(te_gpu):
@@ -157,8 +156,12 @@ def test_a_plain_run_is_accepted_and_snip_off_does_nothing():
     assert check_run(args).config.enabled and resolve_backend(args) == "emulated"
     model_cfg = argparse.Namespace(transformer_layer_spec=None)
     assert setup_megatron_lm(megatron_args(), model_cfg) is None and model_cfg.transformer_layer_spec is None
+    with pytest.raises(argparse.ArgumentError, match="bad SNIP flags: --snip-pin-plan is set but --snip-plan is empty"):
+        megatron_args("--snip", "--snip-pin-plan")  # refused as Megatron's parser parses
+    args = megatron_args("--snip")
+    args.snip_pin_plan = True  # arguments that did not come through the parser (another entry point)
     with pytest.raises(SystemExit, match="SNIP: bad SNIP flags: --snip-pin-plan is set but --snip-plan is empty"):
-        setup_megatron_lm(megatron_args("--snip", "--snip-pin-plan"), model_cfg)
+        setup_megatron_lm(args, model_cfg)
 
 
 def test_the_wrapped_megatron_functions_have_the_expected_parameters(monkeypatch):
@@ -239,3 +242,22 @@ def test_a_saved_plan_with_fp4_is_refused_at_start_on_hopper_with_te(te_gpu):
                 run.check_plan_runs(plan)
         else:
             run.check_plan_runs(plan)
+
+
+def test_snips_figures_go_to_megatrons_own_writers(monkeypatch):
+    """run_loggers: Megatron's TensorBoard and W&B writers (global_vars), asked when SNIP writes."""
+    from megatron.training import global_vars
+
+    from snip_megatron.loggers import TensorBoardWriter, WandbWriter
+    from snip_megatron.pretrain.setup import run_loggers
+    from tests.test_loggers import FakeWandb, Recorder
+
+    assert not run_loggers(megatron_args()).enabled  # no --tensorboard-dir, no --wandb-project
+    loggers = run_loggers(megatron_args("--wandb-project", "p", "--wandb-exp-name", "e"))
+    assert loggers.enabled and loggers.writers() == []  # Megatron has not made its writers yet (or not here)
+    tb, wandb = Recorder(), FakeWandb()
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", tb)
+    monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", wandb)
+    tb_writer, wandb_writer = loggers.writers()
+    assert isinstance(tb_writer, TensorBoardWriter) and tb_writer.writer is tb
+    assert isinstance(wandb_writer, WandbWriter) and wandb_writer.run is wandb

@@ -11,7 +11,7 @@ def test_compact_loop_with_snip_replans_and_logs(tmp_path):
     cmd = [sys.executable, "-m", "snip_megatron.train", "--model", "llama_tiny", "--steps", "6",
            "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress", "--max-bytes", "300000",
            "--vocab-size", "512", "--data-cache", str(tmp_path / "data"),
-           "--metrics", str(tmp_path / "run" / "metrics.jsonl"),
+           "--metrics", str(tmp_path / "run" / "metrics.jsonl"), "--tensorboard-dir", str(tmp_path / "tb"),
            "--snip", "--snip-fp4-budget", "0.5", "--snip-warmup", "3", "--snip-interval", "100",
            "--snip-lag", "1"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -23,6 +23,21 @@ def test_compact_loop_with_snip_replans_and_logs(tmp_path):
     assert set(rows[0]["plan"].values()) == {"fp8"}           # the initial plan
     assert rows[1]["fp4_fraction"] >= 0.5 and rows[1]["solver"] in ("cbc", "exact")
     assert "[snip] step 4: plan" in out.stdout
+    check_tensorboard(tmp_path / "tb")
+
+
+def check_tensorboard(folder):
+    """The loop's metrics and SNIP's figures, read back with TensorBoard's event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"images": 0, "tensors": 0, "scalars": 0}).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events.Scalars("snip/flops_fp4")] == [0, 4]
+    assert events.Scalars("snip/flops_fp4")[1].value >= 0.5
+    assert [e.step for e in events.Scalars("snip/predicted_cost")] == [4]
+    assert [e.step for e in events.Images("snip/plan_heatmap")] == [0, 4]
+    table = events.Tensors("snip/plan_table/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert table.splitlines()[2].startswith("| 1 | linear_qkv | ")
 
 
 def test_te_backend_formats_are_resolved_for_the_gpu_or_refused(monkeypatch, capsys):
