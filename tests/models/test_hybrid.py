@@ -63,6 +63,13 @@ def test_paths_and_keys_translate_both_ways():
         hybrid.module_path(LayerKey(5, "linear_qkv"), "M*M*|MGM*", 4)
 
 
+def test_pipeline_stages_of_each_layer():
+    assert hybrid.stage_of_layers("*-|M*-|*|--", 2, 2) == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1}
+    assert hybrid.stage_of_layers("*-*-", 2) == {1: 0, 2: 0, 3: 1, 4: 1}
+    with pytest.raises(ValueError, match="3 '.' segments, not a multiple of 2"):
+        hybrid.stage_of_layers("*|-|*", 2)
+
+
 def test_the_inventory_needs_the_patterns_layer_count():
     with pytest.raises(ValueError, match="num_layers=6 but --hybrid-layer-pattern '.-.-' has 4 layers"):
         hybrid.inventory(TINY, "*-*-")
