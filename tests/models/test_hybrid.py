@@ -4,7 +4,6 @@ shapes. The 70B-class pattern's planning time is tests/bench/test_planner_scale.
 
 from __future__ import annotations
 
-
 import pytest
 
 from snip_megatron.models import gpt, hybrid
