@@ -64,16 +64,6 @@ def synthetic_costs(model: "ModelShape | Inventory", seed: int = 0) -> dict:
     return costs
 
 
-def hybrid_stages(pattern: str, pp: int) -> dict:
-    """Global layer -> pipeline stage of a '|'-cut hybrid pattern (Megatron's segment selection)."""
-    segments = len(hybrid.parse_pattern(pattern))
-    out = {}
-    for index in range(segments):
-        offset, symbols = hybrid.segment(pattern, index % pp, pp, index // pp if segments > pp else None)
-        out.update({offset + i + 1: index % pp for i in range(len(symbols))})
-    return out
-
-
 def cases(seed: int):
     """(group, label, model: a GPT shape or an Inventory, costs, config, pipeline stages or None)."""
     inventory = hybrid.inventory(HYBRID_70B, HYBRID_70B_PATTERN, HYBRID_70B_DIMS)
@@ -81,7 +71,7 @@ def cases(seed: int):
                              (inventory, "hybrid70b", 8)):
         shape = HYBRID_70B if model is inventory else model
         costs = synthetic_costs(model, seed)
-        layer_stage = (hybrid_stages(HYBRID_70B_PATTERN, pp) if model is inventory
+        layer_stage = (hybrid.stage_of_layers(HYBRID_70B_PATTERN, pp) if model is inventory
                        else stage_of_layers(shape.num_layers, pp))
         stages = stages_for_keys(costs, layer_stage)
         for allowed in (TWO, THREE):

@@ -14,6 +14,7 @@ from megatron.core.quantization.quant_config import MatchContext, Matcher, Recip
 
 from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.models import gpt
+from snip_megatron.models.registry import adapter
 from snip_megatron.plan import LayerKey, Plan
 from snip_megatron.te.gpu import current_sm
 from snip_megatron.te.options import TEOptions
@@ -40,16 +41,19 @@ class PlanMatcher(Matcher):
     plan does not cover) may follow it.
     """
 
-    def __init__(self, plan: Plan, *, layer_offset: int = 0):
+    def __init__(self, plan: Plan, *, layer_offset: int = 0, family: str = gpt.FAMILY):
+        """`family`: the model family whose module paths this chunk has (`models.registry`)."""
+        self._key_for_path = adapter(family).key_for_path
         if not isinstance(plan, Plan):
             raise ValueError(f"PlanMatcher needs a Plan, got {type(plan).__name__}")
         if not isinstance(layer_offset, int) or isinstance(layer_offset, bool) or layer_offset < 0:
             raise ValueError(f"layer_offset must be a non-negative integer, got {layer_offset!r}")
         self.plan = plan
         self.layer_offset = layer_offset
+        self.family = family
 
     def key_for(self, module_path: str) -> "LayerKey | None":
-        return key_for_path(module_path, self.layer_offset)
+        return self._key_for_path(module_path, self.layer_offset)
 
     def match(self, context: MatchContext) -> "str | None":
         key = self.key_for(context.module_path)
@@ -63,18 +67,23 @@ class PlanMatcher(Matcher):
         return self.plan[key].value
 
     def __repr__(self) -> str:
-        return f"PlanMatcher(plan={self.plan!r}, layer_offset={self.layer_offset})"
+        family = "" if self.family == gpt.FAMILY else f", family={self.family!r}"
+        return f"PlanMatcher(plan={self.plan!r}, layer_offset={self.layer_offset}{family})"
 
     def to_cfg_dict(self) -> dict:
         """Plain, instantiable form: Megatron-Bridge writes every model config (quant_recipe
         included) into each checkpoint's run_config.yaml, and needs this of a custom matcher."""
-        return {"_target_": f"{__name__}.PlanMatcher.from_cfg", "plan": self.plan.to_dict(),
-                "layer_offset": self.layer_offset}
+        cfg = {"_target_": f"{__name__}.PlanMatcher.from_cfg", "plan": self.plan.to_dict(),
+               "layer_offset": self.layer_offset}
+        if self.family != gpt.FAMILY:  # a GPT run's run_config.yaml stays as it was
+            cfg["family"] = self.family
+        return cfg
 
     @classmethod
-    def from_cfg(cls, plan, layer_offset: int = 0) -> "PlanMatcher":
+    def from_cfg(cls, plan, layer_offset: int = 0, family: str = gpt.FAMILY) -> "PlanMatcher":
         """Inverse of `to_cfg_dict` (the plan as `Plan.to_dict` writes it)."""
-        return cls(plan if isinstance(plan, Plan) else Plan.from_dict(plan), layer_offset=layer_offset)
+        return cls(plan if isinstance(plan, Plan) else Plan.from_dict(plan), layer_offset=layer_offset,
+                   family=family)
 
 
 def config_dict_for(backend: str = "emulated", *, sm: "int | None" = None,
@@ -107,8 +116,10 @@ def check_runnable(plan: Plan, configs: dict, *, backend: str, sm: "int | None",
 
 def build_recipe(plan: Plan, *, layer_offset: int = 0, backend: str = "emulated",
                  num_layers: "int | None" = None, sm: "int | None" = None,
-                 te_options: "TEOptions | None" = None, formats: Formats = Formats()) -> RecipeConfig:
-    """Plan -> RecipeConfig for one model chunk (`layer_offset`: global layers before it).
+                 te_options: "TEOptions | None" = None, formats: Formats = Formats(),
+                 family: str = gpt.FAMILY) -> RecipeConfig:
+    """Plan -> RecipeConfig for one model chunk (`layer_offset`: global layers before it) of a
+    model of `family` (its module paths: `models.registry`).
 
     With `num_layers`, the plan must cover exactly that model's planned linears (ValueError
     otherwise), so a mismatched plan is refused before any module is configured; so is a plan
@@ -120,7 +131,8 @@ def build_recipe(plan: Plan, *, layer_offset: int = 0, backend: str = "emulated"
         sm = current_sm()
     configs = config_dict_for(backend, sm=sm, te_options=te_options, formats=formats)
     check_runnable(plan, configs, backend=backend, sm=sm, formats=formats)
-    return RecipeConfig(matchers=[PlanMatcher(plan, layer_offset=layer_offset)], config_dict=configs)
+    return RecipeConfig(matchers=[PlanMatcher(plan, layer_offset=layer_offset, family=family)],
+                        config_dict=configs)
 
 
 def layer_offset(config, *, vp_stage: "int | None" = None, pp_rank: "int | None" = None) -> int:

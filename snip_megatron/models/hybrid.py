@@ -123,6 +123,16 @@ def segment(pattern: str, pp_rank: int = 0, pp: int = 1, vp_stage: "int | None" 
     return sum(len(s) for s in segments[:index]), segments[index]
 
 
+def stage_of_layers(pattern: str, pp: int, vpp: "int | None" = None) -> dict[int, int]:
+    """Global layer number -> pipeline stage (the per-stage budgets), by `segment`."""
+    out = {}
+    for vp_stage in range(vpp) if vpp else [None]:
+        for pp_rank in range(pp):
+            offset, symbols = segment(pattern, pp_rank, pp, vp_stage)
+            out.update({offset + i + 1: pp_rank for i in range(len(symbols))})
+    return out
+
+
 def linear_shapes(shape: ModelShape, dims: HybridDims = HybridDims()) -> dict[str, dict[str, tuple[int, int]]]:
     """{symbol: {linear name: (out_features, in_features)}}, unsharded."""
     h = shape.hidden_size

@@ -14,7 +14,7 @@ def test_the_70b_class_hybrid_enumerates_and_plans_in_under_a_second(planner_sca
     flops = inv.flop_table(b.HYBRID_70B.seq_length)
     enumerated = time.perf_counter() - start
     costs = b.synthetic_costs(inv)
-    stages = b.stages_for_keys(costs, b.hybrid_stages(b.HYBRID_70B_PATTERN, 8))
+    stages = b.stages_for_keys(costs, hybrid.stage_of_layers(b.HYBRID_70B_PATTERN, 8))
     result = solve_plan(costs, flops, PlannerConfig(rho=0.75, solver="exact"), stages=stages)
     assert len(inv) == 2 * b.HYBRID_70B.num_layers == 224
     assert enumerated < 0.5 and enumerated + result.seconds < 1.0, (enumerated, result.seconds)

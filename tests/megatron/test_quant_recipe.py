@@ -170,3 +170,33 @@ def test_gpt_model_finish_init_delivers_the_plan(megatron_single):
             sub = layer.mlp if "fc" in name else layer.self_attention
             got[LayerKey(layer.layer_number, name)] = getattr(sub, name).got
     assert got == {k: v.value for k, v in plan.items()}
+
+
+def test_a_hybrid_chunks_paths_match_by_its_pattern():
+    """A HybridModel chunk (layers 5..8 of 'M*-M|M*G-') matches its Mamba, attention, MLP and GDN
+    linears by global layer; its matcher's config dict names the family, a GPT one's does not."""
+    import json
+
+    from megatron.core.quantization.utils import get_quant_config_or_none
+
+    from snip_megatron.models import hybrid
+    from snip_megatron.shapes import get_shape
+
+    pattern = "M*-M|M*G-"
+    inv = hybrid.inventory(get_shape("llama_tiny").with_(num_layers=8), pattern)
+    plan = Plan({k: "fp4" if k.layer == 7 else "fp8" for k in inv.keys()}, inventory=inv)
+    recipe = build_recipe(plan, layer_offset=4, family="hybrid")
+    got = {path: get_quant_config_or_none(path, recipe).config["precision"]
+           for path in (hybrid.module_path(k, pattern, 4) for k in inv.keys() if k.layer > 4)}
+    assert got == {"decoder.layers.0.mixer.in_proj": "fp8", "decoder.layers.0.mixer.out_proj": "fp8",
+                   "decoder.layers.1.self_attention.linear_qkv": "fp8",
+                   "decoder.layers.1.self_attention.linear_proj": "fp8",
+                   "decoder.layers.2.self_attention.in_proj": "fp4", "decoder.layers.2.self_attention.out_proj": "fp4",
+                   "decoder.layers.3.mlp.linear_fc1": "fp8", "decoder.layers.3.mlp.linear_fc2": "fp8"}
+    assert get_quant_config_or_none("decoder.layers.0.mixer.conv1d", recipe) is None
+    cfg = json.loads(json.dumps(recipe.matchers[0].to_cfg_dict()))
+    assert cfg["family"] == "hybrid" and "family" not in PlanMatcher(striped(4)).to_cfg_dict()
+    assert PlanMatcher.from_cfg(cfg["plan"], cfg["layer_offset"], cfg["family"]).key_for(
+        "decoder.layers.2.self_attention.in_proj") == LayerKey(7, "in_proj")
+    with pytest.raises(ValueError, match="unknown model family 'mamba'; SNIP plans gpt, hybrid"):
+        PlanMatcher(plan, family="mamba")

@@ -4,8 +4,6 @@ shapes. The 70B-class pattern's planning time is tests/bench/test_planner_scale.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from snip_megatron.models import gpt, hybrid
@@ -61,6 +59,13 @@ def test_paths_and_keys_translate_both_ways():
     assert hybrid.module_path(LayerKey(5, "in_proj"), "M*M*|MGM*", 4) == "decoder.layers.0.mixer.in_proj"
     with pytest.raises(ValueError, match="not a planned linear of pattern"):
         hybrid.module_path(LayerKey(5, "linear_qkv"), "M*M*|MGM*", 4)
+
+
+def test_pipeline_stages_of_each_layer():
+    assert hybrid.stage_of_layers("*-|M*-|*|--", 2, 2) == {1: 0, 2: 0, 3: 1, 4: 1, 5: 1, 6: 0, 7: 1, 8: 1}
+    assert hybrid.stage_of_layers("*-*-", 2) == {1: 0, 2: 0, 3: 1, 4: 1}
+    with pytest.raises(ValueError, match="3 '.' segments, not a multiple of 2"):
+        hybrid.stage_of_layers("*|-|*", 2)
 
 
 def test_the_inventory_needs_the_patterns_layer_count():
