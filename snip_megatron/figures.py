@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from snip_megatron.loggers import RunLoggers
-from snip_megatron.plan import Plan
+from snip_megatron.plan import Plan, parse_key
 
 HEATMAP_TAG = "snip/plan_heatmap"
 TABLE_TAG = "snip/plan_table"
@@ -50,16 +50,10 @@ def plan_table(row: Mapping) -> tuple[list[str], list[list]]:
     precision and the measured costs (Q, dL, WD per precision) when the plan came from a measurement."""
     measured = row.get("table")
     if not measured:
-        return ["layer", "linear", "precision"], [[*_split(k), p] for k, p in row["plan"].items()]
+        return ["layer", "linear", "precision"], [[*parse_key(k), p] for k, p in row["plan"].items()]
     costs = [c for c in measured[0] if c not in ("layer", "precision", "previous")]
     return (["layer", "linear", "precision", "previous", *costs],
-            [[*_split(e["layer"]), e["precision"], e["previous"], *(e.get(c) for c in costs)] for e in measured])
-
-
-def _split(key: str) -> list:
-    """"12.linear_fc1" -> [12, "linear_fc1"] (a key of another shape stays whole, layer first)."""
-    layer, _, linear = str(key).partition(".")
-    return [int(layer) if layer.isdigit() else layer, linear]
+            [[*parse_key(e["layer"]), e["precision"], e["previous"], *(e.get(c) for c in costs)] for e in measured])
 
 
 def heatmap_image(history: Sequence[tuple[int, Plan]]):
