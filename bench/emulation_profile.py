@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
-from snip_megatron.formats import FormatSpec, Role, quantize_for_role
+from snip_megatron.formats import FormatSpec, Role, Rounding, quantize_for_role
 from snip_megatron.plan import Plan
 from snip_megatron.shapes import get_shape
 from snip_megatron.train.config import TrainConfig
@@ -95,7 +95,7 @@ def cast_ops(spec: FormatSpec, shape: tuple[int, int], repeats: int = 20) -> lis
         cast = spec.cast(role)
         if cast is None:
             continue
-        kw = {"noise": noise} if cast.rounding.value == "sr" else {}
+        kw = {"noise": noise} if cast.rounding is Rounding.STOCHASTIC else {}
         run = lambda: quantize_for_role(x, spec, role, out_dtype=torch.float32, **kw)  # noqa: E731
         run()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
