@@ -105,14 +105,18 @@ class BridgeRun:
                 _print_rank_0(line)
 
     def _make_loop(self, model_config, state: Optional[dict]):
+        from snip_megatron.models import gpt
         from snip_megatron.pretrain.setup import SnipRun
 
         factory = self.controller_factory or make_controller
+        # the built model is checked against this before the first step (SnipRun.check_inventory)
+        inventory = gpt.inventory(model_shape(model_config),
+                                  sequence_parallel=bool(getattr(model_config, "sequence_parallel", False)))
         loop = SnipRun(config=self.snip, controller=factory(self.snip, model_config, self.cfg),
                        backend=self.backend, sm=None if self.te is None else self.te.sm,
                        num_layers=model_config.num_layers,
                        seq_length=model_config.seq_length, micro_batch_size=self.cfg.train.micro_batch_size,
-                       user_recipe=self.user_recipe)
+                       user_recipe=self.user_recipe, inventory=inventory)
         loop.resume(state)
         return loop
 

@@ -15,6 +15,7 @@ from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.megatron.quant_recipe import check_runnable, config_dict_for
 from snip_megatron.models import gpt
 from snip_megatron.models.inventory import InventoryEntry
+from snip_megatron.models.registry import adapter, family_of
 from snip_megatron.plan import LayerKey, Plan, PlanChange, forward_order
 from snip_megatron.te.options import TEOptions
 from snip_megatron.te.translate import precision_of_te_params
@@ -64,8 +65,9 @@ def list_planned_linears(model) -> list[PlannedLinear]:
     order of their global keys."""
     found: list[PlannedLinear] = []
     seen: dict[LayerKey, str] = {}
+    family = adapter(family_of(_chunks(model)))
     for c, chunk in enumerate(_chunks(model)):
-        for path, module, entry in gpt.planned_modules(chunk):
+        for path, module, entry in family.planned_modules(chunk):
             key = entry.key
             if key in seen:
                 raise ValueError(f"{key} appears twice on this rank: {seen[key]!r} and chunk {c} {path!r}")
@@ -157,11 +159,12 @@ def _num_layers(model) -> "int | None":
 
 
 def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOptions | None" = None,
-               formats: Formats = Formats(), num_layers: "int | None" = None) -> list[AppliedChange]:
+               formats: Formats = Formats(), num_layers=None) -> list[AppliedChange]:
     """Set every planned linear of this rank to its precision in `plan`; returns what changed.
 
     Call it on every rank at the same step boundary (between optimizer step and next forward).
-    The whole plan is checked first (against the model's `num_layers`, and every local linear
+    The whole plan is checked first (against `num_layers`: the model's Inventory, or a dense GPT's
+    layer count, default its config's; and every local linear
     must be plannable and have a precision the backend can run), so a bad plan is refused with
     ValueError before any module changes. Emulated linears switch through `set_precision`, TE
     linears through `finish_init` with the TEQuantizationParams of `formats` on `sm` (default:
@@ -170,7 +173,8 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
     """
     if not isinstance(plan, Plan):
         raise ValueError(f"apply_plan needs a Plan, got {type(plan).__name__}")
-    num_layers = num_layers if num_layers is not None else _num_layers(model)
+    if num_layers is None and family_of(_chunks(model)) == gpt.FAMILY:  # a dense GPT's layer count
+        num_layers = _num_layers(model)
     if num_layers is not None:
         plan.check_model(num_layers)
     linears = list_planned_linears(model)
@@ -196,6 +200,7 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         todo.append((pl, new, config))
 
     changes: list[AppliedChange] = []
+    parse_path = adapter(family_of(_chunks(model))).parse_path
     for pl, new, config in todo:
         if is_te_linear(pl.module):
             keep_te_weights_fresh(pl.module)
@@ -205,7 +210,7 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         if is_emulated_linear(pl.module):
             pl.module.set_precision(new, formats)
         else:
-            local = gpt.parse_path(pl.module_path)[0]
+            local = parse_path(pl.module_path)[0]
             pl.module.finish_init(QuantizationConfig(config, MatchContext(pl.module_path, local), new.value))
         changes.append(AppliedChange(pl.key, pl.module_path, pl.chunk, old, new))
     return changes

@@ -28,3 +28,13 @@ def agree(local: Inventory, *, expected: "Inventory | None" = None, group=None) 
         expected.check_same(merged, what="the model built on these ranks (the config and the built "
                                           "layer spec disagree)")
     return merged
+
+
+def agree_on_model(model_chunks, expected: Inventory, *, group=None) -> Inventory:
+    """The global inventory of the built model: this rank's chunks discovered by `expected`'s
+    family adapter, gathered from every rank (one all-gather) and checked against `expected` (the
+    inventory the run's config gives, with its sequence_parallel setting). ValueError, the same on
+    every rank, naming the first difference: SNIP would otherwise plan a model it does not run."""
+    from snip_megatron.models.registry import adapter
+
+    return agree(adapter(expected.family).discover(model_chunks), expected=expected, group=group)

@@ -190,3 +190,54 @@ def module_path(key: LayerKey, pattern: str, layer_offset: int = 0) -> str:
         raise ValueError(f"{key} is not a planned linear of pattern {pattern!r} in a chunk starting after "
                          f"layer {layer_offset}")
     return f"decoder.layers.{local}.{slots[key.name].suffix}"
+
+
+def is_model(chunk) -> bool:
+    """Whether a built chunk (optionally inside DDP / Float16Module wrappers) is a HybridModel
+    (Megatron's HybridModel and its MambaModel alias keep their `hybrid_layer_pattern`)."""
+    while not hasattr(chunk, "hybrid_layer_pattern") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    return isinstance(getattr(chunk, "hybrid_layer_pattern", None), str)
+
+
+def planned_modules(chunk):
+    """(module path, module, entry) of every planned linear of one built HybridModel chunk, in
+    registration order; `entry`'s layer is the enclosing layer's `layer_number` (Megatron's
+    `i + 1 + pp_layer_offset`), its whole shape the weight's times TP along the sharded dim."""
+    for path, module in chunk.named_modules():
+        m = _PATH.search(path)
+        if m is None:
+            continue
+        layer_path = path[: m.start(2) - 1]
+        number = getattr(chunk.get_submodule(layer_path), "layer_number", None)
+        if not isinstance(number, int):
+            raise ValueError(f"{layer_path!r} has no integer layer_number; not a HybridStack layer?")
+        slot = _SUFFIX[m.group(2)]
+        config = getattr(module, "config", None)
+        tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
+        out_f, in_f = (int(d) for d in module.weight.shape)
+        whole = (out_f * tp, in_f) if slot.kind is ParallelKind.COLUMN else (out_f, in_f * tp)
+        sp = bool(getattr(config, "sequence_parallel", False)) and slot.kind is not ParallelKind.ROW
+        yield path, module, InventoryEntry(LayerKey(number, slot.name), slot.suffix, whole, slot.kind, sp)
+
+
+def discover(model_chunks) -> Inventory:
+    """This rank's part of the inventory, read from its built HybridModel chunk(s): every module
+    under `decoder.layers.<i>` at a planned layer's suffix that takes a quant_recipe through
+    Megatron's `finish_init`. Other modules that take one (MTP, routers' experts) are listed as
+    unplanned, never silently dropped."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    found, unplanned = [], dict.fromkeys(UNPLANNED)
+    for chunk in chunks:
+        planned = set()
+        for path, module, e in planned_modules(chunk):
+            planned.add(path)
+            if callable(getattr(module, "finish_init", None)):
+                found.append(e)
+        for path, module in chunk.named_modules():
+            if callable(getattr(module, "finish_init", None)) and path not in planned:
+                unplanned[Unplanned(re.sub(r"\.\d+(?=\.|$)", ".*", path),
+                                    "takes a quant_recipe but the hybrid adapter does not plan it")] = None
+    order = {name: i for i, name in enumerate(NAMES)}
+    found.sort(key=lambda e: (e.layer, order[e.key.name]))  # modules may register out of forward order
+    return Inventory(FAMILY, found, unplanned)

@@ -15,3 +15,10 @@ def adapter(family: str) -> ModuleType:
         return ADAPTERS[family]
     except (KeyError, TypeError):
         raise ValueError(f"unknown model family {family!r}; SNIP plans {', '.join(ADAPTERS)}") from None
+
+
+def family_of(model_chunks) -> str:
+    """The family of built model chunk(s) (one chunk or a list under VPP): a HybridModel's, else
+    the dense GPT's."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    return hybrid.FAMILY if any(hybrid.is_model(c) for c in chunks) else gpt.FAMILY

@@ -50,18 +50,24 @@ def with_planned_linears(spec, backend: str):
 
 
 def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, user_recipe=None,
-                  sm: "int | None" = None):
+                  sm: "int | None" = None, inventory=None, offset: "int | None" = None):
     """This chunk's RecipeConfig: SNIP's plan first, then the user's own matchers (modules SNIP
-    does not plan keep what the user's precision config gives them). `sm`: the GPU of the TE dicts."""
+    does not plan keep what the user's precision config gives them). `sm`: the GPU of the TE dicts.
+    `inventory`: the model's planned linears (default a dense GPT of the config's layers), whose
+    family names the chunk's module paths; `offset`: the chunk's global layers before it (default
+    Megatron's GPT offset)."""
     from megatron.core.quantization.quant_config import RecipeConfig
 
     from snip_megatron.megatron.quant_recipe import check_runnable, layer_offset
+    from snip_megatron.models import gpt
 
-    plan.check_model(transformer_config.num_layers)
+    plan.check_model(transformer_config.num_layers if inventory is None else inventory)
     kind = "te" if backend == "te" else "emulated"
     ours = config_dict_for(kind, formats=formats, sm=sm)
     check_runnable(plan, ours, backend=kind, sm=sm, formats=formats)
-    matchers = [PlanMatcher(plan, layer_offset=layer_offset(transformer_config, vp_stage=vp_stage))]
+    if offset is None:
+        offset = layer_offset(transformer_config, vp_stage=vp_stage)
+    matchers = [PlanMatcher(plan, layer_offset=offset, family=gpt.FAMILY if inventory is None else inventory.family)]
     configs = dict(ours)
     if user_recipe is not None:
         matchers += list(user_recipe.matchers)
@@ -69,9 +75,10 @@ def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, 
     return RecipeConfig(matchers=matchers, config_dict=configs)
 
 
-def check_user_recipe(user_recipe, num_layers: int, source: str) -> None:
+def check_user_recipe(user_recipe, num_layers, source: str) -> None:
     """A user's precision config (`--te-precision-config-file`) may set modules SNIP does not
-    plan; one that sets a planned linear, or reuses SNIP's config names, is refused."""
+    plan; one that sets a planned linear, or reuses SNIP's config names, is refused. `num_layers`:
+    the model's Inventory, or a dense GPT's layer count."""
     from megatron.core.quantization.quant_config import MatchContext
 
     from snip_megatron.formats.precision import Precision
@@ -82,8 +89,10 @@ def check_user_recipe(user_recipe, num_layers: int, source: str) -> None:
     clash = sorted(set(user_recipe.configs) & {p.value for p in Precision})
     if clash:
         raise ValueError(f"{source} defines config keys {clash}, the names SNIP's plan uses; rename them")
-    for planned in gpt.keys(num_layers):  # each one's path as if the model were one stage
-        path = gpt.module_path(planned)
+    # each planned linear's path as if the model were one stage
+    paths = ([(k, gpt.module_path(k)) for k in gpt.keys(num_layers)] if isinstance(num_layers, int)
+             else [(e.key, f"decoder.layers.{e.layer - 1}.{e.suffix}") for e in num_layers])
+    for planned, path in paths:
         for matcher in user_recipe.matchers:
             key = matcher.match(MatchContext(path, planned.layer - 1))
             if key is not None:
@@ -103,3 +112,26 @@ def snip_layer_spec(run, user_spec):
         return spec
 
     return layer_spec
+
+
+def snip_hybrid_builder(run, pattern: str):
+    """The model builder of a HybridModel run (Megatron's HybridModelBuilder): before it builds a
+    chunk, the transformer config's quant_recipe is set to that chunk's plan, with the layer
+    offset Megatron's `select_pipeline_segment` gives this pipeline rank (HybridModel resolves each
+    TE linear's recipe as it builds it, and again in its post-init loop)."""
+    from megatron.training.models.hybrid import HybridModelBuilder
+
+    from snip_megatron.models import hybrid
+
+    class SnipHybridModelBuilder(HybridModelBuilder):
+        def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
+            pp = pg_collection.pp
+            offset, _ = hybrid.segment(pattern, pp.rank() if pp is not None else 0,
+                                       pp.size() if pp is not None else 1, vp_stage)
+            transformer = self._model_config.transformer
+            transformer.quant_recipe = merged_recipe(
+                run.controller.plan, transformer, vp_stage, backend=run.backend, formats=run.config.formats,
+                user_recipe=run.user_recipe, sm=run.sm, inventory=run.inventory, offset=offset)
+            return super().build_model(pg_collection, pre_process, post_process, vp_stage)
+
+    return SnipHybridModelBuilder

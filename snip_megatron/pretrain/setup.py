@@ -42,8 +42,9 @@ def resolve_backend(args) -> str:
     return backend
 
 
-def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
-    """Every Megatron setting this SNIP run cannot honour, as one line each naming the flag and the fix."""
+def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[str]:
+    """Every Megatron setting this SNIP run cannot honour, as one line each naming the flag and the
+    fix. `family`: the model the entry builds ("gpt": pretrain_gpt.py, "hybrid": pretrain_hybrid.py)."""
     out = []
 
     def refuse(when, text):
@@ -54,7 +55,13 @@ def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
            "expert linears would run unplanned. Train dense, or drop --snip")
     refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention: SNIP plans the GPT "
            "layer's standard attention only; drop one of them")
-    refuse(getattr(args, "hybrid_layer_pattern", None), "--hybrid-layer-pattern: SNIP plans GPT layers only")
+    refuse(family == "gpt" and getattr(args, "hybrid_layer_pattern", None),
+           "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does not: run "
+           "snip-pretrain-hybrid (Megatron-LM's pretrain_hybrid.py with SNIP) instead")
+    refuse(family == "hybrid" and not getattr(args, "hybrid_layer_pattern", None),
+           "snip-pretrain-hybrid needs --hybrid-layer-pattern (e.g. '*-*-': attention, MLP, ...)")
+    if family == "hybrid" and getattr(args, "hybrid_layer_pattern", None):
+        out += hybrid_refusals(args.hybrid_layer_pattern, backend)
     refuse(args.transformer_impl not in ("local", "transformer_engine"),
            f"--transformer-impl {args.transformer_impl}: SNIP needs local or transformer_engine")
     refuse(backend == "emulated" and args.transformer_impl == "transformer_engine",
@@ -91,6 +98,30 @@ def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
     return out
 
 
+def hybrid_refusals(pattern: str, backend: str) -> list[str]:
+    """What a HybridModel run of `pattern` cannot do with SNIP: layer kinds SNIP does not plan (by
+    name), a backend other than TE (Megatron's hybrid spec is TE-only), and, without a GPU, Mamba
+    and GDN layers (their kernels are CUDA-only, so SNIP could not measure their linears)."""
+    import torch
+
+    from snip_megatron.models import hybrid
+
+    try:
+        symbols = hybrid.layer_symbols(pattern)
+    except ValueError as e:
+        return [str(e)]
+    out = []
+    if backend != "te":
+        out.append("snip-pretrain-hybrid plans Transformer Engine linears (Megatron's hybrid layer spec is "
+                   "TE-only): add --transformer-impl transformer_engine")
+    cuda_only = [f"{hybrid.LAYER_NAMES[c]} ({c})" for c in dict.fromkeys(symbols) if c in "MG"]
+    if cuda_only and not torch.cuda.is_available():
+        out.append(f"--hybrid-layer-pattern {pattern!r}: {' and '.join(cuda_only)} layers run CUDA kernels "
+                   "(mamba_ssm, causal_conv1d; fla), so on CPU SNIP cannot measure their in_proj/out_proj "
+                   "linears; run on a GPU (bench/gpu/hybrid_check.py), or use '*' and '-' layers only")
+    return out
+
+
 @dataclass
 class SnipRun:
     """SNIP inside one Megatron-LM process: its config, controller, and the step boundary."""
@@ -109,6 +140,9 @@ class SnipRun:
     micro_batch_size: int = 0
     user_recipe: Any = None
     """The user's own quant_recipe (--te-precision-config-file), merged after SNIP's matchers."""
+    inventory: Any = None
+    """The model's planned linears as the config gives them (models.inventory.Inventory); the built
+    model is checked against it before the first step."""
     _started: bool = False
     _ctx: Any = field(default=None, repr=False)
 
@@ -122,9 +156,11 @@ class SnipRun:
                            forward_step_func=forward_step_func, data_iterator=data_iterator,
                            num_microbatches=num_microbatches or _num_microbatches(),
                            seq_length=self.seq_length, micro_batch_size=self.micro_batch_size,
-                           formats=self.config.formats, num_layers=self.num_layers, sm=self.sm)
+                           formats=self.config.formats, num_layers=self.num_layers, sm=self.sm,
+                           inventory=self.inventory)
         if not self._started:
             self._started = True
+            self.check_inventory(ctx.chunks)
             self.controller.on_train_start(ctx)
             self.check_applied(ctx.chunks)
         self.controller.on_step_start(ctx, step)
@@ -140,6 +176,18 @@ class SnipRun:
 
         configs = config_dict_for("te", sm=self.sm, formats=self.config.formats)
         check_runnable(plan, configs, backend="te", sm=self.sm, formats=self.config.formats)
+
+    def check_inventory(self, chunks) -> None:
+        """Before the first step, on every rank: the planned linears Megatron built on all ranks
+        (one all-gather) are the ones the plan covers; else every rank exits with one line."""
+        if self.inventory is None:
+            return
+        from snip_megatron.models.agree import agree_on_model
+
+        try:
+            agree_on_model(chunks, self.inventory)
+        except ValueError as e:
+            raise SystemExit(f"SNIP: {e}") from None
 
     def check_applied(self, chunks) -> None:
         """Before the first step: this rank's planned linears run the controller's plan."""
@@ -210,27 +258,49 @@ def model_shape(args, transformer_config=None):
                       gated_linear_unit=bool(getattr(config, "gated_linear_unit", getattr(args, "swiglu", True))))
 
 
-def te_shape_exclusions(snip: SnipConfig, args, transformer_config=None) -> dict:
-    """The planned linears TE cannot run in FP8/FP4 on this layout (its shape rules), per precision."""
+def expected_inventory(args, transformer_config=None, family: str = "gpt"):
+    """The planned linears the run's config gives (models.inventory.Inventory), with the run's
+    sequence_parallel setting: the dense GPT's, or the HybridModel's of --hybrid-layer-pattern."""
+    from snip_megatron.models import gpt, hybrid
+
+    shape = model_shape(args, transformer_config)
+    sp = bool(getattr(transformer_config, "sequence_parallel", getattr(args, "sequence_parallel", False)))
+    if family == hybrid.FAMILY:
+        dims = hybrid.HybridDims.of(transformer_config if transformer_config is not None else args)
+        return hybrid.inventory(shape, args.hybrid_layer_pattern, dims, sequence_parallel=sp)
+    return gpt.inventory(shape, sequence_parallel=sp)
+
+
+def te_shape_exclusions(snip: SnipConfig, args, transformer_config=None, inventory=None) -> dict:
+    """The planned linears TE cannot run in FP8/FP4 on this layout (its shape rules), per precision
+    (`inventory`: the model's planned linears, default the dense GPT's)."""
     from snip_megatron.te.shapes import te_exclusions
 
-    return te_exclusions(model_shape(args, transformer_config), snip.formats, snip.uses,
+    return te_exclusions(model_shape(args, transformer_config), snip.formats, snip.uses, inventory=inventory,
                          tp=args.tensor_model_parallel_size,
                          sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                          cp=getattr(args, "context_parallel_size", 1) or 1, micro_batch_size=args.micro_batch_size)
 
 
-def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None):
-    """SNIP's controller for this run: per-stage budgets from Megatron's own pipeline offsets;
-    `excluded`, the precisions the backend cannot run per linear."""
+def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None, inventory=None):
+    """SNIP's controller for this run, planning `inventory` (default the dense GPT's): per-stage
+    budgets from Megatron's own pipeline offsets; `excluded`, the precisions the backend cannot run
+    per linear."""
     from snip_megatron.controller import SnipController
     from snip_megatron.megatron.layout import pipeline_stages
+    from snip_megatron.models import hybrid
 
-    stages = pipeline_stages(transformer_config) if args.pipeline_model_parallel_size > 1 else None
+    stages = None
+    if args.pipeline_model_parallel_size > 1:
+        if inventory is not None and inventory.family == hybrid.FAMILY:
+            stage_of = hybrid.stage_of_layers(args.hybrid_layer_pattern, args.pipeline_model_parallel_size)
+            stages = {e.key: stage_of[e.layer] for e in inventory}
+        else:
+            stages = pipeline_stages(transformer_config)
     return SnipController(snip, model_shape(args, transformer_config), total_steps=args.train_iters,
                           run_dir=args.save,
                           tokens_per_step=args.global_batch_size * args.seq_length, stages=stages,
-                          log=_print_rank_0, excluded=excluded, loggers=run_loggers(args))
+                          log=_print_rank_0, excluded=excluded, loggers=run_loggers(args), inventory=inventory)
 
 
 def run_loggers(args):
@@ -262,7 +332,7 @@ class CheckedRun(NamedTuple):
         return None if self.te is None else self.te.sm
 
 
-def check_run(args) -> Optional[CheckedRun]:
+def check_run(args, family: str = "gpt") -> Optional[CheckedRun]:
     """The run's resolved SnipConfig and, for the TE backend, the GPU's compute capability and the
     installed TE's own answers (None when SNIP is off), after refusing every Megatron setting it
     cannot honour and, on Transformer Engine, every format this GPU and this TE cannot run as SNIP
@@ -278,7 +348,7 @@ def check_run(args) -> Optional[CheckedRun]:
         raise ValueError(f"--te-precision-config-file {config_file}: no such file (a YAML of matchers "
                          "and configs, as Megatron's load_quantization_recipe reads)")
     backend = resolve_backend(args)
-    refused = refusals(args, snip, backend)
+    refused = refusals(args, snip, backend, family)
     te = None
     if not refused:
         try:
@@ -296,27 +366,48 @@ def check_run(args) -> Optional[CheckedRun]:
     return CheckedRun(snip, te)
 
 
+def model_family(model_cfg) -> str:
+    """The model family Megatron-LM's model config builds: a HybridModelConfig's (pretrain_hybrid.py),
+    else the dense GPT's (pretrain_gpt.py's GPTModelConfig)."""
+    import dataclasses
+
+    from snip_megatron.models import gpt, hybrid
+
+    fields = {f.name for f in dataclasses.fields(model_cfg)} if dataclasses.is_dataclass(model_cfg) else set()
+    return hybrid.FAMILY if "hybrid_layer_pattern" in fields else gpt.FAMILY
+
+
 def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     """setup_megatron_lm's work; raises ValueError naming what to change."""
+    from snip_megatron.models import hybrid
     from snip_megatron.pretrain import seams
-    from snip_megatron.pretrain.model import check_user_recipe, snip_layer_spec
+    from snip_megatron.pretrain.model import check_user_recipe, snip_hybrid_builder, snip_layer_spec
     from snip_megatron.pretrain.state import read_state
 
-    checked = check_run(args)
+    family = model_family(model_cfg)
+    checked = check_run(args, family)
     if checked is None:
         return None
     snip, sm = checked.config, checked.sm
     backend = resolve_backend(args)
     transformer = model_cfg.transformer
     user_recipe = transformer.quant_recipe
-    check_user_recipe(user_recipe, args.num_layers, "--te-precision-config-file")
-    excluded = te_shape_exclusions(snip, args, transformer) if backend == "te" else None
-    run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer, excluded=excluded),
+    inventory = expected_inventory(args, transformer, family)
+    check_user_recipe(user_recipe, inventory, "--te-precision-config-file")
+    excluded = te_shape_exclusions(snip, args, transformer, inventory) if backend == "te" else None
+    run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer, excluded=excluded,
+                                                                        inventory=inventory),
                   backend=backend, sm=sm, num_layers=args.num_layers, seq_length=args.seq_length,
-                  micro_batch_size=args.micro_batch_size, user_recipe=user_recipe)
+                  micro_batch_size=args.micro_batch_size, user_recipe=user_recipe, inventory=inventory)
     run.resume(read_state(args))
     run.check_plan_runs(run.controller.plan)
-    model_cfg.transformer_layer_spec = snip_layer_spec(run, model_cfg.transformer_layer_spec)
+    if family == hybrid.FAMILY:
+        # Megatron-LM builds the model through the config's builder (a ClassVar path): this run's
+        # builder sets each chunk's quant_recipe before building it
+        builder = snip_hybrid_builder(run, args.hybrid_layer_pattern)
+        object.__setattr__(model_cfg, "get_builder_cls", lambda: builder)
+    else:
+        model_cfg.transformer_layer_spec = snip_layer_spec(run, model_cfg.transformer_layer_spec)
     seams.install(run)
     plan = run.controller.plan
     _print_rank_0(f"[snip] on; backend {backend}; formats {snip.formats.short_str(snip.uses)}; plan: "
@@ -337,7 +428,8 @@ def setup_megatron_lm(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     without --snip / --snip-plan / --snip-baseline. A setting SNIP cannot run exits with the reason."""
     from snip_megatron.megatron.args import named_as_flags
 
+    script = "pretrain_hybrid.py" if model_family(model_cfg) == "hybrid" else "pretrain_gpt.py"
     try:
         return start(args, model_cfg, controller=controller)
     except ValueError as e:
-        raise SystemExit(f"pretrain_gpt.py: SNIP: {named_as_flags(str(e))}") from None
+        raise SystemExit(f"{script}: SNIP: {named_as_flags(str(e))}") from None

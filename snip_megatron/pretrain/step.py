@@ -11,7 +11,7 @@ class MegatronStep:
 
     def __init__(self, *, step: int, chunks: list, optimizer, forward_step_func, data_iterator,
                  num_microbatches: int, seq_length: int, micro_batch_size: int, formats, num_layers: int,
-                 sm: "int | None" = None):
+                 sm: "int | None" = None, inventory=None):
         self.step = step
         self.chunks = chunks
         self.optimizer = optimizer
@@ -21,6 +21,8 @@ class MegatronStep:
         self.formats = formats
         self.num_layers = num_layers
         self.sm = sm
+        self.inventory = inventory
+        """The model's planned linears (models.inventory.Inventory); None: a dense GPT of num_layers."""
         """The GPU's compute capability for TE linears' dicts (None: emulated linears only)."""
         self._source = data_iterator
         self._n = num_microbatches
@@ -41,7 +43,8 @@ class MegatronStep:
         """This rank's planned linears run `plan` from now on (snip_megatron.megatron.apply)."""
         from snip_megatron.megatron.apply import apply_plan
 
-        apply_plan(self.chunks, plan, formats=self.formats, num_layers=self.num_layers, sm=self.sm)
+        apply_plan(self.chunks, plan, formats=self.formats, sm=self.sm,
+                   num_layers=self.num_layers if self.inventory is None else self.inventory)
 
 
 def outside_rerun(forward_step_func):

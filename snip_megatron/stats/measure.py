@@ -187,6 +187,9 @@ def measure_step(ctx, config: MeasureConfig, **kwargs) -> "StatsTable | None":
     reduced table comes back on global rank 0, None elsewhere."""
     import torch.distributed as dist
 
+    inventory = getattr(ctx, "inventory", None)  # the model's linears (default: a dense GPT's)
+    if inventory is not None:
+        kwargs.setdefault("keys", list(inventory.keys()))
     table = measure_chunks(ctx.chunks, ctx.forward_step_func, ctx.current_batch,
                            seq_length=ctx.seq_length, micro_batch_size=ctx.micro_batch_size,
                            optimizer=ctx.optimizer, config=config, **kwargs)

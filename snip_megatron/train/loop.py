@@ -57,6 +57,8 @@ class Trainer:
         """A SummaryWriter on the reporting rank when `tensorboard_dir` is set, else None."""
         self._setup_data()
         self._setup_model()
+        self.inventory = self._agreed_inventory()
+        """The planned linears of the model on every rank, checked against the config's."""
         self.set_plan(Plan.uniform(self.shape.num_layers, config.precision))
         if config.load_dir is not None:
             self.load(config.load_dir, config.load_step)
@@ -170,6 +172,21 @@ class Trainer:
             wd_incr_steps=cfg.steps, wd_incr_style="constant")
         self.forward_backward_func = get_forward_backward_func()
         self.forward_step_func = make_forward_step(LOSS_KEY)
+
+    def _agreed_inventory(self):
+        """The model's planned linears as every rank built them (one all-gather), checked against
+        the config's (its sequence_parallel included) and against each hook's own (a controller
+        planning another model); ValueError, one line, the same on every rank."""
+        from snip_megatron.models import gpt
+        from snip_megatron.models.agree import agree_on_model
+
+        sp = bool(getattr(self.modules[0].config, "sequence_parallel", False))
+        inventory = agree_on_model(self.modules, gpt.inventory(self.shape, sequence_parallel=sp))
+        for hook in self.hooks:
+            planned = getattr(hook, "inventory", None)
+            if planned is not None:
+                planned.check_same(inventory, what=f"the model the loop built (hook {hook.name!r} plans another)")
+        return inventory
 
     def _te_gpu(self) -> int:
         """This GPU's compute capability, after checking that TE runs `TrainConfig.formats` here as

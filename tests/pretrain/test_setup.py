@@ -13,7 +13,8 @@ pytest.importorskip("megatron.training.arguments",
 from snip_megatron.megatron.args import snip_config_from_args  # noqa: E402
 from snip_megatron.pretrain import seams  # noqa: E402
 from snip_megatron.pretrain.entry import add_extra_args  # noqa: E402
-from snip_megatron.pretrain.setup import check_run, refusals, resolve_backend, setup_megatron_lm  # noqa: E402
+from snip_megatron.pretrain.setup import (check_run, hybrid_refusals, refusals, resolve_backend,  # noqa: E402
+                                          setup_megatron_lm)
 
 
 def megatron_args(*argv):
@@ -26,7 +27,8 @@ def megatron_args(*argv):
 @pytest.mark.parametrize("argv, flag", [
     (["--num-experts", "4"], "--num-experts (MoE)"),
     (["--multi-latent-attention"], "--multi-latent-attention"),
-    (["--hybrid-layer-pattern", "M*"], "--hybrid-layer-pattern"),
+    (["--hybrid-layer-pattern", "*-"], "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does "
+                                       "not: run snip-pretrain-hybrid"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3"),
     (["--fp4-format", "e2m1"], "--fp4-format e2m1"),
     (["--fp8-param-gather"], "--fp8-param-gather"),
@@ -43,6 +45,43 @@ def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
     assert len(found) >= 1 and any(line.startswith(flag) for line in found), found
     with pytest.raises(ValueError, match="cannot take SNIP as configured"):
         check_run(args)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--transformer-impl", "transformer_engine"], "snip-pretrain-hybrid needs --hybrid-layer-pattern"),
+    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E"], "--hybrid-layer-pattern "
+                                                                                     "'*E*E': MoE layers (E)"),
+    (["--hybrid-layer-pattern", "*-*-"], "snip-pretrain-hybrid plans Transformer Engine linears"),
+    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "M*G-"],
+     "--hybrid-layer-pattern 'M*G-': Mamba (M) and gated delta net (G) layers run CUDA kernels"),
+])
+def test_the_hybrid_entry_refuses_what_it_cannot_plan_or_measure(argv, line):
+    """Only the hybrid entry takes --hybrid-layer-pattern; Mamba/GDN layers are refused on CPU, by
+    what SNIP cannot measure there (the GPU check is bench/gpu/hybrid_check.py)."""
+    args = megatron_args("--snip", *argv)
+    found = refusals(args, snip_config_from_args(args), resolve_backend(args), "hybrid")
+    assert any(f.startswith(line) for f in found), found
+    with pytest.raises(ValueError, match="cannot take SNIP as configured"):
+        check_run(args, "hybrid")
+    assert hybrid_refusals("*-|*-", "te") == []  # attention and MLP layers over TE: nothing refused
+
+
+def test_a_model_that_is_not_the_one_planned_is_refused_before_the_first_step(megatron_single):
+    """The Megatron-LM entry's start-up agreement: every rank's built chunks against the inventory
+    of the run's config (one all-gather), one line when they differ."""
+    from types import SimpleNamespace
+
+    from snip_megatron.megatron.model import build_gpt_model
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape
+    from snip_megatron.models import gpt
+    from snip_megatron.pretrain.setup import SnipRun
+
+    model = build_gpt_model(shape, backend="emulated")
+    SnipRun(config=None, controller=SimpleNamespace(), inventory=gpt.inventory(shape)).check_inventory([model])
+    run = SnipRun(config=None, controller=SimpleNamespace(), inventory=gpt.inventory(shape, sequence_parallel=True))
+    with pytest.raises(SystemExit, match=r"^SNIP: gpt inventory does not match the model built on these ranks "
+                                         r"\(the config and the built layer spec disagree\): 1.linear_qkv differs"):
+        run.check_inventory([model])
 
 
 POINT_6 = [

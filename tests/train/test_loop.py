@@ -155,3 +155,19 @@ def test_saving_twice_to_the_same_step_is_safe(tiny_config, tmp_path):
             assert torch.equal(a, b)
     finally:
         resumed.close()
+
+
+def test_a_hook_planning_another_model_is_refused_at_start_up(tiny_config):
+    """The loop agrees on its built model's inventory (every rank, one all-gather) and checks each
+    hook's against it: a controller planning another model stops the run before any step."""
+    from snip_megatron.models import gpt
+
+    class Planner(StepHook):
+        name = "planner"
+
+    planner = Planner()
+    config = tiny_config()
+    planner.inventory = gpt.inventory(config.shape.with_(num_layers=config.shape.num_layers + 1))
+    with pytest.raises(ValueError, match=r"^gpt inventory does not match the model the loop built \(hook "
+                                         r"'planner' plans another\): 4 linear\(s\) missing"):
+        Trainer(config, [planner])
