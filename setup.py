@@ -39,6 +39,7 @@ setup(
     entry_points={"console_scripts": [
         "snip-train = snip_megatron.cli.train:cli",
         "snip-pretrain-gpt = snip_megatron.pretrain.entry:cli",
+        "snip-pretrain-hybrid = snip_megatron.pretrain.entry:cli_hybrid",
         "snip-bridge-pretrain = snip_megatron.bridge.cli:cli",
     ]},
 )

@@ -1,7 +1,10 @@
-"""snip-pretrain-gpt: Megatron-LM's GPT pretraining (`megatron.training.pretrain`) with SNIP.
+"""snip-pretrain-gpt / snip-pretrain-hybrid: Megatron-LM's GPT or HybridModel pretraining
+(`megatron.training.pretrain`) with SNIP.
 
     torchrun --nproc-per-node 8 -m snip_megatron.pretrain <Megatron-LM arguments> \\
         --snip --snip-fp4-budget 0.75 --snip-interval 1000
+    torchrun --nproc-per-node 8 -m snip_megatron.pretrain.hybrid --hybrid-layer-pattern '*-*-|*-*-' \\
+        --transformer-impl transformer_engine <Megatron-LM arguments> --snip
 
 Megatron-LM's own pretrain_gpt main, as a patched checkout runs it: `gpt_config_from_args` builds
 the model config (Megatron's builder and layer spec, every model flag), `setup_megatron_lm` adds
@@ -45,10 +48,16 @@ def add_extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_data_args(add_snip_args(parser))
 
 
-def main(argv: "list[str] | None" = None, controller=None) -> int:
-    """Parse Megatron + SNIP arguments, set SNIP up and run `megatron.training.pretrain`.
-    `controller`: a stand-in for SnipController (tests). Bad input raises ValueError naming it
-    (`cli` prints it in one line and exits 2)."""
+PROGRAMS = {"gpt": "snip-pretrain-gpt", "hybrid": "snip-pretrain-hybrid"}
+"""The console script of each model family's Megatron-LM main."""
+
+
+def main(argv: "list[str] | None" = None, controller=None, family: str = "gpt") -> int:
+    """Parse Megatron + SNIP arguments, set SNIP up and run `megatron.training.pretrain` on
+    Megatron-LM's model config of `family` ("gpt": pretrain_gpt.py's `gpt_config_from_args`;
+    "hybrid": pretrain_hybrid.py's `hybrid_config_from_args`, a HybridModel of
+    --hybrid-layer-pattern). `controller`: a stand-in for SnipController (tests). Bad input raises
+    ValueError naming it (`cli` prints it in one line and exits 2)."""
     from snip_megatron.megatron.startup import quiet_startup
 
     quiet_startup()  # before anything imports megatron.core: one line per expected absence
@@ -60,7 +69,7 @@ def main(argv: "list[str] | None" = None, controller=None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # The SNIP flags first, on their own: a bad one fails in a second, not after Megatron's start-up.
-    early = add_snip_args(argparse.ArgumentParser(prog="snip-pretrain-gpt", add_help=False, allow_abbrev=False))
+    early = add_snip_args(argparse.ArgumentParser(prog=PROGRAMS[family], add_help=False, allow_abbrev=False))
     snip_config_from_args(early.parse_known_args(argv)[0])
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
@@ -74,21 +83,22 @@ def main(argv: "list[str] | None" = None, controller=None) -> int:
     warnings.filterwarnings("ignore", message=".*model provider.*")
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.argument_utils import (gpt_config_from_args, hybrid_config_from_args,
+                                                  pretrain_cfg_container_from_args)
     from megatron.training.arguments import parse_and_validate_args
 
     from snip_megatron.pretrain.data import datasets_provider, forward_step
     from snip_megatron.pretrain.setup import check_run, start
 
     if "-h" in argv or "--help" in argv:
-        print_help()
+        print_help(PROGRAMS[family])
         return 0
     args = parse_and_validate_args(extra_args_provider=add_extra_args,
                                    args_defaults={"tokenizer_type": "NullTokenizer"})
-    check_run(args)  # refuse what SNIP cannot run before Megatron builds anything
+    check_run(args, family)  # refuse what SNIP cannot run before Megatron builds anything
     if on_cpu:
         cpu.prepare_cpu(args)
-    model_cfg = gpt_config_from_args(args)
+    model_cfg = (hybrid_config_from_args if family == "hybrid" else gpt_config_from_args)(args)
     start(args, model_cfg, controller=controller)
     cpu.skip_prebuilt_helpers()
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
@@ -96,7 +106,7 @@ def main(argv: "list[str] | None" = None, controller=None) -> int:
     return 0
 
 
-def print_help() -> None:
+def print_help(prog: str = "snip-pretrain-gpt") -> None:
     """Megatron-LM's arguments and SNIP's, as `--help` shows them. (A stray '%' in one of
     Megatron's own help texts makes argparse's help fail; it is escaped here.)"""
     import re
@@ -104,7 +114,7 @@ def print_help() -> None:
     from megatron.training.arguments import add_megatron_arguments
 
     parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(
-        prog="snip-pretrain-gpt", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False)))
     for action in parser._actions:
         if action.help:
@@ -118,6 +128,18 @@ def cli() -> None:
     from snip_megatron.errors import run_cli
 
     sys.exit(run_cli("snip-pretrain-gpt", main))
+
+
+def main_hybrid(argv: "list[str] | None" = None, controller=None) -> int:
+    """`main` for Megatron-LM's pretrain_hybrid.py (a HybridModel of --hybrid-layer-pattern)."""
+    return main(argv, controller, family="hybrid")
+
+
+def cli_hybrid() -> None:
+    """Console entry point `snip-pretrain-hybrid`."""
+    from snip_megatron.errors import run_cli
+
+    sys.exit(run_cli("snip-pretrain-hybrid", main_hybrid))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""snip-pretrain-gpt with a probe on its controller: what the model Megatron built and the first
-batch look like, per rank, written to OUT/rank<r>.json; with Transformer Engine's linears, what
+"""snip-pretrain-gpt (snip-pretrain-hybrid with PROBE_FAMILY=hybrid) with a probe on its
+controller: what the model Megatron built and the first batch look like, per rank, written to OUT/rank<r>.json; with Transformer Engine's linears, what
 every planned TE linear was told to run and what it ran, after each step, in
 OUT/rank<r>_te.jsonl, with its run-time state at the end of the step (`te_runtime`): whether TE
 fuses its weight-gradient accumulation, whether its weight moved over the step, its `main_grad`,
@@ -181,9 +181,11 @@ def main():
         build_without_recipe()
     install_probe(Path(sys.argv[1]))
     from snip_megatron.errors import run_cli
-    from snip_megatron.pretrain.entry import main as pretrain_main
+    from snip_megatron.pretrain.entry import PROGRAMS, main as pretrain_main
 
-    sys.exit(run_cli("snip-pretrain-gpt", pretrain_main, sys.argv[2:]))  # as the console script runs it
+    family = os.environ.get("PROBE_FAMILY", "gpt")  # "hybrid": snip-pretrain-hybrid
+    # as the console script runs it
+    sys.exit(run_cli(PROGRAMS[family], lambda argv: pretrain_main(argv, family=family), sys.argv[2:]))
 
 
 if __name__ == "__main__":
