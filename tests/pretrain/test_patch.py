@@ -1,16 +1,24 @@
-"""patches/megatron-lm-pretrain_gpt.patch: a well-formed diff, and every plugin name it calls
-exists with the signature it is called with (the patched script itself runs in test_runs.py)."""
+"""patches/megatron-lm-pretrain_gpt.patch and megatron-lm-pretrain_hybrid.patch: each a well-formed
+diff, and every plugin name it calls exists with the signature it is called with (the patched GPT
+script itself runs in test_runs.py, the hybrid one in test_hybrid_runs.py)."""
 
 import ast
 import inspect
 import re
+
+import pytest
 
 from tests.distributed import ROOT
 
 
 # -- patches/megatron-lm-pretrain_gpt.patch: well formed, and every plugin name it calls exists ------
 
-PATCH = ROOT / "patches" / "megatron-lm-pretrain_gpt.patch"
+SCRIPTS = ("pretrain_gpt", "pretrain_hybrid")
+"""The Megatron-LM scripts a patch adds SNIP to (patches/megatron-lm-<script>.patch)."""
+
+
+def patch_of(script: str):
+    return ROOT / "patches" / f"megatron-lm-{script}.patch"
 
 
 def hunks(text: str) -> list[tuple[str, list[str]]]:
@@ -28,9 +36,10 @@ def added(text: str) -> str:
     return "\n".join(line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++"))
 
 
-def test_patch_is_a_unified_diff_of_pretrain_gpt():
-    text = PATCH.read_text()
-    assert text.startswith("--- a/pretrain_gpt.py\n+++ b/pretrain_gpt.py\n")
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_patch_is_a_unified_diff_of_its_script(script):
+    text = patch_of(script).read_text()
+    assert text.startswith(f"--- a/{script}.py\n+++ b/{script}.py\n")
     found = hunks(text)
     assert len(found) == 3
     for header, body in found:  # every hunk's line counts match its header
@@ -39,8 +48,9 @@ def test_patch_is_a_unified_diff_of_pretrain_gpt():
         assert sum(1 for b in body if b[:1] in (" ", "+")) == new_len, header
 
 
-def test_every_plugin_name_the_patch_uses_exists():
-    code = added(PATCH.read_text())
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_plugin_name_the_patch_uses_exists(script):
+    code = added(patch_of(script).read_text())
     imports = [n for n in ast.walk(ast.parse(_imports(code)))
                if isinstance(n, ast.ImportFrom)]
     names = {}
@@ -60,7 +70,8 @@ def _imports(code: str) -> str:
     return "\n".join(line for line in code.splitlines() if line.startswith("from snip_megatron"))
 
 
-def test_patch_only_touches_what_it_says():
-    text = PATCH.read_text()
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_patch_only_touches_what_it_says(script):
+    text = patch_of(script).read_text()
     removed = [line for line in text.splitlines() if line.startswith("-") and not line.startswith("---")]
     assert removed == ["-        extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,"]
