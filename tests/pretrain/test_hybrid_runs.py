@@ -1,0 +1,152 @@
+"""snip-pretrain-hybrid (Megatron-LM's pretrain_hybrid.py main with SNIP) on CPU over the TE double
+(Megatron's hybrid layer spec is TE-only), standing in for an H100: a HybridModel of
+--hybrid-layer-pattern trains, SNIP measures and re-plans its attention (`*`) and MLP (`-`) layers,
+keyed by hybrid layer number, every TE linear runs its plan after every step, and the plan is saved
+and resumed. Runs: one process `*-*-` with a save and a resume (beside it, a `M*-*` pattern refused
+at start-up: Mamba needs CUDA kernels), TP=2 `*-*-`, and PP=2 `*-|*-` through the patched
+Megatron-LM pretrain_hybrid.py main (patches/megatron-lm-pretrain_hybrid.patch's lines). Statistics
+at TP=2 / PP=2 against one process are tests/stats/test_measure_hybrid.py's."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from snip_megatron.plan import Plan
+from tests.pretrain.test_runs import MODEL, losses, needs_training, snip_lines, state_of
+from tests.pretrain.test_te_runs import (DATA, HOPPER_SNIP, TE, WORKER, check_linears_follow_the_plan,
+                                         check_runtime, replanned, run_te, te_env, te_rows)
+
+pytest.importorskip("megatron.core.models.hybrid.hybrid_model",
+                    reason="megatron-core 0.16.1 (compat lane) has MambaModel, not HybridModel (0.18+)")
+
+HYBRID = {"PROBE_FAMILY": "hybrid"}
+KEYS = ["1.linear_qkv", "1.linear_proj", "2.linear_fc1", "2.linear_fc2",
+        "3.linear_qkv", "3.linear_proj", "4.linear_fc1", "4.linear_fc2"]
+"""`*-*-`: attention layers 1 and 3, MLP layers 2 and 4 (a GPT layer L is hybrid layers 2L-1, 2L)."""
+
+
+def probed(cwd, probe, pattern: str, *argv: str, **kw) -> str:
+    return run_te(cwd, [str(WORKER), str(probe)], "--hybrid-layer-pattern", pattern, *argv, sm=90, **HYBRID, **kw)
+
+
+@needs_training
+def test_one_process_hybrid_measures_replans_saves_and_resumes_and_mamba_is_refused_on_cpu(tmp_path):
+    mamba = tmp_path / "mamba"
+    mamba.mkdir()
+    with (mamba / "stderr").open("w") as err:  # runs beside the training run
+        refused = subprocess.Popen([sys.executable, str(WORKER), str(mamba / "probe"), *MODEL, *TE, *DATA,
+                                    "--hybrid-layer-pattern", "M*-*", "--train-iters", "2", "--snip"],
+                                   cwd=mamba, env=te_env(90, **HYBRID), stdout=subprocess.DEVNULL, stderr=err)
+    ckpt = tmp_path / "ckpt"
+    common = [*DATA, "--save-interval", "2", "--train-iters", "6", *HOPPER_SNIP]
+    out = probed(tmp_path, tmp_path / "a", "*-*-", *common, "--exit-interval", "4", "--save", str(ckpt))
+    lines = snip_lines(out)
+    assert ("[snip] on; backend te; formats fp8=blockwise(pow2); plan: initial fp8 "
+            "{'bf16': 0, 'fp8': 8, 'fp4': 0}") in lines, lines
+    assert any(line.startswith("[snip] step 3: plan") and "solver" in line for line in lines), lines
+    probe = json.loads((tmp_path / "a" / "rank0.json").read_text())
+    assert "HybridModel" in probe["module_types"] and "MLPLayer" in probe["module_types"]
+    assert sorted(probe["planned"]) == sorted(KEYS)
+    assert {v[0] for v in probe["te_built"].values()} == {"fp8"}  # the build-time recipe
+    rows = te_rows(tmp_path / "a")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and replanned(rows, "bf16")
+    check_linears_follow_the_plan(rows)
+    check_runtime(rows)
+    assert sorted(losses(out)) == [1, 2, 3, 4]
+    s4 = state_of(ckpt, 4)
+    assert {str(k): p.value for k, p in Plan.from_dict(s4["plan"]).items()} == rows[-1]["plan"]
+
+    out = probed(tmp_path, tmp_path / "b", "*-*-", *common, "--save", str(ckpt), "--load", str(ckpt))
+    lines = snip_lines(out)
+    assert any(line.endswith(f"plan: checkpoint {Plan.from_dict(s4['plan']).counts()}") for line in lines), lines
+    probe = json.loads((tmp_path / "b" / "rank0.json").read_text())
+    assert {k: v[0] for k, v in probe["te_built"].items()} == rows[-1]["plan"]  # built with the resumed plan
+    resumed = te_rows(tmp_path / "b")
+    assert [r["step"] for r in resumed] == [5, 6] and resumed[0]["plan"] == rows[-1]["plan"]
+    check_linears_follow_the_plan(resumed)
+    check_runtime(resumed)
+    assert any(line.startswith("[snip] step 6: plan") for line in lines)  # measured at 5
+
+    assert refused.wait(timeout=300) == 2
+    stderr = (mamba / "stderr").read_text()
+    assert ("--hybrid-layer-pattern 'M*-*': Mamba (M) layers run CUDA kernels (mamba_ssm, causal_conv1d; fla), "
+            "so on CPU SNIP cannot measure their in_proj/out_proj linears") in stderr, stderr
+    assert not (mamba / "probe" / "rank0.json").exists()  # refused before Megatron built anything
+
+
+@needs_training
+def test_tp2_hybrid_measures_and_replans_every_te_linear(tmp_path):
+    out = probed(tmp_path, tmp_path / "p", "*-*-", "--tensor-model-parallel-size", "2", *DATA,
+                 "--train-iters", "4", *HOPPER_SNIP, nproc=2)
+    assert any(line.startswith("[snip] step 3: plan") for line in snip_lines(out))
+    for rank in (0, 1):
+        rows = te_rows(tmp_path / "p", rank)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4] and replanned(rows, "bf16")
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
+        assert sorted(rows[-1]["linears"]) == sorted(KEYS)  # TP shards every planned linear
+    assert te_rows(tmp_path / "p", 0)[-1]["plan"] == te_rows(tmp_path / "p", 1)[-1]["plan"]
+
+
+# The main block of Megatron-LM's pretrain_hybrid.py (core_v0.19.0) with the patch's SNIP lines, on
+# CPU, with the probe (SNIP reads the GPU generation from the TE double, see pretrain_worker.py).
+PATCHED_HYBRID_MAIN = """
+import sys
+from snip_megatron.megatron import add_snip_args
+from snip_megatron.pretrain.setup import setup_megatron_lm
+from snip_megatron.pretrain import cpu, data
+
+
+if __name__ == "__main__":
+    from pathlib import Path
+    from tests.pretrain.pretrain_worker import install_probe, use_the_doubles_gpu
+    use_the_doubles_gpu()
+    install_probe(Path(PROBE))
+    sys.argv = [sys.argv[0]] + cpu.cpu_flags() + sys.argv[1:]
+    cpu.patch_arguments_for_cpu()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import hybrid_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(extra_args_provider=lambda parser: add_snip_args(parser),
+                                   args_defaults={"tokenizer_type": "NullTokenizer"})
+    cpu.prepare_cpu(args)  # CPU only; Megatron-LM does this itself on GPUs
+    model_cfg = hybrid_config_from_args(args)
+    setup_megatron_lm(args, model_cfg)
+    cpu.skip_prebuilt_helpers()
+    full_config = pretrain_cfg_container_from_args(args, model_cfg)
+    pretrain(full_config, data.datasets_provider, ModelType.encoder_or_decoder, data.forward_step)
+"""
+
+
+@needs_training
+def test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers(tmp_path):
+    """`*-|*-` over two pipeline stages: stage 1 holds hybrid layers 3 and 4 (Megatron's
+    select_pipeline_segment offset), each stage's TE linears run their own layers' precisions, the
+    per-stage budgets follow the segments, and the saved plan is keyed by hybrid layer."""
+    script = tmp_path / "pretrain_hybrid.py"
+    script.write_text(PATCHED_HYBRID_MAIN.replace("PROBE", repr(str(tmp_path / "p"))))
+    out = run_te(tmp_path, [str(script)], "--hybrid-layer-pattern", "*-|*-", "--pipeline-model-parallel-size", "2",
+                 *DATA, "--train-iters", "4", "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
+                 *HOPPER_SNIP, sm=90, nproc=2)
+    lines = snip_lines(out)
+    assert any(line.startswith("[snip] step 3: plan") for line in lines), lines
+    assert "[snip] rank 0 runs the plan on its 4 planned linears: {'bf16': 0, 'fp8': 4, 'fp4': 0}" in lines
+    stages = json.loads((tmp_path / "p" / "rank0.json").read_text())["stages"]
+    assert stages == {k: 0 if int(k.split(".")[0]) <= 2 else 1 for k in KEYS}
+    held = {}
+    for rank in (0, 1):
+        rows = te_rows(tmp_path / "p", rank)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
+        held[rank] = sorted(rows[-1]["linears"])
+    assert held == {0: sorted(KEYS[:4]), 1: sorted(KEYS[4:])}
+    both = [{**a["linears"], **b["linears"]} for a, b in zip(te_rows(tmp_path / "p", 0), te_rows(tmp_path / "p", 1))]
+    assert replanned([{"linears": linears} for linears in both], "bf16")
+    saved = Plan.from_dict(state_of(tmp_path / "ckpt", 4)["plan"])
+    assert sorted(str(k) for k in saved) == sorted(KEYS)
+    assert {str(k): p.value for k, p in saved.items()} == te_rows(tmp_path / "p", 0)[-1]["plan"]
