@@ -14,9 +14,10 @@ import sys
 import pytest
 
 from snip_megatron.plan import Plan
-from tests.pretrain.test_runs import MODEL, losses, needs_training, snip_lines, state_of
+from tests.pretrain.test_runs import MODEL, PATCHED_MAIN, losses, needs_training, snip_lines, state_of
 from tests.pretrain.test_te_runs import (DATA, HOPPER_SNIP, TE, WORKER, check_linears_follow_the_plan,
-                                         check_runtime, replanned, run_te, te_env, te_rows)
+                                         check_runtime, check_two_pipeline_stages, replanned, run_te, te_env,
+                                         te_rows)
 
 pytest.importorskip("megatron.core.models.hybrid.hybrid_model",
                     reason="megatron-core 0.16.1 (compat lane) has MambaModel, not HybridModel (0.18+)")
@@ -91,35 +92,16 @@ def test_tp2_hybrid_measures_and_replans_every_te_linear(tmp_path):
 
 
 # The main block of Megatron-LM's pretrain_hybrid.py (core_v0.19.0) with the patch's SNIP lines, on
-# CPU, with the probe (SNIP reads the GPU generation from the TE double, see pretrain_worker.py).
-PATCHED_HYBRID_MAIN = """
-import sys
-from snip_megatron.megatron import add_snip_args
-from snip_megatron.pretrain.setup import setup_megatron_lm
-from snip_megatron.pretrain import cpu, data
-
-
-if __name__ == "__main__":
-    from pathlib import Path
-    from tests.pretrain.pretrain_worker import install_probe, use_the_doubles_gpu
-    use_the_doubles_gpu()
-    install_probe(Path(PROBE))
-    sys.argv = [sys.argv[0]] + cpu.cpu_flags() + sys.argv[1:]
-    cpu.patch_arguments_for_cpu()
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import hybrid_config_from_args, pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
-
-    args = parse_and_validate_args(extra_args_provider=lambda parser: add_snip_args(parser),
-                                   args_defaults={"tokenizer_type": "NullTokenizer"})
-    cpu.prepare_cpu(args)  # CPU only; Megatron-LM does this itself on GPUs
-    model_cfg = hybrid_config_from_args(args)
-    setup_megatron_lm(args, model_cfg)
-    cpu.skip_prebuilt_helpers()
-    full_config = pretrain_cfg_container_from_args(args, model_cfg)
-    pretrain(full_config, data.datasets_provider, ModelType.encoder_or_decoder, data.forward_step)
-"""
+# CPU: the GPT main's, with pretrain_hybrid.py's config and the hybrid patch's import, and the probe
+# (SNIP reads the GPU generation from the TE double, see pretrain_worker.py).
+PATCHED_HYBRID_MAIN = PATCHED_MAIN.replace(
+    "from snip_megatron.megatron.pretrain_gpt import setup_megatron_lm",
+    "from snip_megatron.pretrain.setup import setup_megatron_lm").replace(
+    "gpt_config_from_args", "hybrid_config_from_args").replace(
+    'if __name__ == "__main__":\n',
+    'if __name__ == "__main__":\n    from pathlib import Path\n'
+    '    from tests.pretrain.pretrain_worker import install_probe, use_the_doubles_gpu\n'
+    '    use_the_doubles_gpu()\n    install_probe(Path(PROBE))\n', 1)
 
 
 @needs_training
@@ -137,16 +119,7 @@ def test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers(
     assert "[snip] rank 0 runs the plan on its 4 planned linears: {'bf16': 0, 'fp8': 4, 'fp4': 0}" in lines
     stages = json.loads((tmp_path / "p" / "rank0.json").read_text())["stages"]
     assert stages == {k: 0 if int(k.split(".")[0]) <= 2 else 1 for k in KEYS}
-    held = {}
-    for rank in (0, 1):
-        rows = te_rows(tmp_path / "p", rank)
-        assert [r["step"] for r in rows] == [1, 2, 3, 4]
-        check_linears_follow_the_plan(rows)
-        check_runtime(rows)
-        held[rank] = sorted(rows[-1]["linears"])
-    assert held == {0: sorted(KEYS[:4]), 1: sorted(KEYS[4:])}
-    both = [{**a["linears"], **b["linears"]} for a, b in zip(te_rows(tmp_path / "p", 0), te_rows(tmp_path / "p", 1))]
-    assert replanned([{"linears": linears} for linears in both], "bf16")
+    assert check_two_pipeline_stages(tmp_path / "p") == {0: sorted(KEYS[:4]), 1: sorted(KEYS[4:])}
     saved = Plan.from_dict(state_of(tmp_path / "ckpt", 4)["plan"])
     assert sorted(str(k) for k in saved) == sorted(KEYS)
     assert {str(k): p.value for k, p in saved.items()} == te_rows(tmp_path / "p", 0)[-1]["plan"]

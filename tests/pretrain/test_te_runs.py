@@ -238,16 +238,25 @@ def test_hopper_pp2_with_virtual_pipelining_replans_both_chunks(tmp_path):
                  "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8", *DATA,
                  "--train-iters", "4", *HOPPER_SNIP, sm=90, nproc=2)
     assert any(line.startswith("[snip] step 3: plan") for line in snip_lines(out))
+    held = {rank: sorted({int(k.split(".")[0]) for k in keys})
+            for rank, keys in check_two_pipeline_stages(tmp_path / "p").items()}
+    assert held == {0: [1, 3], 1: [2, 4]}  # Megatron's interleaved chunks, keyed by global layer
+
+
+def check_two_pipeline_stages(probe: Path) -> dict[int, list[str]]:
+    """A PP=2 run's probe: on each stage, steps 1-4 recorded and every TE linear ran its plan with
+    fresh weights; both stages' linears together re-planned to BF16 from the all-FP8 start.
+    Returns {pipeline rank: its planned linears' keys}."""
     held = {}
     for rank in (0, 1):
-        rows = te_rows(tmp_path / "p", rank)
+        rows = te_rows(probe, rank)
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         check_linears_follow_the_plan(rows)
         check_runtime(rows)
-        held[rank] = sorted({int(k.split(".")[0]) for k in rows[-1]["linears"]})
-    assert held == {0: [1, 3], 1: [2, 4]}  # Megatron's interleaved chunks, keyed by global layer
-    both = [{**a["linears"], **b["linears"]} for a, b in zip(te_rows(tmp_path / "p", 0), te_rows(tmp_path / "p", 1))]
+        held[rank] = sorted(rows[-1]["linears"])
+    both = [{**a["linears"], **b["linears"]} for a, b in zip(te_rows(probe, 0), te_rows(probe, 1))]
     assert replanned([{"linears": linears} for linears in both], "bf16")
+    return held
 
 
 @needs_training
