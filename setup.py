@@ -40,5 +40,6 @@ setup(
         "snip-train = snip_megatron.cli.train:cli",
         "snip-pretrain-gpt = snip_megatron.pretrain.entry:cli",
         "snip-bridge-pretrain = snip_megatron.bridge.cli:cli",
+        "snip-analyze = snip_megatron.analyze.cli:cli",
     ]},
 )
