@@ -14,6 +14,27 @@ from pathlib import Path
 from snip_megatron.analyze.measured import Measurement, measured_count
 
 
+def check_same_model(trainer, folder: Path, load: Path) -> None:
+    """ValueError naming the flag behind the first parameter whose shape in the checkpoint is not
+    this model's (dist_checkpointing would read a slice of a larger tensor without a word)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = dist_checkpointing.load_tensors_metadata(str(folder))
+    for module in trainer.modules:
+        for ours in nested_values(module.sharded_state_dict()):
+            theirs = saved.get(ours.key) if isinstance(ours, ShardedTensor) else None
+            if theirs is None or tuple(theirs.global_shape) == tuple(ours.global_shape):
+                continue
+            vocab = "embedding" in ours.key or "output_layer" in ours.key
+            which = (f"--vocab-size {trainer.shape.vocab_size} (the tokenizer's)" if vocab
+                     else f"--model {trainer.config.shape.name}")
+            raise ValueError(f"--load {load}: the checkpoint holds another model ({ours.key} is "
+                             f"{list(theirs.global_shape)} there, {list(ours.global_shape)} here with {which}); "
+                             "give the run's own model and data flags")
+
+
 def measure(argv: list, load: Path, step: "int | None", k: int) -> Measurement:
     """Load the checkpoint with the loop's flags (`argv`) and measure K micro-batches (every rank)."""
     from snip_megatron.controller import SnipController
@@ -25,21 +46,20 @@ def measure(argv: list, load: Path, step: "int | None", k: int) -> Measurement:
     loaded = int(checkpoint.verify(load, step).name[5:])  # CheckpointError names what is missing
     config, snip, _, te = parse_args([*argv, "--snip", "--snip-measure-micro-batches", str(k)])
     snip = dataclasses.replace(snip, plan=None, pin_plan=False, baseline=None)
-    config = dataclasses.replace(config, load_dir=str(load), load_step=loaded, save_dir=None, metrics_path=None,
+    config = dataclasses.replace(config, load_dir=None, load_step=None, save_dir=None, metrics_path=None,
                                  tensorboard_dir=None, progress=False, eval_interval=None,
                                  steps=max(config.steps, loaded + 1))
+    trainer = Trainer(config)  # built as the run's, then loaded once its shapes are checked
     try:
-        trainer = Trainer(config)
-    except checkpoint.CheckpointError as e:
-        if "shape" not in str(e).lower() and "size mismatch" not in str(e).lower():
-            raise
-        first = str(e).splitlines()[0][:300]
-        raise ValueError(f"--load {load}: the checkpoint holds another model than --model {config.shape.name} "
-                         f"({first}); give the run's own --model") from None
-    trainer.current_batch = trainer.reader.take(trainer.num_microbatches)
-    start = time.perf_counter()
-    stats = measure_step(trainer, snip.measure_config())
-    seconds = time.perf_counter() - start
+        check_same_model(trainer, checkpoint.verify(load, loaded), load)
+        trainer.load(load, loaded)
+        trainer.current_batch = trainer.reader.take(trainer.num_microbatches)
+        start = time.perf_counter()
+        stats = measure_step(trainer, snip.measure_config())
+        seconds = time.perf_counter() - start
+    except BaseException:
+        trainer.close()
+        raise
     excluded = None
     if te is not None:
         from snip_megatron.te.shapes import te_exclusions
