@@ -117,11 +117,12 @@ def report(m, budgets: list, load: Path, out: Path, ours) -> None:
           f"(formats {m.snip.formats.short_str(m.snip.uses)})", flush=True)
     print(table, flush=True)
     doc = write_all(out, rows, kind, table, origin=str(load), step=m.step, measured=m.measured, pp=m.pp, vpp=m.vpp,
+                    layout_error=m.layout_error,
                     backend=ours.export_backend, sm=sm, formats=m.snip.formats, measure_s=m.seconds)
-    skipped = sorted({f"{fmt}: {why}" for p in doc["plans"] for fmt, why in p["files"].items()
-                      if why.startswith("not written")})
-    for line in skipped:
-        print(f"[snip-analyze] {line}", flush=True)
+    for p in doc["plans"]:  # a recipe the layout or the GPU cannot take: one line per budget
+        why = next((w for w in p["files"].values() if w.startswith("not written")), None)
+        if why is not None:
+            print(f"[snip-analyze] budget {p['budget']:g}: static recipes {why}", flush=True)
     print(f"[snip-analyze] wrote {out}/: plan_*.json, te_precision_config_*.yaml, bridge_quant_recipe_*.yaml, "
           "analysis.json, analysis.txt, analysis.png", flush=True)
 

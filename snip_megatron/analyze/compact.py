@@ -15,8 +15,9 @@ from snip_megatron.analyze.measured import Measurement, measured_count
 
 
 def check_same_model(trainer, folder: Path, load: Path) -> None:
-    """ValueError naming the flag behind the first parameter whose shape in the checkpoint is not
-    this model's (dist_checkpointing would read a slice of a larger tensor without a word)."""
+    """ValueError naming the first parameter whose shape in the checkpoint is not this model's, and
+    the flags that set the shapes (dist_checkpointing would read a slice of a larger tensor
+    without a word)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -27,12 +28,10 @@ def check_same_model(trainer, folder: Path, load: Path) -> None:
             theirs = saved.get(ours.key) if isinstance(ours, ShardedTensor) else None
             if theirs is None or tuple(theirs.global_shape) == tuple(ours.global_shape):
                 continue
-            vocab = "embedding" in ours.key or "output_layer" in ours.key
-            which = (f"--vocab-size {trainer.shape.vocab_size} (the tokenizer's)" if vocab
-                     else f"--model {trainer.config.shape.name}")
             raise ValueError(f"--load {load}: the checkpoint holds another model ({ours.key} is "
-                             f"{list(theirs.global_shape)} there, {list(ours.global_shape)} here with {which}); "
-                             "give the run's own model and data flags")
+                             f"{list(theirs.global_shape)} there, {list(ours.global_shape)} here with --model "
+                             f"{trainer.config.shape.name} --vocab-size {trainer.shape.vocab_size}); give the "
+                             "run's own model and data flags")
 
 
 def measure(argv: list, load: Path, step: "int | None", k: int) -> Measurement:

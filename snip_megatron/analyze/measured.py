@@ -27,6 +27,8 @@ class Measurement:
     """Wall time of the measurement."""
     pp: int = 1
     vpp: Optional[int] = None
+    layout_error: Optional[str] = None
+    """Why the static recipes cannot be written for the run's layout (an uneven pipeline split)."""
     sm: Optional[int] = None
     """The GPU the run's Transformer Engine linears ran on (None: emulated linears)."""
     close: Callable[[], None] = lambda: None

@@ -135,4 +135,14 @@ def measure(argv: list, load: Path, ckpt_step: "int | None", k: int) -> "Measure
         stats=taken.stats, snip=checked.config, step=taken.step, seconds=taken.seconds,
         controller_for=lambda config: make_controller(config, args, transformer, excluded=excluded),
         measured=measured_count(taken.num_microbatches, ps.get_data_parallel_world_size(), k),
-        pp=args.pipeline_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size, sm=checked.sm)
+        pp=args.pipeline_model_parallel_size, vpp=args.virtual_pipeline_model_parallel_size, sm=checked.sm,
+        layout_error=_uneven_split(args))
+
+
+def _uneven_split(args) -> "str | None":
+    """The static recipes' module paths follow Megatron's even pipeline split only."""
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if getattr(args, name, None) is not None:
+            return (f"not written: {flag(name)} splits the pipeline unevenly, which a per-module config "
+                    "cannot express; pin the JSON plan (--snip-plan) instead")
+    return None

@@ -49,10 +49,12 @@ def table_text(rows: Sequence[BudgetPlan], kind: str, high_words: str) -> str:
 
 
 def write_plans(out: Path, rows: Sequence[BudgetPlan], kind: str, *, origin: str, step: int, pp: int,
-                vpp: "int | None", backend: str, sm: int, formats) -> dict[float, dict[str, str]]:
+                vpp: "int | None", backend: str, sm: int, formats,
+                layout_error: "str | None" = None) -> dict[float, dict[str, str]]:
     """Each plan as JSON (pinnable with --snip-plan / snip.plan) and as the static recipes of
     snip_megatron.export (`--te-precision-config-file` YAML, Bridge `quant_recipe`); a recipe the
-    layout or the GPU cannot take is left out, the reason recorded. {budget: {what: file or why}}."""
+    layout or the GPU cannot take is left out, the reason recorded (`layout_error`: every one, for
+    that reason). {budget: {what: file or why}}."""
     from snip_megatron.export import plan_text
 
     written = {}
@@ -64,6 +66,9 @@ def write_plans(out: Path, rows: Sequence[BudgetPlan], kind: str, *, origin: str
         where = f"SNIP plan of {origin} at step {step}, {KIND_WORDS[kind]} {row.budget:g}"
         for fmt, filename in (("json", f"plan_{name}.json"), ("megatron", f"te_precision_config_{name}.yaml"),
                               ("bridge", f"bridge_quant_recipe_{name}.yaml")):
+            if fmt != "json" and layout_error is not None:
+                files[fmt] = layout_error
+                continue
             try:
                 text = plan_text(row.plan, fmt, origin=where, pp=pp, vpp=vpp, backend=backend, sm=sm,
                                  extra={"step": step, "source": origin, "budget": {kind: row.budget}},
@@ -120,11 +125,11 @@ def draw(rows: Sequence[BudgetPlan], kind: str, path: Path, title: str) -> Path:
 
 
 def write_all(out: Path, rows, kind: str, table: str, *, origin: str, step: int, measured: int, pp: int,
-              vpp, backend: str, sm: int, formats, measure_s: float) -> dict:
+              vpp, backend: str, sm: int, formats, measure_s: float, layout_error: "str | None" = None) -> dict:
     """Every file of one analysis under `out`; returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
     files = write_plans(out, rows, kind, origin=origin, step=step, pp=pp, vpp=vpp, backend=backend, sm=sm,
-                        formats=formats)
+                        formats=formats, layout_error=layout_error)
     about = {"checkpoint": origin, "step": step, "measured_microbatches": measured, "measure_s": measure_s,
              "layout": {"pp": pp, "vpp": vpp}, "recipes": {"backend": backend, "sm": sm}}
     doc = summary(rows, kind, files, **about)
