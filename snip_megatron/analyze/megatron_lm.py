@@ -109,6 +109,8 @@ def measure(argv: list, load: Path, ckpt_step: "int | None", k: int) -> "Measure
     if args is None:
         return None
     loaded = loaded_iteration(args)
+    if loaded is None:  # --finetune: Megatron would load the weights as step 0 of a new run
+        raise ValueError("--finetune: snip-analyze measures the checkpoint at its own step; drop --finetune")
     check_same_model(args, iteration_folder(load, loaded))
     _for_analysis(args, k, 0 if loaded == "release" else int(loaded))
     checked = check_run(args)
