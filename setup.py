@@ -41,5 +41,6 @@ setup(
         "snip-pretrain-gpt = snip_megatron.pretrain.entry:cli",
         "snip-pretrain-hybrid = snip_megatron.pretrain.entry:cli_hybrid",
         "snip-bridge-pretrain = snip_megatron.bridge.cli:cli",
+        "snip-analyze = snip_megatron.analyze.cli:cli",
     ]},
 )

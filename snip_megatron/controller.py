@@ -291,6 +291,13 @@ class SnipController(StepHook):
         except Exception as exc:  # reported on the next step; training goes on with the old plan
             pending.error = f"{type(exc).__name__}: {exc}"
 
+    def plan_measurement(self, stats) -> dict:
+        """The plan a re-plan makes from one measurement's table `stats` (estimate, then solve
+        against the current plan), in the calling thread: {"plan", "result", "costs", "skipped",
+        "solve_s"}. On a fresh controller the costs are the measurement's own (nothing smoothed
+        in); snip-analyze solves one checkpoint's measurement this way."""
+        return self._plan_from(stats, self.plan, 0.0)
+
     def _plan_from(self, stats, previous: Plan, measure_s: float) -> dict:
         start = time.perf_counter()
         cfg = self.config

@@ -141,30 +141,40 @@ def bridge_config(paths: dict[str, Precision], configs: dict[str, dict]) -> dict
     return {"model": {"quant_recipe": recipe}}
 
 
+def plan_text(plan: Plan, fmt: str, *, origin: str, extra: "dict | None" = None, pp: int = 1,
+              vpp: "int | None" = None, backend: str = "te", sm: int = 100, fp8_recipe: "str | None" = None,
+              fp4_recipe: str = "nvfp4") -> str:
+    """`plan` as the text of `fmt`: the JSON plan with `extra` fields beside it, or a YAML headed by
+    a comment that opens with `origin` (where the plan comes from); ValueError where the layout or
+    the GPU cannot take it (path_precisions, precision_configs)."""
+    import yaml
+
+    if fmt not in FORMATS:
+        raise ValueError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
+    if fmt == "json":
+        return json.dumps({**plan.to_dict(), **(extra or {})}, indent=1)
+    paths = path_precisions(plan, pp=pp, vpp=vpp)
+    configs = precision_configs(set(paths.values()), backend=backend, sm=sm, fp8_recipe=fp8_recipe,
+                                fp4_recipe=fp4_recipe)
+    doc = (megatron_config if fmt == "megatron" else bridge_config)(paths, configs)
+    layout = f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
+    return (f"# {origin}, digest {plan.digest()[:12]}: {plan.counts()}; module paths for {layout}, "
+            f"{backend} configs" + (f" for SM{sm}" if backend == "te" else "") + "\n"
+            + yaml.safe_dump(doc, sort_keys=False))
+
+
 def export(run_dir: "str | Path", fmt: str, *, step: "int | None" = None, out: "str | Path | None" = None,
            pp: int = 1, vpp: "int | None" = None, backend: str = "te", sm: int = 100,
            fp8_recipe: "str | None" = None, fp4_recipe: str = "nvfp4") -> Path:
     """Write the run's plan (final, or in force at `step`) in `fmt`; returns the file written."""
-    import yaml
-
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
     run_dir = Path(run_dir)
     applied, plan = plan_at(run_dir, step)
     target = Path(out) if out is not None else run_dir / DEFAULT_NAMES[fmt]
-    if fmt == "json":
-        doc = {**plan.to_dict(), "step": applied, "source": str(run_dir / "snip_plans.jsonl")}
-        text = json.dumps(doc, indent=1)
-    else:
-        paths = path_precisions(plan, pp=pp, vpp=vpp)
-        configs = precision_configs(set(paths.values()), backend=backend, sm=sm, fp8_recipe=fp8_recipe,
-                                    fp4_recipe=fp4_recipe)
-        doc = (megatron_config if fmt == "megatron" else bridge_config)(paths, configs)
-        layout = f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
-        text = (f"# SNIP plan of {run_dir} applied at step {applied}, digest {plan.digest()[:12]}: "
-                f"{plan.counts()}; module paths for {layout}, {backend} configs"
-                + (f" for SM{sm}" if backend == "te" else "") + "\n"
-                + yaml.safe_dump(doc, sort_keys=False))
+    text = plan_text(plan, fmt, origin=f"SNIP plan of {run_dir} applied at step {applied}",
+                     extra={"step": applied, "source": str(run_dir / "snip_plans.jsonl")}, pp=pp, vpp=vpp,
+                     backend=backend, sm=sm, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
     return target

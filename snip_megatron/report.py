@@ -99,8 +99,8 @@ class PlanLog:
                 for k in plan]
             # What the cost table predicts the plan costs: the planner's objective without switching
             # penalties, and its loss-divergence part alone (the relative loss increase).
-            row["predicted_cost"] = _plan_sum(costs.costs, plan)
-            row["predicted_loss_increase"] = _plan_sum(costs.loss_div, plan)
+            row["predicted_cost"] = plan_sum(costs.costs, plan)
+            row["predicted_loss_increase"] = plan_sum(costs.loss_div, plan)
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             with open(self.run_dir / PLANS_FILE, "a") as f:
@@ -113,7 +113,7 @@ class PlanLog:
         self.figures.publish(row, history)
 
 
-def _plan_sum(table: Mapping, plan: Plan) -> float:
+def plan_sum(table: Mapping, plan: Plan) -> float:
     """Sum over the linears of `table[linear][its precision in plan]`; BF16 and absent entries count
     0, non-finite ones (layers whose statistics were not finite) are left out."""
     values = (table.get(k, {}).get(p, 0.0) for k, p in plan.items())

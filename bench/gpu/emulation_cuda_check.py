@@ -45,7 +45,8 @@ import torch
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
 from snip_megatron.formats.precision import FP4_RECIPES, Formats, Precision  # noqa: E402
-from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan, all_keys  # noqa: E402
+from snip_megatron.models import gpt  # noqa: E402
+from snip_megatron.plan import LayerKey, Plan  # noqa: E402
 from snip_megatron.shapes import ModelShape  # noqa: E402
 
 # Dimensions are multiples of 128, so FP8 blockwise and NVFP4 blocks never straddle TP shards.
@@ -62,7 +63,7 @@ TINY_TIMING_SHAPE = (128, 128, 256)
 
 
 def plan_a(n: int) -> Plan:
-    return Plan({k: CYCLE[(k.layer + LINEAR_NAMES.index(k.name)) % 3] for k in all_keys(n)})
+    return Plan({k: CYCLE[(k.layer + gpt.LINEAR_NAMES.index(k.name)) % 3] for k in gpt.keys(n)})
 
 
 def plan_b(n: int) -> Plan:
@@ -120,7 +121,7 @@ def linear_outputs(model, device: torch.device) -> dict:
     outs = {}
     with torch.no_grad():
         for pl in list_planned_linears(model):
-            g = torch.Generator().manual_seed(1000 * pl.key.layer + LINEAR_NAMES.index(pl.key.name))
+            g = torch.Generator().manual_seed(1000 * pl.key.layer + gpt.LINEAR_NAMES.index(pl.key.name))
             x = torch.randn(16, 2, pl.module.weight.shape[1], generator=g)
             outs[pl.key] = pl.module(x.to(device))[0].float().cpu()
     return outs

@@ -68,7 +68,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, ROOT)
 
 from snip_megatron.formats.precision import Precision  # noqa: E402
-from snip_megatron.plan import LINEAR_NAMES, LayerKey, Plan, all_keys  # noqa: E402
+from snip_megatron.models import gpt  # noqa: E402
+from snip_megatron.models.inventory import ParallelKind  # noqa: E402
+from snip_megatron.plan import LayerKey, Plan  # noqa: E402
 from snip_megatron.shapes import PRESETS, ModelShape  # noqa: E402
 
 # Multiples of 128: no FP8 / NVFP4 block straddles a tensor edge.
@@ -110,8 +112,8 @@ TE_AVAILABILITY = (("fp8", "is_fp8_available", "tensorwise"),
 FP4_FIXES = ("--transformer-impl local", "emulated linears")
 """What SNIP's FP4 refusal before SM100 must name (one of them): where FP4 runs on Hopper."""
 GEMMS = ("fprop", "dgrad", "wgrad")
-COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
-"""Linears whose output features TP splits (the others split their input features)."""
+COLUMN_PARALLEL = tuple(s.name for s in gpt.LINEARS if s.kind is ParallelKind.COLUMN)
+"""Linears whose output features TP splits (the others split their input features): the GPT adapter's."""
 
 
 # -- pure helpers (tested on CPU) ------------------------------------------------------------------
@@ -234,7 +236,7 @@ def plan_cycle(fp4_runs: bool) -> list[Precision]:
 
 
 def plan_a(n: int, cycle: list[Precision]) -> Plan:
-    return Plan({k: cycle[(k.layer + LINEAR_NAMES.index(k.name)) % len(cycle)] for k in all_keys(n)})
+    return Plan({k: cycle[(k.layer + gpt.LINEAR_NAMES.index(k.name)) % len(cycle)] for k in gpt.keys(n)})
 
 
 def plan_b(n: int, cycle: list[Precision]) -> Plan:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 import sys
 from dataclasses import fields
+from pathlib import PurePath
 
 from snip_megatron.cli.recipe import RunRecipe
 from snip_megatron.megatron.args import snip_args_from_config
@@ -97,6 +98,10 @@ def megatron_args(recipe: RunRecipe) -> list[str]:
         "--load", t.load or t.run_dir,
         "--save-interval", str(t.save_interval or t.steps),
     ]
+    if t.tensorboard_dir:
+        args += ["--tensorboard-dir", t.tensorboard_dir]
+    if t.wandb_project:
+        args += ["--wandb-project", t.wandb_project, "--wandb-exp-name", PurePath(t.run_dir).name]
     return args + snip_args_from_config(recipe.snip.snip_config())
 
 
@@ -121,6 +126,9 @@ def compact_args(recipe: RunRecipe) -> list[str]:
     if d.kind == "mock":
         raise ValueError("train.entry=compact trains on real text: use data=stdlib (or data=indexed), "
                          "or train.entry=megatron for mock data")
+    if t.wandb_project:
+        raise ValueError("train.entry=compact writes TensorBoard only: unset train.wandb_project (use "
+                         "train.tensorboard_dir), or use train.entry=megatron for W&B")
     args = ["--model", m.name, "--seq-length", str(m.seq_length), "--tp", str(par.tp), "--pp", str(par.pp)]
     # Schedule: the compact loop's flags are TrainingSchedule's fields under their own names.
     for f in fields(TrainingSchedule):
@@ -131,6 +139,8 @@ def compact_args(recipe: RunRecipe) -> list[str]:
         args.append("--distributed-optimizer")
     snip = recipe.snip.snip_config()
     args += ["--metrics", f"{t.run_dir}/metrics.jsonl", "--save-dir", t.run_dir]
+    if t.tensorboard_dir:
+        args += ["--tensorboard-dir", t.tensorboard_dir]
     if t.load:
         args += ["--load-dir", t.load]
     if d.kind == "corpus":

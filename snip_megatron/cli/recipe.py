@@ -125,6 +125,12 @@ class TrainRecipe(TrainingSchedule):
     transformer_impl: str = "local"
     """Megatron's --transformer-impl: "local" (SNIP's emulated linears in the local spec, any
     device) or "transformer_engine" (Megatron's TE spec, SNIP planning TE's linears; GPU)."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard folder (Megatron's --tensorboard-dir, the compact loop's): the run's metrics and
+    SNIP's figures at each plan; None: none. E.g. train.tensorboard_dir='${train.run_dir}/tensorboard'."""
+    wandb_project: Optional[str] = None
+    """W&B project (Megatron's --wandb-project, with --wandb-exp-name the recipe's run folder name):
+    the run's metrics and SNIP's figures; None: none. Megatron-LM's loop only (train.entry=megatron)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

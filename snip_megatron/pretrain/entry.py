@@ -58,6 +58,17 @@ def main(argv: "list[str] | None" = None, controller=None, family: str = "gpt") 
     "hybrid": pretrain_hybrid.py's `hybrid_config_from_args`, a HybridModel of
     --hybrid-layer-pattern). `controller`: a stand-in for SnipController (tests). Bad input raises
     ValueError naming it (`cli` prints it in one line and exits 2)."""
+    args = parse_megatron_args(argv, prog=PROGRAMS[family])
+    if args is None:
+        return 0
+    run_pretrain(args, controller=controller, family=family)
+    return 0
+
+
+def parse_megatron_args(argv: "list[str] | None" = None, prog: str = "snip-pretrain-gpt"):
+    """Megatron-LM's parsed and validated arguments, with SNIP's and the data flags (None after
+    `--help`): the SNIP flags checked first, on their own, so a bad one fails in a second, not
+    after Megatron's start-up; on CPU the CPU flags go first (the user's own still win)."""
     from snip_megatron.megatron.startup import quiet_startup
 
     quiet_startup()  # before anything imports megatron.core: one line per expected absence
@@ -68,11 +79,9 @@ def main(argv: "list[str] | None" = None, controller=None, family: str = "gpt") 
     from snip_megatron.pretrain import cpu
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    # The SNIP flags first, on their own: a bad one fails in a second, not after Megatron's start-up.
-    early = add_snip_args(argparse.ArgumentParser(prog=PROGRAMS[family], add_help=False, allow_abbrev=False))
+    early = add_snip_args(argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False))
     snip_config_from_args(early.parse_known_args(argv)[0])
-    on_cpu = not torch.cuda.is_available()
-    if on_cpu:
+    if not torch.cuda.is_available():
         argv = cpu.cpu_flags() + argv
         cpu.patch_arguments_for_cpu()
         # Megatron requires this with TP > 1 (a CUDA stream setting); meaningless on CPU.
@@ -81,29 +90,36 @@ def main(argv: "list[str] | None" = None, controller=None, family: str = "gpt") 
     import warnings
 
     warnings.filterwarnings("ignore", message=".*model provider.*")
+    from megatron.training.arguments import parse_and_validate_args
+
+    if "-h" in argv or "--help" in argv:
+        print_help(prog)
+        return None
+    return parse_and_validate_args(extra_args_provider=add_extra_args,
+                                   args_defaults={"tokenizer_type": "NullTokenizer"})
+
+
+def run_pretrain(args, controller=None, family: str = "gpt") -> None:
+    """SNIP set up on Megatron's parsed `args`, then Megatron-LM's `pretrain` with its GPT
+    datasets and forward step, on the model config of `family` (see `main`)."""
+    import torch
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import (gpt_config_from_args, hybrid_config_from_args,
                                                   pretrain_cfg_container_from_args)
-    from megatron.training.arguments import parse_and_validate_args
 
+    from snip_megatron.pretrain import cpu
     from snip_megatron.pretrain.data import datasets_provider, forward_step
     from snip_megatron.pretrain.setup import check_run, start
 
-    if "-h" in argv or "--help" in argv:
-        print_help(PROGRAMS[family])
-        return 0
-    args = parse_and_validate_args(extra_args_provider=add_extra_args,
-                                   args_defaults={"tokenizer_type": "NullTokenizer"})
     check_run(args, family)  # refuse what SNIP cannot run before Megatron builds anything
-    if on_cpu:
+    if not torch.cuda.is_available():
         cpu.prepare_cpu(args)
     model_cfg = (hybrid_config_from_args if family == "hybrid" else gpt_config_from_args)(args)
     start(args, model_cfg, controller=controller)
     cpu.skip_prebuilt_helpers()
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,
              ModelType.encoder_or_decoder, forward_step)
-    return 0
 
 
 def print_help(prog: str = "snip-pretrain-gpt") -> None:

@@ -173,7 +173,7 @@ def test_megatron_accepts_the_generated_arguments():
     parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for overrides in (["model=llama_70b", "parallel=tp8_pp8_vpp2", "train=pretrain", "snip=aggressive"],
                       ["model=llama_1b", "parallel=tp1_dp8", "train=pretrain", "data=stdlib",
-                       "snip=first_last_k"]):
+                       "snip=first_last_k", "train.tensorboard_dir=tb", "train.wandb_project=snip"]):
         args = parser.parse_args(megatron_args(compose_recipe(overrides)))
         assert args.num_layers in (80, 22)
         from snip_megatron.megatron.args import snip_config_from_args
@@ -216,3 +216,18 @@ def test_compact_loop_parses_its_arguments():
 def test_compact_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ValueError, match=message):
         compact_args(compose_recipe(overrides))
+
+
+def test_loggers_reach_both_loops():
+    """train.tensorboard_dir becomes --tensorboard-dir of either loop; W&B is Megatron-LM's loop's."""
+    tb = ["train.tensorboard_dir=${train.run_dir}/tensorboard"]
+    recipe = compose_recipe(tb + ["model=llama_1b", "train.wandb_project=snip"])
+    args = megatron_args(recipe)
+    assert args[args.index("--tensorboard-dir") + 1] == "runs/llama_1b-default/tensorboard"
+    assert args[args.index("--wandb-project"):args.index("--wandb-project") + 4] == [
+        "--wandb-project", "snip", "--wandb-exp-name", "llama_1b-default"]
+    args = compact_args(compose_recipe(tb))
+    assert args[args.index("--tensorboard-dir") + 1] == "runs/llama_tiny-default/tensorboard"
+    assert "--tensorboard-dir" not in compact_args(compose_recipe([]))
+    with pytest.raises(ValueError, match="train.entry=compact writes TensorBoard only"):
+        compact_args(compose_recipe(["train.wandb_project=snip"]))

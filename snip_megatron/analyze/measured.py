@@ -1,0 +1,47 @@
+"""One measurement of a loaded checkpoint, as each loop hands it to the planning step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from snip_megatron.config import SnipConfig
+
+
+@dataclass
+class Measurement:
+    """What the loop measured at the checkpoint's step, and how it plans."""
+
+    stats: Any
+    """The reduced StatsTable (global rank 0; None on the other ranks)."""
+    snip: SnipConfig
+    """The run's SNIP settings, resolved for its backend (formats, precisions, budget kind)."""
+    controller_for: Callable[[SnipConfig], Any]
+    """The run's SnipController for a config (its FLOP table, stages and exclusions)."""
+    step: int
+    """The checkpoint's step."""
+    measured: int
+    """Micro-batches measured (over every data-parallel replica)."""
+    seconds: float
+    """Wall time of the measurement."""
+    pp: int = 1
+    vpp: Optional[int] = None
+    layout_error: Optional[str] = None
+    """Why the static recipes cannot be written for the run's layout (an uneven pipeline split)."""
+    sm: Optional[int] = None
+    """The GPU the run's Transformer Engine linears ran on (None: emulated linears)."""
+    close: Callable[[], None] = lambda: None
+    """Tears the loop down once the plans are solved."""
+
+    @property
+    def is_writer(self) -> bool:
+        """Global rank 0 holds the table, solves and writes."""
+        return self.stats is not None
+
+
+def measured_count(num_local: int, dp: int, k: "int | None") -> int:
+    """Micro-batches a measurement of K runs in a step of `num_local` per replica (stats/microbatches.py)."""
+    from snip_megatron.stats.microbatches import sample_microbatches
+
+    return sample_microbatches(num_local, 0, dp, k)[1]
