@@ -3,8 +3,9 @@
 --hybrid-layer-pattern trains, SNIP measures and re-plans its attention (`*`) and MLP (`-`) layers,
 keyed by hybrid layer number, every TE linear runs its plan after every step, and the plan is saved
 and resumed. Runs: one process `*-*-` with a save and a resume (beside it, a `M*-*` pattern refused
-at start-up: Mamba needs CUDA kernels), TP=2 `*-*-`, and PP=2 `*-|*-` through the patched
-Megatron-LM pretrain_hybrid.py main (patches/megatron-lm-pretrain_hybrid.patch's lines). Statistics
+at start-up: Mamba needs CUDA kernels), TP=2 `*-*-`, and PP=2 `*-|*-` with a save and a resume
+through the patched Megatron-LM pretrain_hybrid.py main (patches/megatron-lm-pretrain_hybrid.patch's
+lines). Statistics
 at TP=2 / PP=2 against one process are tests/stats/test_measure_hybrid.py's."""
 
 import json
@@ -105,15 +106,19 @@ PATCHED_HYBRID_MAIN = PATCHED_MAIN.replace(
 
 
 @needs_training
-def test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers(tmp_path):
+def test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers_and_resumes(tmp_path):
     """`*-|*-` over two pipeline stages: stage 1 holds hybrid layers 3 and 4 (Megatron's
     select_pipeline_segment offset), each stage's TE linears run their own layers' precisions, the
-    per-stage budgets follow the segments, and the saved plan is keyed by hybrid layer."""
-    script = tmp_path / "pretrain_hybrid.py"
-    script.write_text(PATCHED_HYBRID_MAIN.replace("PROBE", repr(str(tmp_path / "p"))))
-    out = run_te(tmp_path, [str(script)], "--hybrid-layer-pattern", "*-|*-", "--pipeline-model-parallel-size", "2",
-                 *DATA, "--train-iters", "4", "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
-                 *HOPPER_SNIP, sm=90, nproc=2)
+    per-stage budgets follow the segments, the saved plan is keyed by hybrid layer, and the resumed
+    run builds each stage's linears with that plan at its offset."""
+    def patched_main(probe: str) -> list:
+        script = tmp_path / f"pretrain_hybrid_{probe}.py"
+        script.write_text(PATCHED_HYBRID_MAIN.replace("PROBE", repr(str(tmp_path / probe))))
+        return [str(script)]
+
+    common = ["--hybrid-layer-pattern", "*-|*-", "--pipeline-model-parallel-size", "2", *DATA, "--train-iters", "6",
+              "--save", str(tmp_path / "ckpt"), "--save-interval", "4", *HOPPER_SNIP]
+    out = run_te(tmp_path, patched_main("p"), *common, "--exit-interval", "4", sm=90, nproc=2)
     lines = snip_lines(out)
     assert any(line.startswith("[snip] step 3: plan") for line in lines), lines
     assert "[snip] rank 0 runs the plan on its 4 planned linears: {'bf16': 0, 'fp8': 4, 'fp4': 0}" in lines
@@ -121,5 +126,15 @@ def test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers(
     assert stages == {k: 0 if int(k.split(".")[0]) <= 2 else 1 for k in KEYS}
     assert check_two_pipeline_stages(tmp_path / "p") == {0: sorted(KEYS[:4]), 1: sorted(KEYS[4:])}
     saved = Plan.from_dict(state_of(tmp_path / "ckpt", 4)["plan"])
-    assert sorted(str(k) for k in saved) == sorted(KEYS)
-    assert {str(k): p.value for k, p in saved.items()} == te_rows(tmp_path / "p", 0)[-1]["plan"]
+    plan = {str(k): p.value for k, p in saved.items()}
+    assert sorted(plan) == sorted(KEYS) and plan == te_rows(tmp_path / "p", 0)[-1]["plan"]
+
+    out = run_te(tmp_path, patched_main("q"), *common, "--load", str(tmp_path / "ckpt"), sm=90, nproc=2)
+    assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in snip_lines(out))
+    for rank, keys in ((0, KEYS[:4]), (1, KEYS[4:])):
+        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
+        assert {k: v[0] for k, v in built.items()} == {k: plan[k] for k in keys}  # at the stage's offset
+        rows = te_rows(tmp_path / "q", rank)
+        assert [r["step"] for r in rows] == [5, 6]
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
