@@ -104,3 +104,62 @@ def test_module_names_are_those_of_megatrons_hybrid_spec():
             module_spec = getattr(layer_of[symbol].submodules, parent)
             subs = module_spec.keywords["submodules"] if hasattr(module_spec, "keywords") else module_spec.submodules
             assert hasattr(subs, leaf), (symbol, slot.suffix)
+
+
+def _fake_hybrid_stage(pattern: str, pp_rank: int, pp: int, *, tp: int = 1):
+    """A module tree with a built HybridModel chunk's names (a stand-in: Megatron's hybrid spec is
+    TE-only, so the built model runs in tests/stats/test_measure_hybrid.py over the TE double)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    config = SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+
+    class Linear(torch.nn.Linear):
+        def __init__(self, out_f, in_f):
+            super().__init__(in_f, out_f, bias=False)
+            self.config = config
+
+        def finish_init(self, quant_config):  # what makes Megatron's finish loop reach a module
+            pass
+
+    shapes = hybrid.linear_shapes(TINY.with_(num_layers=len(hybrid.layer_symbols(pattern))))
+    layers = torch.nn.ModuleList()
+    offset, symbols = hybrid.segment(pattern, pp_rank, pp)
+    for i, symbol in enumerate(symbols):
+        layer = torch.nn.Module()
+        layer.layer_number = offset + i + 1
+        for slot in hybrid.LINEARS[symbol]:
+            parent, leaf = slot.suffix.split(".")
+            if not hasattr(layer, parent):
+                layer.add_module(parent, torch.nn.Module())
+            out_f, in_f = shapes[symbol][slot.name]
+            local = (out_f // tp, in_f) if slot.kind is ParallelKind.COLUMN else (out_f, in_f // tp)
+            getattr(layer, parent).add_module(leaf, Linear(*local))
+        layers.append(layer)
+    model = torch.nn.Module()
+    model.hybrid_layer_pattern = pattern
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = layers
+    model.output_layer = Linear(8, 8)  # takes a quant_recipe, never planned
+    wrapper = torch.nn.Module()  # as DDP wraps it
+    wrapper.module = model
+    return wrapper
+
+
+def test_discovery_from_built_chunks_keys_by_layer_number_with_the_stage_offset():
+    from snip_megatron.models.inventory import merge
+    from snip_megatron.models.registry import family_of
+
+    pattern = "*-|*-"
+    stages = [_fake_hybrid_stage(pattern, pp_rank, 2, tp=2) for pp_rank in (0, 1)]
+    assert family_of(stages) == hybrid.FAMILY and hybrid.is_model(stages[1])
+    parts = [hybrid.discover(stage) for stage in stages]
+    assert [str(k) for k in parts[1].keys()] == ["3.linear_qkv", "3.linear_proj", "4.linear_fc1", "4.linear_fc2"]
+    merged = merge(parts)
+    # TP=2 shards: the whole shapes, and SP on the column-parallel linears, are the pattern's
+    expected = hybrid.inventory(TINY.with_(num_layers=4), pattern, sequence_parallel=True)
+    assert expected.difference(merged) is None
+    assert any(u.path == "module.output_layer" for u in merged.unplanned)
+    paths = [p for p, _, _ in hybrid.planned_modules(stages[1])]
+    assert paths[0] == "module.decoder.layers.0.self_attention.linear_qkv"
