@@ -1,7 +1,7 @@
 # snip-megatron: `make demo` runs the quickstart, `make test` runs the suite in every lane.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-LANES := prod compat bridge
+LANES := prod:runs prod:units compat:runs compat:units bridge
 PYTEST_ARGS ?=
 
 .PHONY: help demo test test-prod test-compat test-bridge env env-prod env-compat env-bridge clean

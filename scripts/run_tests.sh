@@ -3,6 +3,9 @@
 # Each lane first gets its environment (scripts/make_env.sh: returns at once when it is current), then
 # runs its own tests: prod and compat the whole suite but tests/bridge, bridge only tests/bridge
 # (Megatron-Bridge is installed in that lane alone). Options after `--` go to every lane.
+# A lane can run in two shards, each its own pytest beside the others: LANE:runs (the folders whose
+# tests train models in several processes, RUN_FOLDERS) and LANE:units (the rest); `make test` runs
+# prod and compat so, which packs the suite onto two cores better than two long lanes would.
 #
 # Lanes run side by side, SNIP_TEST_JOBS at a time (default 2): one lane alone leaves about a third
 # of two cores idle while its tests wait on the processes they start. Each lane's output is printed
@@ -15,15 +18,21 @@ lanes=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do lanes+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#lanes[@]} -gt 0 ] || { echo "usage: scripts/run_tests.sh LANE [LANE ...] [-- pytest options]" >&2; exit 2; }
+RUN_FOLDERS=(tests/te tests/pretrain tests/analyze tests/train)
 lane_paths() {  # $1 lane -> `paths`, what its pytest runs; fails for an unknown lane
+  local ignore=() folder
   case "$1" in
     prod|compat) paths=(tests --ignore=tests/bridge) ;;
+    prod:runs|compat:runs) paths=("${RUN_FOLDERS[@]}") ;;
+    prod:units|compat:units)
+      for folder in "${RUN_FOLDERS[@]}"; do ignore+=("--ignore=$folder"); done
+      paths=(tests --ignore=tests/bridge "${ignore[@]}") ;;
     bridge) paths=(tests/bridge) ;;
     *) return 1 ;;
   esac
 }
 for lane in "${lanes[@]}"; do
-  lane_paths "$lane" || { echo "unknown lane '$lane' (valid: prod, compat, bridge)" >&2; exit 2; }
+  lane_paths "$lane" || { echo "unknown lane '$lane' (valid: prod, compat, bridge; prod:runs, prod:units, compat:runs, compat:units)" >&2; exit 2; }
 done
 max_jobs=${SNIP_TEST_JOBS:-2}
 case "$max_jobs" in
@@ -40,13 +49,14 @@ logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
 run_lane() {  # $1 lane, then pytest options; writes $logs/LANE.log, then $logs/LANE.rc
-  local lane=$1 rc start=$SECONDS paths
+  local lane=$1 rc start=$SECONDS paths env=${1%%:*}
   shift
   lane_paths "$lane"
   {
-    if scripts/make_env.sh "$lane"; then
-      echo "=== lane: $lane ($(".venv-$lane/bin/python" --version 2>&1))"
-      ".venv-$lane/bin/python" -m pytest "${paths[@]}" "$@"
+    # Shards of one lane share its environment: one creates it while the other waits.
+    if flock "$logs/$env.lock" scripts/make_env.sh "$env"; then
+      echo "=== lane: $lane ($(".venv-$env/bin/python" --version 2>&1))"
+      ".venv-$env/bin/python" -m pytest "${paths[@]}" "$@"
       rc=$?
       if [ $rc -eq 5 ]; then echo "lane $lane: no tests collected -- failing"; rc=1; fi
     else

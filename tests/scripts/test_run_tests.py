@@ -21,6 +21,10 @@ SCRIPT = ROOT / "scripts" / "run_tests.sh"
 FAKE_MAKE_ENV = """#!/usr/bin/env bash
 [ -z "${FAIL_ENV:-}" ] || [ "$FAIL_ENV" != "$1" ] || { echo "no wheel for $1"; exit 1; }
 """
+# Records when it ran (start end) per environment, taking half a second.
+SLOW_MAKE_ENV = """#!/usr/bin/env bash
+start=$(date +%s.%N); sleep 0.5; echo "$start $(date +%s.%N)" >> "$OUT/env.$1"
+"""
 # Stands in for a lane's python: `--version`, or `-m pytest PATHS...` exiting with EXIT_<lane>.
 FAKE_PYTHON = """#!/usr/bin/env bash
 lane=$(basename "$(dirname "$(dirname "$0")")"); lane=${lane#.venv-}
@@ -65,6 +69,20 @@ def test_every_lane_runs_its_own_paths_and_the_run_passes(fake_root):
     summary = proc.stdout.split("=== summary")[1]
     assert [line.split(":")[0] for line in summary.strip().splitlines()] == [
         "=== lane prod", "=== lane compat", "=== lane bridge"]
+
+
+def test_shards_of_a_lane_split_its_paths_and_create_its_environment_one_at_a_time(fake_root):
+    _executable(fake_root / "scripts" / "make_env.sh", SLOW_MAKE_ENV)
+    proc = run(fake_root, "prod:runs", "prod:units", SNIP_TEST_JOBS="2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pytest of prod: tests/te tests/pretrain tests/analyze tests/train" in proc.stdout
+    assert ("pytest of prod: tests --ignore=tests/bridge --ignore=tests/te --ignore=tests/pretrain "
+            "--ignore=tests/analyze --ignore=tests/train") in proc.stdout
+    spans = sorted(tuple(map(float, line.split())) for line in (fake_root / "env.prod").read_text().splitlines())
+    assert len(spans) == 2 and spans[0][1] <= spans[1][0]  # the second began after the first ended
+    summary = proc.stdout.split("=== summary")[1]
+    assert [line.split(":")[0] + ":" + line.split(":")[1] for line in summary.strip().splitlines()] == [
+        "=== lane prod:runs", "=== lane prod:units"]
 
 
 @pytest.mark.parametrize("failing, code", [("compat", "1"), ("bridge", "5")])
@@ -121,7 +139,8 @@ def test_one_job_runs_the_lanes_one_after_the_other(fake_root):
 
 
 @pytest.mark.parametrize("args, env, message", [
-    (["gpu"], {}, "unknown lane 'gpu' (valid: prod, compat, bridge)"),
+    (["gpu"], {}, "unknown lane 'gpu' (valid: prod, compat, bridge; prod:runs, prod:units"),
+    (["bridge:runs"], {}, "unknown lane 'bridge:runs'"),
     ([], {}, "usage: scripts/run_tests.sh LANE"),
     (["prod"], {"SNIP_TEST_JOBS": "two"}, "SNIP_TEST_JOBS must be a positive integer, got 'two'"),
 ])
