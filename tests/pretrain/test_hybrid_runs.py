@@ -3,7 +3,7 @@
 --hybrid-layer-pattern trains, SNIP measures and re-plans its attention (`*`) and MLP (`-`) layers,
 keyed by hybrid layer number, every TE linear runs its plan after every step, and the plan is saved
 and resumed. Runs: one process `*-*-` with a save and a resume (beside it, a `M*-*` pattern refused
-at start-up: Mamba needs CUDA kernels), TP=2 `*-*-`, and PP=2 `*-|*-` with a save and a resume
+at start-up: Mamba needs CUDA kernels), TP=2 `*-*-` with a save and a resume, and PP=2 `*-|*-` with a save and a resume
 through the patched Megatron-LM pretrain_hybrid.py main (patches/megatron-lm-pretrain_hybrid.patch's
 lines). Statistics
 at TP=2 / PP=2 against one process are tests/stats/test_measure_hybrid.py's."""
@@ -79,9 +79,11 @@ def test_one_process_hybrid_measures_replans_saves_and_resumes_and_mamba_is_refu
 
 
 @needs_training
-def test_tp2_hybrid_measures_and_replans_every_te_linear(tmp_path):
-    out = probed(tmp_path, tmp_path / "p", "*-*-", "--tensor-model-parallel-size", "2", *DATA,
-                 "--train-iters", "4", *HOPPER_SNIP, nproc=2)
+def test_tp2_hybrid_measures_replans_and_resumes_every_te_linear(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ["--tensor-model-parallel-size", "2", *DATA, "--train-iters", "6", "--save", str(ckpt),
+              "--save-interval", "4", *HOPPER_SNIP]
+    out = probed(tmp_path, tmp_path / "p", "*-*-", *common, "--exit-interval", "4", nproc=2)
     assert any(line.startswith("[snip] step 3: plan") for line in snip_lines(out))
     for rank in (0, 1):
         rows = te_rows(tmp_path / "p", rank)
@@ -90,6 +92,19 @@ def test_tp2_hybrid_measures_and_replans_every_te_linear(tmp_path):
         check_runtime(rows)
         assert sorted(rows[-1]["linears"]) == sorted(KEYS)  # TP shards every planned linear
     assert te_rows(tmp_path / "p", 0)[-1]["plan"] == te_rows(tmp_path / "p", 1)[-1]["plan"]
+    saved = Plan.from_dict(state_of(ckpt, 4)["plan"])
+    plan = {str(k): p.value for k, p in saved.items()}
+    assert plan == te_rows(tmp_path / "p", 0)[-1]["plan"]
+
+    out = probed(tmp_path, tmp_path / "q", "*-*-", *common, "--load", str(ckpt), nproc=2)
+    assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in snip_lines(out))
+    for rank in (0, 1):  # both TP ranks build their shards with the checkpoint's plan
+        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
+        assert {k: v[0] for k, v in built.items()} == plan
+        rows = te_rows(tmp_path / "q", rank)
+        assert [r["step"] for r in rows] == [5, 6] and rows[0]["plan"] == plan
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
 
 
 # The main block of Megatron-LM's pretrain_hybrid.py (core_v0.19.0) with the patch's SNIP lines, on
