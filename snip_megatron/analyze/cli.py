@@ -3,10 +3,12 @@ predicted cost.
 
     snip-analyze --load CKPT --out DIR [--budgets 0.5,0.75,0.9] [--analyze-microbatches K]
                  <the run's own flags: Megatron-LM's (snip-pretrain-gpt) or the compact loop's>
+    snip-analyze --recipe MODULE:FUNCTION --load CKPT --out DIR [...] [KEY=VALUE ...]
+                 (a Megatron-Bridge checkpoint: the run's recipe and overrides, snip-bridge-pretrain's)
     torchrun --nproc-per-node N -m snip_megatron.analyze ...   (the run's layout: TP/PP/DP)
 
-Loads the checkpoint at its step (Megatron-LM's, or the compact loop's: told apart by the compact
-loop's manifest), runs one SNIP measurement on K micro-batches of the run's data at that step,
+Loads the checkpoint at its step (Megatron-LM's, the compact loop's or Megatron-Bridge's: told apart
+by the compact loop's manifest and Bridge's run_config.yaml), runs one SNIP measurement on K micro-batches of the run's data at that step,
 solves SNIP's plan at every budget (the run's budget kind: FP4 fractions, FP8 fractions where the
 run's GPU has no FP4, or speed-ups with --snip-budget speedup), prints the table and writes into
 --out: each plan (JSON, pinnable with --snip-plan), its static recipes (`--te-precision-config-file`
@@ -23,6 +25,8 @@ from pathlib import Path
 
 PROG = "snip-analyze"
 DEFAULT_BUDGETS = "0.5,0.75,0.9"
+BRIDGE_RUN_CONFIG = "run_config.yaml"
+"""Megatron-Bridge's run config, written into each of its iteration folders (and only by Bridge)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Every other flag is the run's own (its model, layout and data).")
     p.add_argument("--load", required=True, metavar="DIR", help="the checkpoint folder (read only)")
+    p.add_argument("--recipe", default=None, metavar="MODULE:FUNCTION",
+                   help="a Megatron-Bridge checkpoint: the run's recipe (its overrides and snip.* follow as "
+                        "KEY=VALUE, with --config-file YAML, as snip-bridge-pretrain takes them)")
     p.add_argument("--ckpt-step", type=int, default=None, metavar="N",
                    help="the checkpoint's step to analyze (default: the latest)")
     p.add_argument("--out", required=True, metavar="DIR", help="folder for the plans, recipes and picture "
@@ -47,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def which_loop(load: Path, step: "int | None") -> str:
-    """'compact' (a folder of the compact loop: iter_* folders with its manifest) or 'megatron-lm'
-    (Megatron's tracker and iteration folder); ValueError naming --load otherwise."""
+    """'compact' (a folder of the compact loop: iter_* folders with its manifest), 'bridge'
+    (Megatron's tracker and an iteration folder with Bridge's run config) or 'megatron-lm' (the
+    tracker and iteration folder); ValueError naming --load otherwise."""
     from snip_megatron.pretrain.state import iteration_folder, loaded_iteration_of
     from snip_megatron.train.checkpoint import MANIFEST
 
@@ -63,7 +71,17 @@ def which_loop(load: Path, step: "int | None") -> str:
     if not iteration_folder(load, iteration).is_dir():
         raise ValueError(f"--load {load}: no checkpoint of iteration {iteration} there "
                          f"({iteration_folder(load, iteration).name} is missing)")
-    return "megatron-lm"
+    return "bridge" if (iteration_folder(load, iteration) / BRIDGE_RUN_CONFIG).is_file() else "megatron-lm"
+
+
+def check_recipe(loop: str, recipe: "str | None", load: Path) -> None:
+    """--recipe goes with a Megatron-Bridge checkpoint, and only with one."""
+    if loop == "bridge" and recipe is None:
+        raise ValueError(f"--load {load}: a Megatron-Bridge checkpoint ({BRIDGE_RUN_CONFIG} in its iteration "
+                         "folder); give --recipe MODULE:FUNCTION, the run's recipe, and its overrides")
+    if loop != "bridge" and recipe is not None:
+        raise ValueError(f"--recipe {recipe}: --load {load} is not a Megatron-Bridge checkpoint (no "
+                         f"{BRIDGE_RUN_CONFIG}); drop --recipe and give the run's own flags")
 
 
 def check_out(out: Path, load: Path) -> None:
@@ -84,15 +102,22 @@ def main(argv: "list[str] | None" = None) -> int:
     load, out = Path(ours.load), Path(ours.out)
     check_out(out, load)
     loop = which_loop(load, ours.ckpt_step)
-    # The run's --snip* flags, on their own: the budget kind the values are checked against.
-    early = add_snip_args(argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False))
-    plans.check_budgets(budgets, plans.budget_kind(snip_config_from_args(early.parse_known_args(rest)[0])))
+    check_recipe(loop, ours.recipe, load)
+    if loop == "bridge":  # Megatron-Bridge is imported for its checkpoints only (installed in its lane)
+        from snip_megatron.analyze import bridge
 
-    if loop == "compact":
-        from snip_megatron.analyze.compact import measure
+        run = bridge.configure(ours.recipe, rest, load, ours.ckpt_step, ours.analyze_microbatches)
+        plans.check_budgets(budgets, plans.budget_kind(run.snip))
+        m = bridge.measure(run, ours.analyze_microbatches)
     else:
-        from snip_megatron.analyze.megatron_lm import measure
-    m = measure(rest, load, ours.ckpt_step, ours.analyze_microbatches)
+        # The run's --snip* flags, on their own: the budget kind the values are checked against.
+        early = add_snip_args(argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False))
+        plans.check_budgets(budgets, plans.budget_kind(snip_config_from_args(early.parse_known_args(rest)[0])))
+        if loop == "compact":
+            from snip_megatron.analyze.compact import measure
+        else:
+            from snip_megatron.analyze.megatron_lm import measure
+        m = measure(rest, load, ours.ckpt_step, ours.analyze_microbatches)
     if m is None:  # --help
         return 0
     if m.is_writer:
