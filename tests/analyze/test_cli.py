@@ -2,6 +2,8 @@
 written: no checkpoint, a folder without one, --out inside the checkpoint, budgets out of range
 or unparsable (checked against the run's budget kind), a non-positive K."""
 
+import sys
+
 import pytest
 
 from snip_megatron.analyze.cli import main
@@ -56,3 +58,23 @@ def test_a_missing_or_empty_checkpoint_and_an_out_inside_it_are_refused(capsys, 
         capsys, ["--load", str(megatron_ckpt), "--out", str(inside)])
     assert not out.exists() and not inside.exists()
     assert sorted(p.name for p in megatron_ckpt.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_bridge_checkpoint_needs_recipe_and_megatron_bridge(capsys, tmp_path, megatron_ckpt):
+    """Told apart by Bridge's run_config.yaml: without --recipe, the fix is named; with it, where
+    Megatron-Bridge is not installed (this lane), what to install; --recipe with a Megatron-LM
+    checkpoint is refused too. Nothing is written."""
+    out, bridge_ckpt = tmp_path / "out", tmp_path / "bridge"
+    (bridge_ckpt / "iter_0000002").mkdir(parents=True)
+    (bridge_ckpt / "iter_0000002" / "run_config.yaml").write_text("model:\n  num_layers: 2\n")
+    (bridge_ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    assert refused(capsys, ["--load", str(bridge_ckpt), "--out", str(out)]).endswith(
+        "a Megatron-Bridge checkpoint (run_config.yaml in its iteration folder); give --recipe MODULE:FUNCTION, "
+        "the run's recipe, and its overrides")
+    recipe = ["--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"]
+    assert refused(capsys, [*recipe, "--load", str(bridge_ckpt), "--out", str(out)]) == (
+        "Megatron-Bridge is not installed here: pip install megatron-bridge (0.6.2 tested)")
+    assert refused(capsys, [*recipe, "--load", str(megatron_ckpt), "--out", str(out)]).endswith(
+        f"--load {megatron_ckpt} is not a Megatron-Bridge checkpoint (no run_config.yaml); drop --recipe and "
+        "give the run's own flags")
+    assert not out.exists() and "megatron.bridge" not in sys.modules
