@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from snip_megatron.analyze.cli import BRIDGE_RUN_CONFIG as RUN_CONFIG
-from snip_megatron.analyze.measured import Measurement, measured_count
+from snip_megatron.analyze.measured import Measurement, measured_count, uneven_split
 
 MODEL_FIELDS = (("model", "num_layers"), ("model", "hidden_size"), ("model", "ffn_hidden_size"),
                 ("model", "num_attention_heads"), ("model", "num_query_groups"), ("model", "kv_channels"),
@@ -181,9 +181,5 @@ def _measure_next_step(run, built, forward_step):
 
 
 def _uneven_split(model) -> "str | None":
-    """The static recipes' module paths follow Megatron's even pipeline split only."""
-    for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
-        if getattr(model, name, None) is not None:
-            return (f"not written: model.{name} splits the pipeline unevenly, which a per-module config "
-                    "cannot express; pin the JSON plan (snip.plan) instead")
-    return None
+    names = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+    return uneven_split({f"model.{n}": getattr(model, n, None) for n in names}, pin="snip.plan")

@@ -8,10 +8,10 @@ predicted cost.
     torchrun --nproc-per-node N -m snip_megatron.analyze ...   (the run's layout: TP/PP/DP)
 
 Loads the checkpoint at its step (Megatron-LM's, the compact loop's or Megatron-Bridge's: told apart
-by the compact loop's manifest and Bridge's run_config.yaml), runs one SNIP measurement on K micro-batches of the run's data at that step,
-solves SNIP's plan at every budget (the run's budget kind: FP4 fractions, FP8 fractions where the
-run's GPU has no FP4, or speed-ups with --snip-budget speedup), prints the table and writes into
---out: each plan (JSON, pinnable with --snip-plan), its static recipes (`--te-precision-config-file`
+by the compact loop's manifest and Bridge's run_config.yaml), runs one SNIP measurement on K
+micro-batches of the run's data at that step, solves SNIP's plan at every budget (the run's budget
+kind: FP4 fractions, FP8 fractions where the run's GPU has no FP4, or speed-ups with --snip-budget
+speedup), prints the table and writes into --out: each plan (JSON, pinnable with --snip-plan), its static recipes (`--te-precision-config-file`
 YAML, Bridge `quant_recipe`), analysis.json / analysis.txt and analysis.png (predicted cost against
 budget, with the last-fraction and first/last-k rules on the same measured costs). Nothing is
 trained or written into the checkpoint. Bad input is one line and exit status 2, nothing written.

@@ -45,3 +45,14 @@ def measured_count(num_local: int, dp: int, k: "int | None") -> int:
     from snip_megatron.stats.microbatches import sample_microbatches
 
     return sample_microbatches(num_local, 0, dp, k)[1]
+
+
+def uneven_split(settings: dict, pin: str) -> "str | None":
+    """Why the static recipes cannot be written where a pipeline split setting is given ({the
+    setting as the user writes it: its value}): their module paths follow Megatron's even split
+    only. `pin`: how this loop pins the JSON plan instead."""
+    for name, value in settings.items():
+        if value is not None:
+            return (f"not written: {name} splits the pipeline unevenly, which a per-module config "
+                    f"cannot express; pin the JSON plan ({pin}) instead")
+    return None

@@ -14,7 +14,7 @@ import re
 import time
 from pathlib import Path
 
-from snip_megatron.analyze.measured import Measurement, measured_count
+from snip_megatron.analyze.measured import Measurement, measured_count, uneven_split
 from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import Plan
 
@@ -142,9 +142,5 @@ def measure(argv: list, load: Path, ckpt_step: "int | None", k: int) -> "Measure
 
 
 def _uneven_split(args) -> "str | None":
-    """The static recipes' module paths follow Megatron's even pipeline split only."""
-    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
-        if getattr(args, name, None) is not None:
-            return (f"not written: {flag(name)} splits the pipeline unevenly, which a per-module config "
-                    "cannot express; pin the JSON plan (--snip-plan) instead")
-    return None
+    names = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+    return uneven_split({flag(n): getattr(args, n, None) for n in names}, pin="--snip-plan")

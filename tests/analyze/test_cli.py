@@ -69,8 +69,8 @@ def test_a_bridge_checkpoint_needs_recipe_and_megatron_bridge(capsys, tmp_path, 
     (bridge_ckpt / "iter_0000002" / "run_config.yaml").write_text("model:\n  num_layers: 2\n")
     (bridge_ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     assert refused(capsys, ["--load", str(bridge_ckpt), "--out", str(out)]).endswith(
-        "a Megatron-Bridge checkpoint (run_config.yaml in its iteration folder); give --recipe MODULE:FUNCTION, "
-        "the run's recipe, and its overrides")
+        "a Megatron-Bridge checkpoint (run_config.yaml in its iteration folder); give --recipe "
+        "MODULE:FUNCTION, the run's recipe, and its overrides")
     recipe = ["--recipe", "megatron.bridge.recipes.gpt.vanilla_gpt:vanilla_gpt_pretrain_config"]
     assert refused(capsys, [*recipe, "--load", str(bridge_ckpt), "--out", str(out)]) == (
         "Megatron-Bridge is not installed here: pip install megatron-bridge (0.6.2 tested)")
