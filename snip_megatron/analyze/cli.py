@@ -68,6 +68,10 @@ def which_loop(load: Path, step: "int | None") -> str:
     if iteration is None:
         raise ValueError(f"--load {load}: no checkpoint there (no latest_checkpointed_iteration.txt, no iter_* "
                          "folder of a finished save)")
+    if iteration == "release":
+        raise ValueError(f"--load {load}: a release checkpoint (converted weights, no training step or data "
+                         "position); snip-analyze measures a checkpoint a training run saved: train one step from "
+                         "it with --save, then analyze that")
     if not iteration_folder(load, iteration).is_dir():
         raise ValueError(f"--load {load}: no checkpoint of iteration {iteration} there "
                          f"({iteration_folder(load, iteration).name} is missing)")

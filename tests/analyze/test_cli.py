@@ -53,6 +53,11 @@ def test_a_missing_or_empty_checkpoint_and_an_out_inside_it_are_refused(capsys, 
         f"--load {empty}: no checkpoint there (no latest_checkpointed_iteration.txt")
     assert refused(capsys, ["--load", str(megatron_ckpt), "--ckpt-step", "7", "--out", str(out)]) == (
         f"--load {megatron_ckpt}: no checkpoint of iteration 7 there (iter_0000007 is missing)")
+    release = tmp_path / "release"
+    (release / "release").mkdir(parents=True)
+    (release / "latest_checkpointed_iteration.txt").write_text("release")
+    assert refused(capsys, ["--load", str(release), "--out", str(out)]).startswith(
+        f"--load {release}: a release checkpoint (converted weights, no training step or data position)")
     inside = megatron_ckpt / "analysis"
     assert "snip-analyze never writes into a checkpoint" in refused(
         capsys, ["--load", str(megatron_ckpt), "--out", str(inside)])
