@@ -1,4 +1,5 @@
-"""Dense GPTModel adapter: the four planned linears of each TransformerLayer.
+"""GPTModel adapter: the planned linears of each TransformerLayer (dense attention, or
+multi-latent attention with `--multi-latent-attention`) and its dense MLP.
 
 The only place that names them. Keys are (global `TransformerLayer.layer_number`, linear name);
 module paths inside a chunk use the layer index local to the pipeline stage / virtual chunk, so a
@@ -13,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import re
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from snip_megatron.models.inventory import Inventory, InventoryEntry, ParallelKind, Unplanned
@@ -38,7 +40,24 @@ LINEARS = (
 )
 """The planned linears of one layer, in forward order."""
 LINEAR_NAMES = tuple(s.name for s in LINEARS)
-SLOTS = {s.name: s for s in LINEARS}
+
+MLA_LINEARS = (
+    LinearSlot("linear_q_proj", "self_attention.linear_q_proj", ParallelKind.COLUMN),
+    LinearSlot("linear_q_down_proj", "self_attention.linear_q_down_proj", ParallelKind.DUPLICATED),
+    LinearSlot("linear_kv_down_proj", "self_attention.linear_kv_down_proj", ParallelKind.DUPLICATED),
+    LinearSlot("linear_q_up_proj", "self_attention.linear_q_up_proj", ParallelKind.COLUMN),
+    LinearSlot("linear_kv_up_proj", "self_attention.linear_kv_up_proj", ParallelKind.COLUMN),
+)
+"""Multi-latent attention's projections before its core (MLASelfAttention, in forward order: the
+down-projections, then the up-projections; linear_q_proj without q_lora_rank). The TE spec builds
+the down-projections as TELinear(parallel_mode="duplicated"): weights replicated over TP, input
+token-sharded under SP. Megatron's local spec builds them as ColumnParallelLinear (gather_output
+False, the output gathered by MLA; SNIP's local and emulated specs duplicate them as TE does), so a
+built model's kind comes from its module (`module_kind`)."""
+MLA_DOWN = tuple(s.name for s in MLA_LINEARS if s.kind is ParallelKind.DUPLICATED)
+NAMES = ("linear_qkv",) + tuple(s.name for s in MLA_LINEARS) + LINEAR_NAMES[1:]
+"""Every linear name a GPT layer can have, in forward order."""
+SLOTS = {s.name: s for s in LINEARS + MLA_LINEARS}
 
 UNPLANNED = (
     Unplanned("embedding", "embeddings stay in BF16"),
@@ -51,8 +70,40 @@ UNPLANNED = (
 
 # A planned linear inside a GPTModel chunk (optionally under DDP's `module.`). MTP layers
 # (`mtp.layers...`) and MoE experts (`mlp.experts...`) do not match: not planned.
-_PATH = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.(" + "|".join(re.escape(s.suffix) for s in LINEARS) + r")$")
-_NAME_OF_SUFFIX = {s.suffix: s.name for s in LINEARS}
+_PATH = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.(" + "|".join(re.escape(s.suffix) for s in SLOTS.values())
+                   + r")$")
+_NAME_OF_SUFFIX = {s.suffix: s.name for s in SLOTS.values()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLADims:
+    """Multi-latent attention's widths (Megatron's MLATransformerConfig fields)."""
+
+    q_lora_rank: "int | None" = None
+    """None: queries come from one linear_q_proj; else linear_q_down_proj + linear_q_up_proj."""
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+
+    @classmethod
+    def of(cls, config) -> "MLADims | None":
+        """The dims of a TransformerConfig with multi_latent_attention (None without it)."""
+        if not getattr(config, "multi_latent_attention", False):
+            return None
+        return cls(**{f: getattr(config, f) for f in cls.__dataclass_fields__ if hasattr(config, f)})
+
+    def attention_slots(self) -> tuple[LinearSlot, ...]:
+        """The layer's attention linears before its core, in forward order."""
+        skip = {"linear_q_proj"} if self.q_lora_rank is not None else {"linear_q_down_proj", "linear_q_up_proj"}
+        return tuple(s for s in MLA_LINEARS if s.name not in skip)
+
+
+def layer_slots(mla: "MLADims | None" = None) -> tuple[LinearSlot, ...]:
+    """The planned linears of one layer, in forward order (dense attention without `mla`)."""
+    if mla is None:
+        return LINEARS
+    return mla.attention_slots() + LINEARS[1:]
 
 
 def parse_path(module_path: str) -> "tuple[int, str] | None":
@@ -78,6 +129,16 @@ def key_for_path(module_path: str, layer_offset: int = 0) -> "LayerKey | None":
     return LayerKey(layer_offset + local + 1, name)
 
 
+def module_kind(module) -> ParallelKind:
+    """How TP shards a built planned linear: a TE linear says it (parallel_mode "column", "row", or
+    None for "duplicated"); Megatron's local linears by their class (RowParallelLinear has
+    input_is_parallel)."""
+    if hasattr(module, "parallel_mode"):
+        mode = module.parallel_mode
+        return {"column": ParallelKind.COLUMN, "row": ParallelKind.ROW, None: ParallelKind.DUPLICATED}[mode]
+    return ParallelKind.ROW if hasattr(module, "input_is_parallel") else ParallelKind.COLUMN
+
+
 def module_path(key: LayerKey, layer_offset: int = 0) -> str:
     """The path Megatron gives `key` inside the chunk whose first layer is `layer_offset` + 1."""
     local = key.layer - layer_offset - 1
@@ -86,36 +147,52 @@ def module_path(key: LayerKey, layer_offset: int = 0) -> str:
     return f"decoder.layers.{local}.{SLOTS[key.name].suffix}"
 
 
-def linear_shapes(shape: ModelShape) -> dict[str, tuple[int, int]]:
+def linear_shapes(shape: ModelShape, mla: "MLADims | None" = None) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each planned linear of a layer, unsharded."""
-    qkv_out = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.head_dim
+    h, n = shape.hidden_size, shape.num_attention_heads
+    qkv_out = (n + 2 * shape.num_query_groups) * shape.head_dim
     fc1_out = (2 if shape.gated_linear_unit else 1) * shape.ffn_hidden_size  # SwiGLU: gate and up
-    return {
-        "linear_qkv": (qkv_out, shape.hidden_size),
-        "linear_proj": (shape.hidden_size, shape.num_attention_heads * shape.head_dim),
-        "linear_fc1": (fc1_out, shape.hidden_size),
-        "linear_fc2": (shape.hidden_size, shape.ffn_hidden_size),
+    out = {
+        "linear_qkv": (qkv_out, h),
+        "linear_proj": (h, n * shape.head_dim),
+        "linear_fc1": (fc1_out, h),
+        "linear_fc2": (h, shape.ffn_hidden_size),
     }
+    if mla is None:
+        return out
+    q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim  # multi_latent_attention.py: q_head_dim
+    mla_shapes = {
+        "linear_q_proj": (n * q_head, h),
+        "linear_q_down_proj": (mla.q_lora_rank or 0, h),
+        "linear_q_up_proj": (n * q_head, mla.q_lora_rank or 0),
+        "linear_kv_down_proj": (mla.kv_lora_rank + mla.qk_pos_emb_head_dim, h),
+        "linear_kv_up_proj": (n * (mla.qk_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        "linear_proj": (h, n * mla.v_head_dim),
+    }
+    return {s.name: {**out, **mla_shapes}[s.name] for s in layer_slots(mla)}
 
 
-def keys(num_layers: int) -> list[LayerKey]:
+def keys(num_layers: int, mla: "MLADims | None" = None) -> list[LayerKey]:
     """Every key of a GPT with `num_layers` layers, in forward order (no shape needed)."""
-    return [LayerKey(layer, s.name) for layer in range(1, num_layers + 1) for s in LINEARS]
+    return [LayerKey(layer, s.name) for layer in range(1, num_layers + 1) for s in layer_slots(mla)]
 
 
-def entry(layer: int, name: str, out_in: tuple[int, int], *, sequence_parallel: bool = False) -> InventoryEntry:
+def entry(layer: int, name: str, out_in: tuple[int, int], *, sequence_parallel: bool = False,
+          kind: "ParallelKind | None" = None) -> InventoryEntry:
     slot = SLOTS[name]
-    # Under SP a column-parallel linear gathers its token-sharded input itself; a row-parallel one
-    # reads the TP-sharded hidden dim of whole sequences.
-    return InventoryEntry(LayerKey(layer, name), slot.suffix, (int(out_in[0]), int(out_in[1])), slot.kind,
-                          sequence_parallel and slot.kind is not ParallelKind.ROW)
+    kind = slot.kind if kind is None else ParallelKind(kind)
+    # Under SP a column-parallel linear gathers its token-sharded input itself, and a duplicated one
+    # works on this rank's tokens; a row-parallel one reads the TP-sharded hidden dim of whole sequences.
+    return InventoryEntry(LayerKey(layer, name), slot.suffix, (int(out_in[0]), int(out_in[1])), kind,
+                          sequence_parallel and kind is not ParallelKind.ROW)
 
 
-def inventory(shape: ModelShape, *, sequence_parallel: bool = False) -> Inventory:
-    """Every planned linear of a GPT of `shape`, without building it (the 70B layout in microseconds)."""
-    shapes = linear_shapes(shape)
+def inventory(shape: ModelShape, *, sequence_parallel: bool = False, mla: "MLADims | None" = None) -> Inventory:
+    """Every planned linear of a GPT of `shape` (with multi-latent attention of `mla`), without
+    building it (the 70B layout in microseconds)."""
+    shapes = linear_shapes(shape, mla)
     return Inventory(FAMILY, (entry(layer, s.name, shapes[s.name], sequence_parallel=sequence_parallel)
-                              for layer in range(1, shape.num_layers + 1) for s in LINEARS), UNPLANNED)
+                              for layer in range(1, shape.num_layers + 1) for s in layer_slots(mla)), UNPLANNED)
 
 
 def _pattern(path: str) -> str:
@@ -136,9 +213,11 @@ def planned_modules(chunk):
         config = getattr(module, "config", None)
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
         out_f, in_f = (int(d) for d in module.weight.shape)
-        kind = SLOTS[parsed[1]].kind
-        whole = (out_f * tp, in_f) if kind is ParallelKind.COLUMN else (out_f, in_f * tp)
-        yield path, module, entry(number, parsed[1], whole,
+        slot = SLOTS[parsed[1]]
+        kind = module_kind(module) if slot.kind is ParallelKind.DUPLICATED else slot.kind
+        whole = {ParallelKind.COLUMN: (out_f * tp, in_f), ParallelKind.ROW: (out_f, in_f * tp),
+                 ParallelKind.DUPLICATED: (out_f, in_f)}[kind]
+        yield path, module, entry(number, parsed[1], whole, kind=kind,
                                   sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
 
 
@@ -158,7 +237,7 @@ def discover(model_chunks) -> Inventory:
             if callable(getattr(module, "finish_init", None)) and parse_path(path) is None:
                 unplanned[Unplanned(_pattern(path), "takes a quant_recipe but the GPT adapter does not plan "
                                                     "it (not a decoder layer's attention or dense MLP linear)")] = None
-    order = {name: i for i, name in enumerate(LINEAR_NAMES)}
+    order = {name: i for i, name in enumerate(NAMES)}
     found.sort(key=lambda e: (e.layer, order[e.key.name]))  # modules register proj before qkv
     return Inventory(FAMILY, found, unplanned)
 
@@ -166,12 +245,20 @@ def discover(model_chunks) -> Inventory:
 # -- layer specs: which spec fields hold the planned linears ---------------------------------------
 
 
-def _spec_fields(column_cls, row_cls) -> dict[str, dict[str, object]]:
+def is_mla_spec(layer_spec) -> bool:
+    """Whether a GPT layer spec builds multi-latent attention (its attention has MLA's fields)."""
+    attention = _submodules(getattr(getattr(layer_spec, "submodules", None), "self_attention", None))
+    return hasattr(attention, "linear_kv_down_proj")
+
+
+def _spec_fields(column_cls, row_cls, duplicated_cls=None, mla: bool = False) -> dict[str, dict[str, object]]:
     """{layer submodule: {spec field: class}}, each planned linear's class by its parallel kind."""
+    by_kind = {ParallelKind.COLUMN: column_cls, ParallelKind.ROW: row_cls,
+               ParallelKind.DUPLICATED: column_cls if duplicated_cls is None else duplicated_cls}
     out: dict[str, dict[str, object]] = {}
-    for s in LINEARS:
+    for s in (MLA_LINEARS + LINEARS[1:]) if mla else LINEARS:
         parent, leaf = s.suffix.split(".")
-        out.setdefault(parent, {})[leaf] = column_cls if s.kind is ParallelKind.COLUMN else row_cls
+        out.setdefault(parent, {})[leaf] = by_kind[s.kind]
     return out
 
 
@@ -185,7 +272,7 @@ def spec_lacks(layer_spec) -> list[str]:
     """The planned linears (module suffixes) a GPT layer spec has no field for (a block spec,
     another attention): SNIP cannot plan such a spec."""
     lacking = []
-    for parent, fields in _spec_fields(None, None).items():
+    for parent, fields in _spec_fields(None, None, mla=is_mla_spec(layer_spec)).items():
         subs = _submodules(getattr(getattr(layer_spec, "submodules", None), parent, None))
         lacking += [f"{parent}.{leaf}" for leaf in fields if not hasattr(subs, leaf)]
     return lacking
@@ -202,12 +289,24 @@ def first_linear_suffix() -> str:
     return LINEARS[0].suffix
 
 
-def replace_planned_linears(layer_spec, column_cls, row_cls):
-    """A copy of a GPT layer spec whose column-parallel planned linears are `column_cls` and
-    row-parallel ones `row_cls`. megatron-core 0.16 builds the MLP as `ModuleSpec(MLP,
+def replace_duplicated_linears(layer_spec, cls):
+    """A copy of an MLA layer spec whose down-projections (duplicated over TP in the TE spec) are
+    `cls`; the other linears stay as they are."""
+    spec = copy.deepcopy(layer_spec)
+    attention = _submodules(spec.submodules.self_attention)
+    for s in MLA_LINEARS:
+        if s.kind is ParallelKind.DUPLICATED:
+            setattr(attention, s.suffix.split(".")[1], cls)
+    return spec
+
+
+def replace_planned_linears(layer_spec, column_cls, row_cls, duplicated_cls=None):
+    """A copy of a GPT layer spec whose column-parallel planned linears are `column_cls`,
+    row-parallel ones `row_cls` and MLA's down-projections `duplicated_cls` (default `column_cls`,
+    as Megatron's local spec has them). megatron-core 0.16 builds the MLP as `ModuleSpec(MLP,
     submodules=MLPSubmodules)`, 0.17+ as `functools.partial(MLP.as_mlp_submodule, submodules=...)`."""
     spec = copy.deepcopy(layer_spec)
-    for parent, fields in _spec_fields(column_cls, row_cls).items():
+    for parent, fields in _spec_fields(column_cls, row_cls, duplicated_cls, mla=is_mla_spec(layer_spec)).items():
         module_spec = getattr(spec.submodules, parent)
         if isinstance(module_spec, functools.partial):
             new = dataclasses.replace(module_spec.keywords["submodules"], **fields)

@@ -12,7 +12,8 @@ import zlib
 from snip_megatron.models import gpt, hybrid
 from snip_megatron.models.keys import LayerKey
 
-_RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.LINEAR_NAMES + hybrid.NAMES))}
+_RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.NAMES + hybrid.NAMES))}
+_LEGACY_RANK = {name: i for i, name in enumerate(gpt.LINEAR_NAMES)}
 
 
 def forward_order(key: LayerKey) -> tuple[int, int, str]:
@@ -28,7 +29,7 @@ def key_index(key: LayerKey) -> int:
 
     A dense GPT's keys keep the value they always had (layer * 4 + position), so seeded noise and
     statistics do not change; other names get their own range, from a hash of the name."""
-    rank = _RANK.get(key.name)
-    if rank is not None and rank < _LEGACY:
+    rank = _LEGACY_RANK.get(key.name)
+    if rank is not None:
         return key.layer * _LEGACY + rank
     return (1 << 40) + key.layer * (1 << 20) + zlib.crc32(key.name.encode()) % (1 << 20)
