@@ -92,7 +92,7 @@ def pipeline_stages(config) -> dict[LayerKey, int]:
         for vp_stage in (range(vpp) if vpp else [None]):
             offset, count = chunk_layers(config, pp_rank, vp_stage)
             layers = range(offset + 1, offset + count + 1)
-            stages.update({key: pp_rank for key in gpt.keys(config.num_layers) if key.layer in layers})
+            stages.update({key: pp_rank for key in gpt.of_config(config).keys() if key.layer in layers})
     return stages
 
 

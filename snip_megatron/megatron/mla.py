@@ -26,6 +26,8 @@ class LocalMLACore(DotProductAttention):
         super().__init__(*args, **kwargs)
         if v_channels is not None:  # the context is [s, b, local heads * v_channels]
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+        # every MLA head has its own key and value (no query groups, whatever --num-query-groups says)
+        self.num_query_groups_per_partition = self.num_attention_heads_per_partition
 
 
 class _CountsAsColumnParallelLinear(type):
@@ -62,9 +64,19 @@ class DuplicatedDownProjection(ColumnParallelLinear, metaclass=_CountsAsColumnPa
 
     def __init__(self, *args, tp_group=None, **kwargs):
         super().__init__(*args, tp_group=_Alone(), **kwargs)
+        self._checkpoint_tp_group = tp_group  # Megatron's TP group (None: its default one)
         self.weight.tensor_model_parallel = False
         self.weight.partition_dim = -1
         self.weight.sequence_parallel = bool(self.config.sequence_parallel)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """The whole weight, replicated over TP (one main replica), as TE's duplicated TELinear saves it."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        group = self._checkpoint_tp_group or ps.get_tensor_model_parallel_group()
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None,
+                                                   sharded_offsets, tp_group=group)
 
 
 class QuantDownProjection(_QuantLinearMixin, DuplicatedDownProjection):

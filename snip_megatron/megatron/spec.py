@@ -10,7 +10,7 @@ from __future__ import annotations
 from snip_megatron.models.gpt import replace_duplicated_linears, replace_planned_linears
 
 __all__ = ["BACKENDS", "get_layer_spec", "get_local_layer_spec", "get_snip_layer_spec", "get_te_layer_spec",
-           "replace_planned_linears"]
+           "replace_planned_linears", "with_emulated_linears", "with_local_mla_core"]
 
 BACKENDS = ("emulated", "local", "te")
 """Planned-linear backends: SNIP's emulated linears (any device, any plan), Megatron's plain local
@@ -24,23 +24,41 @@ def get_local_layer_spec(normalization: str = "RMSNorm", multi_latent_attention:
 
     spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=multi_latent_attention)
     if multi_latent_attention:
-        from snip_megatron.megatron.mla import DuplicatedDownProjection, LocalMLACore
+        from snip_megatron.megatron.mla import DuplicatedDownProjection
 
-        spec.submodules.self_attention.submodules.core_attention = LocalMLACore
-        spec = replace_duplicated_linears(spec, DuplicatedDownProjection)
+        spec = with_local_mla_core(replace_duplicated_linears(spec, DuplicatedDownProjection))
     return spec
+
+
+def with_local_mla_core(spec):
+    """An MLA layer spec whose Megatron local core attention (which cannot build MLA) is SNIP's
+    LocalMLACore; any other spec (TE's core, a dense layer) as it is."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from snip_megatron.megatron.mla import LocalMLACore
+    from snip_megatron.models import gpt
+
+    if gpt.is_mla_spec(spec) and spec.submodules.self_attention.submodules.core_attention is DotProductAttention:
+        spec.submodules.self_attention.submodules.core_attention = LocalMLACore
+    return spec
+
+
+def with_emulated_linears(spec):
+    """A GPT layer spec (dense or MLA) with SNIP's emulated linears as its planned linears."""
+    from snip_megatron.emulation.parallel_linear import (QuantColumnParallelLinear,
+                                                         QuantRowParallelLinear)
+    from snip_megatron.models import gpt
+
+    down = None
+    if gpt.is_mla_spec(spec):
+        from snip_megatron.megatron.mla import QuantDownProjection as down
+    return with_local_mla_core(replace_planned_linears(spec, QuantColumnParallelLinear, QuantRowParallelLinear,
+                                                       down))
 
 
 def get_snip_layer_spec(normalization: str = "RMSNorm", multi_latent_attention: bool = False):
     """The local spec with SNIP's emulated quantized linears as the planned linears."""
-    from snip_megatron.emulation.parallel_linear import (QuantColumnParallelLinear,
-                                                         QuantRowParallelLinear)
-
-    down = None
-    if multi_latent_attention:
-        from snip_megatron.megatron.mla import QuantDownProjection as down
-    return replace_planned_linears(get_local_layer_spec(normalization, multi_latent_attention),
-                                   QuantColumnParallelLinear, QuantRowParallelLinear, down)
+    return with_emulated_linears(get_local_layer_spec(normalization, multi_latent_attention))
 
 
 def get_te_layer_spec(multi_latent_attention: bool = False):

@@ -195,6 +195,20 @@ def inventory(shape: ModelShape, *, sequence_parallel: bool = False, mla: "MLADi
                               for layer in range(1, shape.num_layers + 1) for s in layer_slots(mla)), UNPLANNED)
 
 
+def of_config(config) -> Inventory:
+    """Every planned linear of the GPT a TransformerConfig describes (or anything with its field
+    names): its layers, widths and attention (multi-latent with `multi_latent_attention`)."""
+    heads = config.num_attention_heads
+    shape = ModelShape(name="config", num_layers=config.num_layers, hidden_size=config.hidden_size,
+                       ffn_hidden_size=config.ffn_hidden_size, num_attention_heads=heads,
+                       num_query_groups=getattr(config, "num_query_groups", None) or heads,
+                       kv_channels=getattr(config, "kv_channels", None),
+                       gated_linear_unit=bool(getattr(config, "gated_linear_unit", True)))
+    return inventory(shape, mla=MLADims.of(config),
+                     sequence_parallel=bool(getattr(config, "sequence_parallel", False))
+                     and int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1)
+
+
 def _pattern(path: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 

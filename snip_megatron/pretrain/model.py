@@ -43,10 +43,9 @@ def with_planned_linears(spec, backend: str):
                          "the GPT layer's attention and dense MLP linears only")
     if backend != "emulated":
         return spec
-    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
-    from snip_megatron.megatron.spec import replace_planned_linears
+    from snip_megatron.megatron.spec import with_emulated_linears
 
-    return replace_planned_linears(spec, QuantColumnParallelLinear, QuantRowParallelLinear)
+    return with_emulated_linears(spec)
 
 
 def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, user_recipe=None,
@@ -56,8 +55,9 @@ def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, 
     from megatron.core.quantization.quant_config import RecipeConfig
 
     from snip_megatron.megatron.quant_recipe import check_runnable, layer_offset
+    from snip_megatron.models import gpt
 
-    plan.check_model(transformer_config.num_layers)
+    plan.check_model(gpt.of_config(transformer_config))
     kind = "te" if backend == "te" else "emulated"
     ours = config_dict_for(kind, formats=formats, sm=sm)
     check_runnable(plan, ours, backend=kind, sm=sm, formats=formats)
@@ -69,20 +69,22 @@ def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, 
     return RecipeConfig(matchers=matchers, config_dict=configs)
 
 
-def check_user_recipe(user_recipe, num_layers: int, source: str) -> None:
+def check_user_recipe(user_recipe, model, source: str) -> None:
     """A user's precision config (`--te-precision-config-file`) may set modules SNIP does not
-    plan; one that sets a planned linear, or reuses SNIP's config names, is refused."""
+    plan; one that sets a planned linear, or reuses SNIP's config names, is refused. `model`: an
+    Inventory, or a dense GPT's layer count."""
     from megatron.core.quantization.quant_config import MatchContext
 
     from snip_megatron.formats.precision import Precision
     from snip_megatron.models import gpt
+    from snip_megatron.plan import model_keys
 
     if user_recipe is None:
         return
     clash = sorted(set(user_recipe.configs) & {p.value for p in Precision})
     if clash:
         raise ValueError(f"{source} defines config keys {clash}, the names SNIP's plan uses; rename them")
-    for planned in gpt.keys(num_layers):  # each one's path as if the model were one stage
+    for planned in model_keys(model):  # each one's path as if the model were one stage
         path = gpt.module_path(planned)
         for matcher in user_recipe.matchers:
             key = matcher.match(MatchContext(path, planned.layer - 1))

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.megatron.args import snip_config_from_args
+from snip_megatron.models import gpt
 
 
 def _print_rank_0(msg: str) -> None:
@@ -52,8 +53,16 @@ def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
 
     refuse(getattr(args, "num_experts", None), "--num-experts (MoE): SNIP plans dense GPT layers only; "
            "expert linears would run unplanned. Train dense, or drop --snip")
-    refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention: SNIP plans the GPT "
-           "layer's standard attention only; drop one of them")
+    refuse(getattr(args, "multi_latent_attention", False) and getattr(args, "mla_down_proj_fusion", False),
+           "--mla-down-proj-fusion: SNIP plans multi-latent attention's separate q/kv down-projections; "
+           "drop it")
+    refuse(getattr(args, "multi_latent_attention", False) and args.tensor_model_parallel_size > 1
+           and not getattr(args, "sequence_parallel", False),
+           "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel: "
+           "without it Megatron's MLA takes the shared rotary key's gradient from each rank's own heads, "
+           "so TP ranks train another model than one process (snip_megatron/megatron/mla.py)")
+    refuse(getattr(args, "mtp_num_layers", None), "--mtp-num-layers (multi-token prediction): SNIP does not "
+           "plan MTP layers yet, they would run unplanned; drop it")
     refuse(getattr(args, "hybrid_layer_pattern", None), "--hybrid-layer-pattern: SNIP plans GPT layers only")
     refuse(args.transformer_impl not in ("local", "transformer_engine"),
            f"--transformer-impl {args.transformer_impl}: SNIP needs local or transformer_engine")
@@ -103,8 +112,8 @@ class SnipRun:
     """Planned-linear backend: emulated or te."""
     sm: Optional[int] = None
     """The GPU's compute capability (TE backend): the TE dicts of every plan are this GPU's."""
-    num_layers: int = 0
-    """Transformer layers of the whole model."""
+    num_layers: Any = 0
+    """The whole model's planned linears (an Inventory; a dense GPT's layer count also does)."""
     seq_length: int = 0
     micro_batch_size: int = 0
     user_recipe: Any = None
@@ -215,6 +224,7 @@ def te_shape_exclusions(snip: SnipConfig, args, transformer_config=None) -> dict
     from snip_megatron.te.shapes import te_exclusions
 
     return te_exclusions(model_shape(args, transformer_config), snip.formats, snip.uses,
+                         inventory=None if transformer_config is None else gpt.of_config(transformer_config),
                          tp=args.tensor_model_parallel_size,
                          sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                          cp=getattr(args, "context_parallel_size", 1) or 1, micro_batch_size=args.micro_batch_size)
@@ -228,7 +238,7 @@ def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None
 
     stages = pipeline_stages(transformer_config) if args.pipeline_model_parallel_size > 1 else None
     return SnipController(snip, model_shape(args, transformer_config), total_steps=args.train_iters,
-                          run_dir=args.save,
+                          run_dir=args.save, inventory=gpt.of_config(transformer_config),
                           tokens_per_step=args.global_batch_size * args.seq_length, stages=stages,
                           log=_print_rank_0, excluded=excluded, loggers=run_loggers(args))
 
@@ -309,10 +319,11 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     backend = resolve_backend(args)
     transformer = model_cfg.transformer
     user_recipe = transformer.quant_recipe
-    check_user_recipe(user_recipe, args.num_layers, "--te-precision-config-file")
+    model = gpt.of_config(transformer)
+    check_user_recipe(user_recipe, model, "--te-precision-config-file")
     excluded = te_shape_exclusions(snip, args, transformer) if backend == "te" else None
     run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer, excluded=excluded),
-                  backend=backend, sm=sm, num_layers=args.num_layers, seq_length=args.seq_length,
+                  backend=backend, sm=sm, num_layers=model, seq_length=args.seq_length,
                   micro_batch_size=args.micro_batch_size, user_recipe=user_recipe)
     run.resume(read_state(args))
     run.check_plan_runs(run.controller.plan)

@@ -25,7 +25,10 @@ def megatron_args(*argv):
 
 @pytest.mark.parametrize("argv, flag", [
     (["--num-experts", "4"], "--num-experts (MoE)"),
-    (["--multi-latent-attention"], "--multi-latent-attention"),
+    (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
+    (["--multi-latent-attention", "--tensor-model-parallel-size", "2"],
+     "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers (multi-token prediction)"),
     (["--hybrid-layer-pattern", "M*"], "--hybrid-layer-pattern"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3"),
     (["--fp4-format", "e2m1"], "--fp4-format e2m1"),
@@ -43,6 +46,13 @@ def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
     assert len(found) >= 1 and any(line.startswith(flag) for line in found), found
     with pytest.raises(ValueError, match="cannot take SNIP as configured"):
         check_run(args)
+
+
+def test_multi_latent_attention_is_planned_not_refused():
+    for argv in (["--multi-latent-attention"], ["--multi-latent-attention", "--q-lora-rank", "32"],
+                 ["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--sequence-parallel"]):
+        args = megatron_args("--snip", *argv)
+        assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv
 
 
 POINT_6 = [
