@@ -57,7 +57,30 @@ built model's kind comes from its module (`module_kind`)."""
 MLA_DOWN = tuple(s.name for s in MLA_LINEARS if s.kind is ParallelKind.DUPLICATED)
 NAMES = ("linear_qkv",) + tuple(s.name for s in MLA_LINEARS) + LINEAR_NAMES[1:]
 """Every linear name a GPT layer can have, in forward order."""
+MTP = "mtp."
+"""Multi-token prediction: the prefix of its linears' names. Its layers are numbered 1..D again
+(Megatron's MTP layer_number), so a key (depth k, "mtp.<name>") names linear <name> of MTP layer k:
+no decoder layer's name starts with it, and MTP keys sort after every decoder key (models.order)."""
+MTP_EH_PROJ = LinearSlot(MTP + "eh_proj", "eh_proj", ParallelKind.COLUMN)
+"""An MTP layer's projection of [embedding; hidden] (2h -> h) before its inner layer."""
+MTP_INNER = ("mtp_model_layer", "transformer_layer")
+"""The inner transformer layer's module name: mtp_model_layer in megatron-core >= 0.17,
+transformer_layer in 0.16."""
+
+
+def mtp_slots(mla: "MLADims | None" = None) -> tuple[LinearSlot, ...]:
+    """The planned linears of one MTP layer, in forward order: eh_proj, then its inner layer's."""
+    return (MTP_EH_PROJ,) + tuple(LinearSlot(MTP + s.name, s.suffix, s.kind) for s in layer_slots(mla))
+
+
+def is_mtp(key: LayerKey) -> bool:
+    """Whether `key` names a linear of a multi-token-prediction layer."""
+    return key.name.startswith(MTP)
+
+
 SLOTS = {s.name: s for s in LINEARS + MLA_LINEARS}
+SLOTS.update({MTP + s.name: LinearSlot(MTP + s.name, s.suffix, s.kind) for s in LINEARS + MLA_LINEARS})
+SLOTS[MTP_EH_PROJ.name] = MTP_EH_PROJ
 
 UNPLANNED = (
     Unplanned("embedding", "embeddings stay in BF16"),
@@ -72,7 +95,9 @@ UNPLANNED = (
 # (`mtp.layers...`) and MoE experts (`mlp.experts...`) do not match: not planned.
 _PATH = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.(" + "|".join(re.escape(s.suffix) for s in SLOTS.values())
                    + r")$")
-_NAME_OF_SUFFIX = {s.suffix: s.name for s in SLOTS.values()}
+_NAME_OF_SUFFIX = {s.suffix: s.name for s in LINEARS + MLA_LINEARS}
+_MTP_PATH = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.(?:(?:" + "|".join(MTP_INNER) + r")\.("
+                       + "|".join(re.escape(s) for s in _NAME_OF_SUFFIX) + r")|(eh_proj))$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,9 +132,19 @@ def layer_slots(mla: "MLADims | None" = None) -> tuple[LinearSlot, ...]:
 
 
 def parse_path(module_path: str) -> "tuple[int, str] | None":
-    """(stage-local 0-based layer index, linear name) of a planned linear's module path, else None."""
+    """(stage-local 0-based layer index, linear name) of a decoder layer's planned linear's module
+    path, else None (MTP linears: `parse_mtp_path`)."""
     m = _PATH.search(module_path)
     return (int(m.group(1)), _NAME_OF_SUFFIX[m.group(2)]) if m else None
+
+
+def parse_mtp_path(module_path: str) -> "LayerKey | None":
+    """The key of an MTP layer's planned linear ("mtp.layers.<k-1>....": depth k), else None."""
+    m = _MTP_PATH.search(module_path)
+    if m is None:
+        return None
+    name = MTP_EH_PROJ.name if m.group(3) else MTP + _NAME_OF_SUFFIX[m.group(2)]
+    return LayerKey(int(m.group(1)) + 1, name)
 
 
 def layer_path(module_path: str) -> str:
@@ -121,10 +156,11 @@ def layer_path(module_path: str) -> str:
 
 
 def key_for_path(module_path: str, layer_offset: int = 0) -> "LayerKey | None":
-    """The global key of a module path in a chunk whose first layer is `layer_offset` + 1."""
+    """The global key of a module path in a chunk whose first layer is `layer_offset` + 1 (an MTP
+    linear's key does not depend on the offset)."""
     parsed = parse_path(module_path)
     if parsed is None:
-        return None
+        return parse_mtp_path(module_path)
     local, name = parsed
     return LayerKey(layer_offset + local + 1, name)
 
@@ -141,6 +177,10 @@ def module_kind(module) -> ParallelKind:
 
 def module_path(key: LayerKey, layer_offset: int = 0) -> str:
     """The path Megatron gives `key` inside the chunk whose first layer is `layer_offset` + 1."""
+    if is_mtp(key) and key.name in SLOTS:
+        slot = SLOTS[key.name]
+        inner = "" if slot is MTP_EH_PROJ else MTP_INNER[0] + "."
+        return f"mtp.layers.{key.layer - 1}.{inner}{slot.suffix}"
     local = key.layer - layer_offset - 1
     if local < 0 or key.name not in SLOTS:
         raise ValueError(f"{key} is not a planned linear of a GPT chunk starting after layer {layer_offset}")
@@ -187,12 +227,18 @@ def entry(layer: int, name: str, out_in: tuple[int, int], *, sequence_parallel: 
                           sequence_parallel and kind is not ParallelKind.ROW)
 
 
-def inventory(shape: ModelShape, *, sequence_parallel: bool = False, mla: "MLADims | None" = None) -> Inventory:
-    """Every planned linear of a GPT of `shape` (with multi-latent attention of `mla`), without
-    building it (the 70B layout in microseconds)."""
+def inventory(shape: ModelShape, *, sequence_parallel: bool = False, mla: "MLADims | None" = None,
+              mtp_num_layers: int = 0) -> Inventory:
+    """Every planned linear of a GPT of `shape` (with multi-latent attention of `mla`, and
+    `mtp_num_layers` multi-token-prediction layers after the decoder), without building it (the
+    70B layout in microseconds)."""
     shapes = linear_shapes(shape, mla)
-    return Inventory(FAMILY, (entry(layer, s.name, shapes[s.name], sequence_parallel=sequence_parallel)
-                              for layer in range(1, shape.num_layers + 1) for s in layer_slots(mla)), UNPLANNED)
+    shapes.update({MTP + name: out_in for name, out_in in shapes.items()})
+    shapes[MTP_EH_PROJ.name] = (shape.hidden_size, 2 * shape.hidden_size)
+    decoder = ((layer, s) for layer in range(1, shape.num_layers + 1) for s in layer_slots(mla))
+    mtp = ((depth, s) for depth in range(1, mtp_num_layers + 1) for s in mtp_slots(mla))
+    return Inventory(FAMILY, [entry(layer, s.name, shapes[s.name], sequence_parallel=sequence_parallel)
+                              for layer, s in (*decoder, *mtp)], UNPLANNED)
 
 
 def of_config(config) -> Inventory:
@@ -204,7 +250,7 @@ def of_config(config) -> Inventory:
                        num_query_groups=getattr(config, "num_query_groups", None) or heads,
                        kv_channels=getattr(config, "kv_channels", None),
                        gated_linear_unit=bool(getattr(config, "gated_linear_unit", True)))
-    return inventory(shape, mla=MLADims.of(config),
+    return inventory(shape, mla=MLADims.of(config), mtp_num_layers=int(getattr(config, "mtp_num_layers", None) or 0),
                      sequence_parallel=bool(getattr(config, "sequence_parallel", False))
                      and int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1)
 
@@ -219,9 +265,13 @@ def planned_modules(chunk):
     `layer_number`, its whole shape its weight's times TP along the sharded dim."""
     for path, module in chunk.named_modules():
         parsed = parse_path(path)
-        if parsed is None:
+        mtp_key = parse_mtp_path(path) if parsed is None else None
+        if parsed is None and mtp_key is None:
             continue
-        number = getattr(chunk.get_submodule(layer_path(path)), "layer_number", None)
+        if mtp_key is not None:  # MTP layers are numbered by their depth (the path's index + 1)
+            number, parsed = mtp_key.layer, (None, mtp_key.name)
+        else:
+            number = getattr(chunk.get_submodule(layer_path(path)), "layer_number", None)
         if not isinstance(number, int):
             raise ValueError(f"{layer_path(path)!r} has no integer layer_number; not a TransformerLayer?")
         config = getattr(module, "config", None)
@@ -248,11 +298,13 @@ def discover(model_chunks) -> Inventory:
             if callable(getattr(module, "finish_init", None)):
                 found.append(e)
         for path, module in chunk.named_modules():
-            if callable(getattr(module, "finish_init", None)) and parse_path(path) is None:
+            if callable(getattr(module, "finish_init", None)) and key_for_path(path) is None:
                 unplanned[Unplanned(_pattern(path), "takes a quant_recipe but the GPT adapter does not plan "
                                                     "it (not a decoder layer's attention or dense MLP linear)")] = None
-    order = {name: i for i, name in enumerate(NAMES)}
-    found.sort(key=lambda e: (e.layer, order[e.key.name]))  # modules register proj before qkv
+    order = {name: i for i, name in enumerate((MTP_EH_PROJ.name,) + NAMES)}
+    # modules register proj before qkv; MTP layers come after the decoder
+    found.sort(key=lambda e: (is_mtp(e.key), e.layer, order[e.key.name.removeprefix(MTP)]
+                              if e.key.name != MTP_EH_PROJ.name else -1))
     return Inventory(FAMILY, found, unplanned)
 
 
@@ -311,6 +363,18 @@ def replace_duplicated_linears(layer_spec, cls):
     for s in MLA_LINEARS:
         if s.kind is ParallelKind.DUPLICATED:
             setattr(attention, s.suffix.split(".")[1], cls)
+    return spec
+
+
+def replace_mtp_planned_linears(block_spec, eh_proj_cls, layer_spec_fn):
+    """A copy of a multi-token-prediction block spec (MultiTokenPredictionBlockSubmodules, or a
+    ModuleSpec holding them) whose layers' eh_proj is `eh_proj_cls` (None keeps it) and inner layer
+    spec `layer_spec_fn(spec)`."""
+    spec = copy.deepcopy(block_spec)
+    for layer in getattr(spec, "submodules", spec).layer_specs:
+        if eh_proj_cls is not None:
+            layer.submodules.eh_proj = eh_proj_cls
+        layer.submodules.mtp_model_layer = layer_spec_fn(layer.submodules.mtp_model_layer)
     return spec
 
 

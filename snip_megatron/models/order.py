@@ -16,9 +16,13 @@ _RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.NAMES + hybrid.NAMES
 _LEGACY_RANK = {name: i for i, name in enumerate(gpt.LINEAR_NAMES)}
 
 
-def forward_order(key: LayerKey) -> tuple[int, int, str]:
-    """Sort key: layer, then the linear's position in the forward pass (unknown names last, by name)."""
-    return key.layer, _RANK.get(key.name, len(_RANK)), key.name
+def forward_order(key: LayerKey) -> tuple[int, int, int, str]:
+    """Sort key: a GPT's multi-token-prediction layers ("mtp.<name>") after every other layer, then
+    the layer, then the linear's position in the forward pass (unknown names last, by name)."""
+    mtp = key.name.startswith(gpt.MTP)
+    base = key.name[len(gpt.MTP):] if mtp else key.name
+    rank = -1 if key.name == gpt.MTP_EH_PROJ.name else _RANK.get(base, len(_RANK))
+    return int(mtp), key.layer, rank, key.name
 
 
 _LEGACY = 4  # the dense GPT's linears per layer, the only names before the inventory

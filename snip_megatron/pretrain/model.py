@@ -48,6 +48,19 @@ def with_planned_linears(spec, backend: str):
     return with_emulated_linears(spec)
 
 
+def with_planned_mtp_linears(block_spec, backend: str):
+    """Megatron-LM builds the multi-token-prediction block from its own decoder layer spec, not from
+    `transformer_layer_spec` (megatron/training/models/gpt.py `mtp_block_spec`): SNIP's emulated
+    linears go into its eh_proj and inner layer as into the decoder's."""
+    if block_spec is None or backend != "emulated":
+        return block_spec
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear
+    from snip_megatron.models import gpt
+
+    return gpt.replace_mtp_planned_linears(block_spec, QuantColumnParallelLinear,
+                                           lambda spec: with_planned_linears(spec, backend))
+
+
 def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, user_recipe=None,
                   sm: "int | None" = None):
     """This chunk's RecipeConfig: SNIP's plan first, then the user's own matchers (modules SNIP

@@ -61,8 +61,9 @@ def refusals(args, snip: SnipConfig, backend: str) -> list[str]:
            "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel: "
            "without it Megatron's MLA takes the shared rotary key's gradient from each rank's own heads, "
            "so TP ranks train another model than one process (snip_megatron/megatron/mla.py)")
-    refuse(getattr(args, "mtp_num_layers", None), "--mtp-num-layers (multi-token prediction): SNIP does not "
-           "plan MTP layers yet, they would run unplanned; drop it")
+    refuse(getattr(args, "mtp_num_layers", None) and args.pipeline_model_parallel_size > 1,
+           "--mtp-num-layers with --pipeline-model-parallel-size > 1: SNIP plans multi-token prediction at "
+           "1 process and with TP, not yet with pipeline parallelism; drop one of them")
     refuse(getattr(args, "hybrid_layer_pattern", None), "--hybrid-layer-pattern: SNIP plans GPT layers only")
     refuse(args.transformer_impl not in ("local", "transformer_engine"),
            f"--transformer-impl {args.transformer_impl}: SNIP needs local or transformer_engine")
@@ -230,6 +231,25 @@ def te_shape_exclusions(snip: SnipConfig, args, transformer_config=None) -> dict
                          cp=getattr(args, "context_parallel_size", 1) or 1, micro_batch_size=args.micro_batch_size)
 
 
+MTP_FP4 = ("Megatron keeps FP4 off multi-token-prediction layers (transformer/multi_token_prediction.py, "
+           "'currently ignoring FP4 in MTP layers')")
+
+
+def mtp_exclusions(model, excluded: "dict | None" = None) -> "dict | None":
+    """`excluded` with FP4 taken off every MTP linear, as Megatron does under a global FP4 (said once
+    at start-up); the MTP linears are planned in the other precisions."""
+    from snip_megatron.formats.precision import Precision
+
+    mtp = [key for key in model.keys() if gpt.is_mtp(key)]
+    if not mtp:
+        return excluded
+    _print_rank_0(f"[snip] {len(mtp)} multi-token-prediction linears planned in BF16/FP8, never FP4: {MTP_FP4}")
+    out = dict(excluded or {})
+    for key in mtp:
+        out[key] = {**out.get(key, {}), Precision.FP4: MTP_FP4}
+    return out
+
+
 def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None):
     """SNIP's controller for this run: per-stage budgets from Megatron's own pipeline offsets;
     `excluded`, the precisions the backend cannot run per linear."""
@@ -322,6 +342,7 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     model = gpt.of_config(transformer)
     check_user_recipe(user_recipe, model, "--te-precision-config-file")
     excluded = te_shape_exclusions(snip, args, transformer) if backend == "te" else None
+    excluded = mtp_exclusions(model, excluded)
     run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer, excluded=excluded),
                   backend=backend, sm=sm, num_layers=model, seq_length=args.seq_length,
                   micro_batch_size=args.micro_batch_size, user_recipe=user_recipe)

@@ -265,8 +265,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
             device = next(iter(chunks[0].parameters())).device
-            collector = Collector(linears, keys=gpt.keys(mconfig.num_layers, gpt.MLADims.of(mconfig))
-                                  if keys is None else keys,
+            collector = Collector(linears, keys=gpt.of_config(mconfig).keys() if keys is None else keys,
                                   kinds=kinds, error_fn=error_fn,
                                   precisions=config.precisions, seed=config.seed, first_order=config.first_order,
                                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,

@@ -31,7 +31,12 @@ def test_paths_and_keys_translate_both_ways():
     assert gpt.key_for_path("decoder.layers.2.mlp.linear_fc1", 10) == LayerKey(13, "linear_fc1")
     assert gpt.key_for_path("module.decoder.layers.0.self_attention.linear_qkv") == LayerKey(1, "linear_qkv")
     assert gpt.key_for_path("decoder.layers.0.mlp.experts.linear_fc1") is None
-    assert gpt.key_for_path("mtp.layers.0.transformer_layer.mlp.linear_fc1") is None
+    # multi-token prediction: keys of their own, by depth, whatever the chunk's offset (0.16 and 0.19 names)
+    assert gpt.key_for_path("mtp.layers.0.transformer_layer.mlp.linear_fc1", 10) == LayerKey(1, "mtp.linear_fc1")
+    assert gpt.key_for_path("module.mtp.layers.1.mtp_model_layer.self_attention.linear_qkv") == \
+        LayerKey(2, "mtp.linear_qkv")
+    assert gpt.key_for_path("mtp.layers.0.eh_proj", 3) == LayerKey(1, "mtp.eh_proj")
+    assert gpt.module_path(LayerKey(1, "mtp.linear_proj")) == "mtp.layers.0.mtp_model_layer.self_attention.linear_proj"
     assert gpt.module_path(LayerKey(13, "linear_fc1"), 10) == "decoder.layers.2.mlp.linear_fc1"
     assert gpt.layer_path("module.decoder.layers.3.mlp.linear_fc2") == "module.decoder.layers.3"
     with pytest.raises(ValueError, match="not a planned linear of a GPT chunk"):
@@ -128,3 +133,19 @@ def test_an_mla_model_built_on_the_emulated_spec_holds_its_inventory(megatron_si
     found = gpt.discover(chunks)
     assert found == gpt.inventory(shape, mla=MLA) == gpt.of_config(chunks[0].config)
     assert {type(m).__name__ for p, m in chunks[0].named_modules() if p.endswith("down_proj")} == {"QuantDownProjection"}
+
+
+def test_multi_token_prediction_keys_live_apart_from_the_decoder():
+    from snip_megatron.models.inventory import Inventory, merge
+
+    shape = get_shape("llama_tiny")
+    inv = gpt.inventory(shape, mtp_num_layers=1)
+    mtp = [e for e in inv if gpt.is_mtp(e.key)]
+    assert [str(e.key) for e in mtp] == ["1.mtp.eh_proj", "1.mtp.linear_qkv", "1.mtp.linear_proj",
+                                         "1.mtp.linear_fc1", "1.mtp.linear_fc2"]
+    assert list(inv)[-5:] == mtp and mtp[0].shape == (shape.hidden_size, 2 * shape.hidden_size)
+    assert inv.entry("1.linear_qkv").shape == inv.entry("1.mtp.linear_qkv").shape
+    # the last pipeline stage holds the MTP layer, the first decoder layer 1: one global list
+    first = Inventory("gpt", [e for e in inv if e.layer == 1 and not gpt.is_mtp(e.key)])
+    last = Inventory("gpt", [e for e in inv if e.layer > 1 or gpt.is_mtp(e.key)])
+    assert merge([last, first]) == inv

@@ -1,12 +1,16 @@
-"""Megatron-LM's loop trains a multi-latent-attention GPT with SNIP on the CPU (prod lane): every MLA
-linear planned (linear_q_proj, or the q down/up-projections; the kv down/up-projections;
-linear_proj), measured and re-planned at one process (and resumed with the checkpoint's plan), at
-TP=2 with sequence parallelism (Megatron's TE spec over the TE double), and at PP=2 with a budget per
-stage (without q_lora_rank). (Statistics at TP=2+SP equal one
+"""Megatron-LM's loop trains a multi-latent-attention GPT and a multi-token-prediction GPT with SNIP
+on the CPU (prod lane). MLA: every MLA linear planned (linear_q_proj, or the q down/up-projections;
+the kv down/up-projections; linear_proj), measured and re-planned at one process with an MTP layer
+(and resumed with the checkpoint's plan), at TP=2 with sequence parallelism (Megatron's TE spec over
+the TE double), and at PP=2 with a budget per stage (without q_lora_rank). MTP (--mtp-num-layers 1):
+its eh_proj and inner layer's linears keyed "mtp.<name>" by depth, never FP4 (as Megatron), measured
+and re-planned at one process (with MLA, above) and at TP=2 (with PP it is refused at start-up). (Statistics at TP=2+SP equal one
 process's: tests/stats/test_measure_mla.py.)"""
 
 import json
 import re
+
+import pytest
 
 from snip_megatron.plan import Plan
 from tests.distributed import run_distributed
@@ -45,14 +49,18 @@ def replans(out: str) -> list[str]:
 @needs_training
 def test_one_process_measures_replans_and_resumes_the_checkpoint_plan(tmp_path):
     ckpt = tmp_path / "ckpt"
-    common = [*MLA, *Q_LORA, *SNIP, "--train-iters", "4", "--save-interval", "2", "--save", str(ckpt)]
+    common = [*MLA, *Q_LORA, *SNIP, "--mtp-num-layers", "1", "--train-iters", "4", "--save-interval", "2",
+              "--save", str(ckpt)]
     out = train(tmp_path, *common, "--exit-interval", "2")
-    assert "[snip] rank 0 runs the plan on its 14 planned linears: {'bf16': 0, 'fp8': 14, 'fp4': 0}" in snip_lines(out)
+    mtp = ["mtp.eh_proj"] + ["mtp." + n for n in PER_LAYER["q_lora"]]
+    assert f"[snip] {len(mtp)} multi-token-prediction linears planned in BF16/FP8, never FP4" in out
+    assert "[snip] rank 0 runs the plan on its 22 planned linears: {'bf16': 0, 'fp8': 22, 'fp4': 0}" in snip_lines(out)
     assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2]
     state = state_of(ckpt, 2)
     plan = Plan.from_dict(state["plan"])
-    assert sorted({k.name for k in plan.keys()}) == sorted(PER_LAYER["q_lora"])
-    assert plan.counts()["fp4"] > 0  # the re-plan put some MLA linears in FP4
+    assert sorted({k.name for k in plan.keys()}) == sorted(PER_LAYER["q_lora"] + mtp)
+    assert plan.counts()["fp4"] > 0  # the re-plan put some MLA linears in FP4 ...
+    assert {p.value for k, p in plan.items() if k.name.startswith("mtp.")} <= {"bf16", "fp8"}  # ... no MTP one
     out = train(tmp_path, *common, "--load", str(ckpt))
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     assert sorted(losses(out)) == [3, 4] and len(replans(out)) == 1
@@ -81,3 +89,17 @@ def test_pp2_measures_and_replans_per_stage(tmp_path):
     assert f"[snip] rank 0 runs the plan on its {len(PER_LAYER['no_q_lora'])} planned linears" in out
     assert len(replans(out)) == 2 and sorted(losses(out)) == [1, 2, 3]  # measured at steps 1 and 3
     assert all(2.0 < x < 7.0 for x in losses(out).values())
+
+
+@needs_training
+def test_mtp_at_tp2_measures_and_replans(tmp_path):
+    out = test_runs.train(tmp_path, *SNIP, "--mtp-num-layers", "1", "--tensor-model-parallel-size", "2",
+                          "--train-iters", "3",
+                          "--save", str(tmp_path / "ckpt"), "--save-interval", "3", nproc=2)
+    assert "[snip] 5 multi-token-prediction linears planned in BF16/FP8, never FP4" in out
+    assert len(replans(out)) == 2 and sorted(losses(out)) == [1, 2, 3]
+    assert "mtp_1 loss" in out
+    plan = Plan.from_dict(state_of(tmp_path / "ckpt", 3)["plan"])
+    assert sorted(k.name for k in plan.keys() if k.layer == 1 and k.name.startswith("mtp.")) == \
+        sorted(["mtp.eh_proj", "mtp.linear_qkv", "mtp.linear_proj", "mtp.linear_fc1", "mtp.linear_fc2"])
+    assert plan.counts()["fp4"] > 0 and {p.value for k, p in plan.items() if k.name.startswith("mtp.")} <= {"bf16", "fp8"}

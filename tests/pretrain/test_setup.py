@@ -28,7 +28,8 @@ def megatron_args(*argv):
     (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
     (["--multi-latent-attention", "--tensor-model-parallel-size", "2"],
      "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel"),
-    (["--mtp-num-layers", "1"], "--mtp-num-layers (multi-token prediction)"),
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
+     "--mtp-num-layers with --pipeline-model-parallel-size > 1"),
     (["--hybrid-layer-pattern", "M*"], "--hybrid-layer-pattern"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3"),
     (["--fp4-format", "e2m1"], "--fp4-format e2m1"),
@@ -48,9 +49,10 @@ def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
         check_run(args)
 
 
-def test_multi_latent_attention_is_planned_not_refused():
+def test_multi_latent_attention_and_multi_token_prediction_are_planned_not_refused():
     for argv in (["--multi-latent-attention"], ["--multi-latent-attention", "--q-lora-rank", "32"],
-                 ["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--sequence-parallel"]):
+                 ["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 ["--mtp-num-layers", "1"]):
         args = megatron_args("--snip", *argv)
         assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv
 
