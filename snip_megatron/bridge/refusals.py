@@ -106,9 +106,10 @@ def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
     refuse(getattr(model, "num_moe_experts", None), "model.num_moe_experts (MoE): SNIP plans dense GPT "
            "layers only; expert linears would run unplanned. Train dense, or run without SNIP")
     refuse(getattr(model, "multi_latent_attention", False), "model.multi_latent_attention: SNIP plans "
-           "the GPT layer's standard attention only")
-    refuse(getattr(model, "mtp_num_layers", None), "model.mtp_num_layers (multi-token prediction): its "
-           "layers would run unplanned; set it None")
+           "multi-latent attention in Megatron-LM's loop (snip-pretrain-gpt) but not yet through Bridge; "
+           "set it False, or train with snip-pretrain-gpt --multi-latent-attention")
+    refuse(getattr(model, "mtp_num_layers", None), "model.mtp_num_layers (multi-token prediction): SNIP "
+           "plans MTP in Megatron-LM's loop (snip-pretrain-gpt) but not yet through Bridge; set it None")
     refuse(getattr(model, "use_transformer_engine_full_layer_spec", False), "model.use_transformer_engine_"
            "full_layer_spec: TE's fused TransformerLayer has no planned linears; set it False")
     impl = getattr(model, "transformer_impl", None)

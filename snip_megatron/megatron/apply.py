@@ -14,7 +14,7 @@ from megatron.core.quantization.quant_config import MatchContext, QuantizationCo
 from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.megatron.quant_recipe import check_runnable, config_dict_for
 from snip_megatron.models import gpt
-from snip_megatron.models.inventory import InventoryEntry
+from snip_megatron.models.inventory import Inventory, InventoryEntry
 from snip_megatron.models.registry import adapter, family_of
 from snip_megatron.plan import LayerKey, Plan, PlanChange, forward_order
 from snip_megatron.te.options import TEOptions
@@ -150,11 +150,12 @@ def current_plan(model) -> Plan:
                  if (p := precision_of(pl.module)) is not None})
 
 
-def _num_layers(model) -> "int | None":
+def _num_layers(model) -> "Inventory | None":
+    """The planned linears of the whole model the chunks' config describes (None without one)."""
     for chunk in _chunks(model):
         config = getattr(chunk, "config", None)
         if config is not None and isinstance(getattr(config, "num_layers", None), int):
-            return config.num_layers
+            return gpt.of_config(config)
     return None
 
 

@@ -8,7 +8,8 @@ own autocast. For a measurement pass, `unfused(module)` therefore runs the modul
 linear would, in the parameters' precision: the norm (TE's arithmetic: FP32, then the activation
 dtype), then one plain GEMM in a `GemmView`, a small module the hooks attach to, with Megatron's own
 tensor-parallel mappings around it (sequence-parallel gather or copy for a column-parallel linear;
-reduce or reduce-scatter for a row-parallel one). The module's parameters are used as they are
+reduce or reduce-scatter for a row-parallel one; none for a duplicated one, whose whole weight
+works on this rank's tokens). The module's parameters are used as they are
 (nothing is copied) and its own forward comes back when the context ends.
 """
 
@@ -46,10 +47,10 @@ class GemmView(torch.nn.Module):
     """Y = X W^T of a TE linear with Megatron's TP mappings, unquantized; the measurement's hooks
     attach here. `weight` is the TE module's own Parameter (not registered a second time)."""
 
-    def __init__(self, module, column: bool):
+    def __init__(self, module, column: bool, duplicated: bool = False):
         super().__init__()
         self._module = [module]  # a list: not a submodule, so its parameters are not listed twice
-        self.column = column
+        self.column, self.duplicated = column, duplicated
         self.sequence_parallel = bool(getattr(module, "sequence_parallel", False))
 
     @property
@@ -59,6 +60,8 @@ class GemmView(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
+        if self.duplicated:
+            return F.linear(x, self.weight)
         if self.column:
             x = (mappings.gather_from_sequence_parallel_region(x) if self.sequence_parallel
                  else mappings.copy_to_tensor_model_parallel_region(x))
@@ -69,13 +72,13 @@ class GemmView(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def unfused(module, column: bool):
+def unfused(module, column: bool, duplicated: bool = False):
     """Run `module` (a Megatron TE linear) as norm + GemmView while the context lasts; yields the
     view. Output convention as Megatron's wrappers: (output, bias or None)."""
     if getattr(module, "return_layernorm_output", False):
         raise ValueError(f"{type(module).__name__} returns its norm output (return_layernorm_output); "
                          "SNIP's measurement cannot unfuse it")
-    view = GemmView(module, column)
+    view = GemmView(module, column, duplicated)
     bias = getattr(module, "bias", None)
     bias = bias if isinstance(bias, torch.Tensor) and bias.numel() else None
     returns_bias = bool(getattr(module, "te_return_bias", False))

@@ -87,12 +87,13 @@ def chunk_layers(config, pp_rank: int, vp_stage: "int | None") -> tuple[int, int
 def pipeline_stages(config) -> dict[LayerKey, int]:
     """LayerKey -> the pipeline rank that holds it, by Megatron's offsets (any split, with VPP)."""
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    stages = {}
+    keys = gpt.of_config(config).keys()
+    stages = {key: pp - 1 for key in keys if gpt.is_mtp(key)}  # Megatron builds MTP on the last stage
     for pp_rank in range(pp):
         for vp_stage in (range(vpp) if vpp else [None]):
             offset, count = chunk_layers(config, pp_rank, vp_stage)
             layers = range(offset + 1, offset + count + 1)
-            stages.update({key: pp_rank for key in gpt.keys(config.num_layers) if key.layer in layers})
+            stages.update({key: pp_rank for key in keys if key.layer in layers and not gpt.is_mtp(key)})
     return stages
 
 

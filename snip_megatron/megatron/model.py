@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -70,9 +72,11 @@ def validate_layout(shape: ModelShape, tp: int = 1, pp: int = 1, vpp: int | None
 
 def make_transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
                             activation: str = "swiglu", params_dtype: torch.dtype = torch.float32,
-                            quant_recipe=None, sequence_parallel: bool = False, **overrides):
-    """A TransformerConfig for `shape`; flags for the platform (`platform_flags`), then `overrides`."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+                            quant_recipe=None, sequence_parallel: bool = False, mla=None, **overrides):
+    """A TransformerConfig for `shape`; flags for the platform (`platform_flags`), then `overrides`.
+    `mla` (models.gpt.MLADims): an MLATransformerConfig with multi-latent attention of those widths
+    (RoPE as the dense model's, not YaRN)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     validate_layout(shape, tp, pp, vpp, activation)
     activation_func, gated = ACTIVATIONS[activation]
@@ -101,8 +105,12 @@ def make_transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp:
     )
     cuda = torch.cuda.is_available()
     kwargs.update(platform_flags(cuda, te_importable() if cuda else False))
+    if mla is not None:
+        # every head has its own keys and values (no GQA in MLA)
+        kwargs.update(dataclasses.asdict(mla), multi_latent_attention=True, rope_type="rope",
+                      num_query_groups=shape.num_attention_heads)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if mla is not None else TransformerConfig)(**kwargs)
 
 
 def build_gpt_model(shape: ModelShape, *, config=None, backend: str = "emulated",
@@ -127,7 +135,8 @@ def build_gpt_model(shape: ModelShape, *, config=None, backend: str = "emulated"
     kwargs = dict(vp_stage=vp_stage) if vp_stage is not None else {}
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_layer_spec(backend),
+        transformer_layer_spec=get_layer_spec(backend, multi_latent_attention=bool(
+            getattr(config, "multi_latent_attention", False))),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

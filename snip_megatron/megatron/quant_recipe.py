@@ -151,7 +151,7 @@ def layer_offset(config, *, vp_stage: "int | None" = None, pp_rank: "int | None"
 def recipe_for_chunk(plan: Plan, config, *, vp_stage: "int | None" = None,
                      pp_rank: "int | None" = None, **kwargs) -> RecipeConfig:
     """`build_recipe` for the chunk (`vp_stage`) of this rank's pipeline stage, checking the plan
-    against `config.num_layers`. Set it as `config.quant_recipe` before building that chunk."""
-    kwargs.setdefault("num_layers", config.num_layers)
+    against the model `config` describes. Set it as `config.quant_recipe` before building that chunk."""
+    kwargs.setdefault("num_layers", gpt.of_config(config))
     return build_recipe(plan, layer_offset=layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank),
                         **kwargs)

@@ -7,48 +7,76 @@ after construction; which spec fields hold them is the model family's adapter's 
 
 from __future__ import annotations
 
-from snip_megatron.models.gpt import replace_planned_linears
+from snip_megatron.models.gpt import replace_duplicated_linears, replace_planned_linears
 
 __all__ = ["BACKENDS", "get_layer_spec", "get_local_layer_spec", "get_snip_layer_spec", "get_te_layer_spec",
-           "replace_planned_linears"]
+           "replace_planned_linears", "with_emulated_linears", "with_local_mla_core"]
 
 BACKENDS = ("emulated", "local", "te")
 """Planned-linear backends: SNIP's emulated linears (any device, any plan), Megatron's plain local
 linears (a BF16 reference), Transformer Engine's linears (planned through quant_recipe)."""
 
 
-def get_local_layer_spec(normalization: str = "RMSNorm"):
-    """Megatron's own local (non-TE) GPT layer spec."""
+def get_local_layer_spec(normalization: str = "RMSNorm", multi_latent_attention: bool = False):
+    """Megatron's own local (non-TE) GPT layer spec; with multi-latent attention, a core attention
+    that takes MLA's head widths and down-projections duplicated over TP (megatron/mla.py says why)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(normalization=normalization)
+    spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=multi_latent_attention)
+    if multi_latent_attention:
+        from snip_megatron.megatron.mla import DuplicatedDownProjection
+
+        spec = with_local_mla_core(replace_duplicated_linears(spec, DuplicatedDownProjection))
+    return spec
 
 
-def get_snip_layer_spec(normalization: str = "RMSNorm"):
-    """The local spec with SNIP's emulated quantized linears as the planned linears."""
+def with_local_mla_core(spec):
+    """An MLA layer spec whose Megatron local core attention (which cannot build MLA) is SNIP's
+    LocalMLACore; any other spec (TE's core, a dense layer) as it is."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from snip_megatron.megatron.mla import LocalMLACore
+    from snip_megatron.models import gpt
+
+    if gpt.is_mla_spec(spec) and spec.submodules.self_attention.submodules.core_attention is DotProductAttention:
+        spec.submodules.self_attention.submodules.core_attention = LocalMLACore
+    return spec
+
+
+def with_emulated_linears(spec):
+    """A GPT layer spec (dense or MLA) with SNIP's emulated linears as its planned linears."""
     from snip_megatron.emulation.parallel_linear import (QuantColumnParallelLinear,
                                                          QuantRowParallelLinear)
+    from snip_megatron.models import gpt
 
-    return replace_planned_linears(get_local_layer_spec(normalization),
-                                   QuantColumnParallelLinear, QuantRowParallelLinear)
+    down = None
+    if gpt.is_mla_spec(spec):
+        from snip_megatron.megatron.mla import QuantDownProjection as down
+    return with_local_mla_core(replace_planned_linears(spec, QuantColumnParallelLinear, QuantRowParallelLinear,
+                                                       down))
 
 
-def get_te_layer_spec():
+def get_snip_layer_spec(normalization: str = "RMSNorm", multi_latent_attention: bool = False):
+    """The local spec with SNIP's emulated quantized linears as the planned linears."""
+    return with_emulated_linears(get_local_layer_spec(normalization, multi_latent_attention))
+
+
+def get_te_layer_spec(multi_latent_attention: bool = False):
     """Megatron's Transformer Engine GPT layer spec (GPU; TE linears read quant_recipe themselves)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=multi_latent_attention)
 
 
-def get_layer_spec(backend: str = "emulated", normalization: str = "RMSNorm"):
+def get_layer_spec(backend: str = "emulated", normalization: str = "RMSNorm", multi_latent_attention: bool = False):
     """Spec by backend name: "emulated" (SNIP linears, any device), "local" (Megatron's plain
     linears, a reference), "te" (Transformer Engine, GPU only)."""
     if backend == "emulated":
-        return get_snip_layer_spec(normalization)
+        return get_snip_layer_spec(normalization, multi_latent_attention)
     if backend == "local":
-        return get_local_layer_spec(normalization)
+        return get_local_layer_spec(normalization, multi_latent_attention)
     if backend == "te":
         if normalization != "RMSNorm":
             raise ValueError("the TE spec takes its normalization from TransformerConfig.normalization")
-        return get_te_layer_spec()
+        return get_te_layer_spec(multi_latent_attention)
     raise ValueError(f"unknown linear backend {backend!r}; valid: {', '.join(BACKENDS)}")

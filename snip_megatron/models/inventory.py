@@ -172,22 +172,25 @@ def merge(parts: Sequence[Inventory], *, names: "Sequence[str] | None" = None) -
     families = {p.family for p in parts}
     if len(families) != 1:
         raise ValueError(f"ranks disagree on the model family: {sorted(families)}")
-    layers: dict[int, tuple[InventoryEntry, ...]] = {}
-    owner: dict[int, str] = {}
+    # a layer is its number within its namespace: the part of its linears' names before the last dot
+    # (none for a decoder layer; "mtp" for a GPT's multi-token-prediction layers, numbered from 1 again)
+    layers: dict[tuple[str, int], tuple[InventoryEntry, ...]] = {}
+    owner: dict[tuple[str, int], str] = {}
     for name, part in zip(names, parts):
-        by_layer: dict[int, list[InventoryEntry]] = {}
+        by_layer: dict[tuple[str, int], list[InventoryEntry]] = {}
         for e in part:
-            by_layer.setdefault(e.layer, []).append(e)
+            by_layer.setdefault((e.key.name.rpartition(".")[0], e.layer), []).append(e)
         for layer, entries in by_layer.items():
             entries = tuple(entries)
             if layer in layers and layers[layer] != entries:
-                raise ValueError(f"ranks disagree on layer {layer}'s planned linears: {owner[layer]} has "
+                raise ValueError(f"ranks disagree on layer {' '.join(map(str, filter(None, layer)))}'s planned linears: {owner[layer]} has "
                                  f"{_describe(layers[layer])}, {name} has {_describe(entries)}; "
                                  "every rank must build the same model (check the layer spec and config)")
             layers.setdefault(layer, entries)
             owner.setdefault(layer, name)
     unplanned = dict.fromkeys(u for p in parts for u in p.unplanned)
-    return Inventory(parts[0].family, (e for layer in sorted(layers) for e in layers[layer]), unplanned)
+    return Inventory(parts[0].family, (e for layer in sorted(layers, key=lambda sl: (sl[0] != "", sl))
+                                       for e in layers[layer]), unplanned)
 
 
 def _describe(entries) -> str:

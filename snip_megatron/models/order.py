@@ -12,12 +12,17 @@ import zlib
 from snip_megatron.models import gpt, hybrid
 from snip_megatron.models.keys import LayerKey
 
-_RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.LINEAR_NAMES + hybrid.NAMES))}
+_RANK = {name: i for i, name in enumerate(dict.fromkeys(gpt.NAMES + hybrid.NAMES))}
+_LEGACY_RANK = {name: i for i, name in enumerate(gpt.LINEAR_NAMES)}
 
 
-def forward_order(key: LayerKey) -> tuple[int, int, str]:
-    """Sort key: layer, then the linear's position in the forward pass (unknown names last, by name)."""
-    return key.layer, _RANK.get(key.name, len(_RANK)), key.name
+def forward_order(key: LayerKey) -> tuple[int, int, int, str]:
+    """Sort key: a GPT's multi-token-prediction layers ("mtp.<name>") after every other layer, then
+    the layer, then the linear's position in the forward pass (unknown names last, by name)."""
+    mtp = key.name.startswith(gpt.MTP)
+    base = key.name[len(gpt.MTP):] if mtp else key.name
+    rank = -1 if key.name == gpt.MTP_EH_PROJ.name else _RANK.get(base, len(_RANK))
+    return int(mtp), key.layer, rank, key.name
 
 
 _LEGACY = 4  # the dense GPT's linears per layer, the only names before the inventory
@@ -28,7 +33,7 @@ def key_index(key: LayerKey) -> int:
 
     A dense GPT's keys keep the value they always had (layer * 4 + position), so seeded noise and
     statistics do not change; other names get their own range, from a hash of the name."""
-    rank = _RANK.get(key.name)
-    if rank is not None and rank < _LEGACY:
+    rank = _LEGACY_RANK.get(key.name)
+    if rank is not None:
         return key.layer * _LEGACY + rank
     return (1 << 40) + key.layer * (1 << 20) + zlib.crc32(key.name.encode()) % (1 << 20)

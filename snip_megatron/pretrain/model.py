@@ -43,10 +43,22 @@ def with_planned_linears(spec, backend: str):
                          "the GPT layer's attention and dense MLP linears only")
     if backend != "emulated":
         return spec
-    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
-    from snip_megatron.megatron.spec import replace_planned_linears
+    from snip_megatron.megatron.spec import with_emulated_linears
 
-    return replace_planned_linears(spec, QuantColumnParallelLinear, QuantRowParallelLinear)
+    return with_emulated_linears(spec)
+
+
+def with_planned_mtp_linears(block_spec, backend: str):
+    """Megatron-LM builds the multi-token-prediction block from its own decoder layer spec, not from
+    `transformer_layer_spec` (megatron/training/models/gpt.py `mtp_block_spec`): SNIP's emulated
+    linears go into its eh_proj and inner layer as into the decoder's."""
+    if block_spec is None or backend != "emulated":
+        return block_spec
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear
+    from snip_megatron.models import gpt
+
+    return gpt.replace_mtp_planned_linears(block_spec, QuantColumnParallelLinear,
+                                           lambda spec: with_planned_linears(spec, backend))
 
 
 def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, user_recipe=None,
@@ -61,7 +73,7 @@ def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, 
     from snip_megatron.megatron.quant_recipe import check_runnable, layer_offset
     from snip_megatron.models import gpt
 
-    plan.check_model(transformer_config.num_layers if inventory is None else inventory)
+    plan.check_model(gpt.of_config(transformer_config) if inventory is None else inventory)
     kind = "te" if backend == "te" else "emulated"
     ours = config_dict_for(kind, formats=formats, sm=sm)
     check_runnable(plan, ours, backend=kind, sm=sm, formats=formats)
@@ -75,14 +87,15 @@ def merged_recipe(plan, transformer_config, vp_stage, *, backend: str, formats, 
     return RecipeConfig(matchers=matchers, config_dict=configs)
 
 
-def check_user_recipe(user_recipe, num_layers, source: str) -> None:
+def check_user_recipe(user_recipe, model, source: str) -> None:
     """A user's precision config (`--te-precision-config-file`) may set modules SNIP does not
-    plan; one that sets a planned linear, or reuses SNIP's config names, is refused. `num_layers`:
-    the model's Inventory, or a dense GPT's layer count."""
+    plan; one that sets a planned linear, or reuses SNIP's config names, is refused. `model`: an
+    Inventory, or a dense GPT's layer count."""
     from megatron.core.quantization.quant_config import MatchContext
 
     from snip_megatron.formats.precision import Precision
     from snip_megatron.models import gpt
+    from snip_megatron.plan import model_keys
 
     if user_recipe is None:
         return
@@ -90,8 +103,9 @@ def check_user_recipe(user_recipe, num_layers, source: str) -> None:
     if clash:
         raise ValueError(f"{source} defines config keys {clash}, the names SNIP's plan uses; rename them")
     # each planned linear's path as if the model were one stage
-    paths = ([(k, gpt.module_path(k)) for k in gpt.keys(num_layers)] if isinstance(num_layers, int)
-             else [(e.key, f"decoder.layers.{e.layer - 1}.{e.suffix}") for e in num_layers])
+    paths = ([(k, gpt.module_path(k)) for k in model_keys(model)]
+             if isinstance(model, int) or model.family == gpt.FAMILY
+             else [(e.key, f"decoder.layers.{e.layer - 1}.{e.suffix}") for e in model])
     for planned, path in paths:
         for matcher in user_recipe.matchers:
             key = matcher.match(MatchContext(path, planned.layer - 1))

@@ -10,7 +10,9 @@ that changed one fails at start-up with the function named, never mid-run):
 - `training.save_checkpoint`: SNIP's state at that iteration is written beside the checkpoint once
   it is final: after a synchronous save returns, or ...
 - `checkpointing.schedule_async_save` (wrapped only during a save): ... as the last finalize step
-  of an `--async-save` request, after Megatron's own (which writes the tracker file).
+  of an `--async-save` request, after Megatron's own (which writes the tracker file);
+- `models.gpt.mtp_block_spec`: the multi-token-prediction block, which Megatron-LM builds from its
+  own decoder spec, gets SNIP's planned linears as the decoder does (pretrain/model.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ WRAPPED = {
     ("megatron.training.training", "save_checkpoint"):
         ("iteration", "model", "optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far"),
     ("megatron.training.checkpointing", "schedule_async_save"): ("async_request",),
+    ("megatron.training.models.gpt", "mtp_block_spec"): ("config", "transformer_layer_spec"),
 }
 """The functions SNIP wraps and the leading parameters it relies on."""
 
@@ -63,6 +66,17 @@ def install(run) -> None:
     check_seams()
     original_step = mtraining.train_step
     original_save = mtraining.save_checkpoint
+    from megatron.training.models import gpt as mgpt
+
+    from snip_megatron.pretrain.model import with_planned_mtp_linears
+
+    original_mtp = mgpt.mtp_block_spec
+
+    @functools.wraps(original_mtp)
+    def mtp_block_spec(config, transformer_layer_spec, *args, **kwargs):
+        return with_planned_mtp_linears(original_mtp(config, transformer_layer_spec, *args, **kwargs), run.backend)
+
+    mgpt.mtp_block_spec = mtp_block_spec
 
     @functools.wraps(original_step)
     def train_step(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):

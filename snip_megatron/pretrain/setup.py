@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.megatron.args import snip_config_from_args
+from snip_megatron.models import gpt
 
 
 def _print_rank_0(msg: str) -> None:
@@ -53,8 +54,17 @@ def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[
 
     refuse(getattr(args, "num_experts", None), "--num-experts (MoE): SNIP plans dense GPT layers only; "
            "expert linears would run unplanned. Train dense, or drop --snip")
-    refuse(getattr(args, "multi_latent_attention", False), "--multi-latent-attention: SNIP plans the GPT "
-           "layer's standard attention only; drop one of them")
+    refuse(getattr(args, "multi_latent_attention", False) and getattr(args, "mla_down_proj_fusion", False),
+           "--mla-down-proj-fusion: SNIP plans multi-latent attention's separate q/kv down-projections; "
+           "drop it")
+    refuse(getattr(args, "multi_latent_attention", False) and args.tensor_model_parallel_size > 1
+           and not getattr(args, "sequence_parallel", False),
+           "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel: "
+           "without it Megatron's MLA takes the shared rotary key's gradient from each rank's own heads, "
+           "so TP ranks train another model than one process (snip_megatron/megatron/mla.py)")
+    refuse(getattr(args, "mtp_num_layers", None) and args.pipeline_model_parallel_size > 1,
+           "--mtp-num-layers with --pipeline-model-parallel-size > 1: SNIP plans multi-token prediction at "
+           "1 process and with TP, not yet with pipeline parallelism; drop one of them")
     refuse(family == "gpt" and getattr(args, "hybrid_layer_pattern", None),
            "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does not: run "
            "snip-pretrain-hybrid (Megatron-LM's pretrain_hybrid.py with SNIP) instead")
@@ -134,8 +144,8 @@ class SnipRun:
     """Planned-linear backend: emulated or te."""
     sm: Optional[int] = None
     """The GPU's compute capability (TE backend): the TE dicts of every plan are this GPU's."""
-    num_layers: int = 0
-    """Transformer layers of the whole model."""
+    num_layers: Any = 0
+    """The whole model's planned linears (an Inventory; a dense GPT's layer count also does)."""
     seq_length: int = 0
     micro_batch_size: int = 0
     user_recipe: Any = None
@@ -260,9 +270,12 @@ def model_shape(args, transformer_config=None):
 
 def expected_inventory(args, transformer_config=None, family: str = "gpt"):
     """The planned linears the run's config gives (models.inventory.Inventory), with the run's
-    sequence_parallel setting: the dense GPT's, or the HybridModel's of --hybrid-layer-pattern."""
+    sequence_parallel setting: the GPT's (multi-latent attention and multi-token prediction
+    included), or the HybridModel's of --hybrid-layer-pattern."""
     from snip_megatron.models import gpt, hybrid
 
+    if family == gpt.FAMILY and transformer_config is not None:
+        return gpt.of_config(transformer_config)
     shape = model_shape(args, transformer_config)
     sp = bool(getattr(transformer_config, "sequence_parallel", getattr(args, "sequence_parallel", False)))
     if family == hybrid.FAMILY:
@@ -276,16 +289,37 @@ def te_shape_exclusions(snip: SnipConfig, args, transformer_config=None, invento
     (`inventory`: the model's planned linears, default the dense GPT's)."""
     from snip_megatron.te.shapes import te_exclusions
 
+    if inventory is None and transformer_config is not None:
+        inventory = gpt.of_config(transformer_config)
     return te_exclusions(model_shape(args, transformer_config), snip.formats, snip.uses, inventory=inventory,
                          tp=args.tensor_model_parallel_size,
                          sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
                          cp=getattr(args, "context_parallel_size", 1) or 1, micro_batch_size=args.micro_batch_size)
 
 
+MTP_FP4 = ("Megatron keeps FP4 off multi-token-prediction layers (transformer/multi_token_prediction.py, "
+           "'currently ignoring FP4 in MTP layers')")
+
+
+def mtp_exclusions(model, excluded: "dict | None" = None) -> "dict | None":
+    """`excluded` with FP4 taken off every MTP linear, as Megatron does under a global FP4 (said once
+    at start-up); the MTP linears are planned in the other precisions."""
+    from snip_megatron.formats.precision import Precision
+
+    mtp = [key for key in model.keys() if gpt.is_mtp(key)]
+    if not mtp:
+        return excluded
+    _print_rank_0(f"[snip] {len(mtp)} multi-token-prediction linears planned in BF16/FP8, never FP4: {MTP_FP4}")
+    out = dict(excluded or {})
+    for key in mtp:
+        out[key] = {**out.get(key, {}), Precision.FP4: MTP_FP4}
+    return out
+
+
 def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None, inventory=None):
-    """SNIP's controller for this run, planning `inventory` (default the dense GPT's): per-stage
-    budgets from Megatron's own pipeline offsets; `excluded`, the precisions the backend cannot run
-    per linear."""
+    """SNIP's controller for this run, planning `inventory` (default the GPT the config describes):
+    per-stage budgets from Megatron's own pipeline offsets; `excluded`, the precisions the backend
+    cannot run per linear."""
     from snip_megatron.controller import SnipController
     from snip_megatron.megatron.layout import pipeline_stages
     from snip_megatron.models import hybrid
@@ -300,7 +334,8 @@ def make_controller(snip: SnipConfig, args, transformer_config, *, excluded=None
     return SnipController(snip, model_shape(args, transformer_config), total_steps=args.train_iters,
                           run_dir=args.save,
                           tokens_per_step=args.global_batch_size * args.seq_length, stages=stages,
-                          log=_print_rank_0, excluded=excluded, loggers=run_loggers(args), inventory=inventory)
+                          log=_print_rank_0, excluded=excluded, loggers=run_loggers(args),
+                          inventory=gpt.of_config(transformer_config) if inventory is None else inventory)
 
 
 def run_loggers(args):
@@ -395,9 +430,10 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     inventory = expected_inventory(args, transformer, family)
     check_user_recipe(user_recipe, inventory, "--te-precision-config-file")
     excluded = te_shape_exclusions(snip, args, transformer, inventory) if backend == "te" else None
+    excluded = mtp_exclusions(inventory, excluded)
     run = SnipRun(config=snip, controller=controller or make_controller(snip, args, transformer, excluded=excluded,
                                                                         inventory=inventory),
-                  backend=backend, sm=sm, num_layers=args.num_layers, seq_length=args.seq_length,
+                  backend=backend, sm=sm, num_layers=inventory, seq_length=args.seq_length,
                   micro_batch_size=args.micro_batch_size, user_recipe=user_recipe, inventory=inventory)
     run.resume(read_state(args))
     run.check_plan_runs(run.controller.plan)

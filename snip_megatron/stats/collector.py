@@ -106,16 +106,17 @@ class LinearProbe:
     def __init__(self, key: LayerKey, module, collector: "Collector"):
         self.key, self.module, self.c = key, module, collector
         kind = ParallelKind(collector.kinds[key])
-        if kind is ParallelKind.DUPLICATED:
-            raise NotImplementedError(f"{key}: statistics of TP-duplicated linears are not measured yet")
         self.column = kind is ParallelKind.COLUMN
+        self.row = kind is ParallelKind.ROW
+        # duplicated (MLA's down-projections in the TE spec): the whole weight on every TP rank,
+        # nothing sharded by features; under SP both X and Y hold this rank's tokens only
         w = module.weight
         tp = collector.tp_size
         self.stride = int(getattr(w, "partition_stride", 1) or 1)
-        self.k = w.shape[1] * (1 if self.column else tp)
+        self.k = w.shape[1] * (tp if self.row else 1)
         self.m = w.shape[0] * (tp if self.column else 1)
         # sequence parallelism: which operand is token-sharded
-        self.x_local = collector.sequence_parallel and self.column
+        self.x_local = collector.sequence_parallel and not self.row
         self.y_local = collector.sequence_parallel and not self.column
         self.reset()
         self.handles = [module.register_forward_pre_hook(self._hook(self._pre)),
@@ -139,6 +140,10 @@ class LinearProbe:
         acc = self.c.acc
         acc.add(acc.row(self.key), acc.col(f"{name}.{p.value}" if p is not None else name), value)
 
+    def _weight_group(self):
+        """The TP group a weight's shards span (None: whole on this rank, as a duplicated one)."""
+        return self.c.tp_group if self.c.tp_size > 1 and (self.column or self.row) else None
+
     def _err(self, t: torch.Tensor, p: Precision, role: str, sharded: bool) -> torch.Tensor:
         group = self.c.tp_group if sharded and self.c.tp_size > 1 else None
         return self.c.error_fn(t, p, role, group=group)
@@ -146,7 +151,7 @@ class LinearProbe:
     def _field(self, shape, mb: int, stream: int, side: str, device) -> noise.NoiseField:
         """The noise of this rank's part of the layer's X (side "x") or Y (side "y")."""
         c = self.c
-        features = (side == "y") == self.column  # column: Y's features sharded; row: X's
+        features = self.column if side == "y" else self.row  # column: Y's features sharded; row: X's
         local = self.x_local if side == "x" else self.y_local
         positions = noise.token_positions(shape[0], sp_rank=c.tp_rank if local else 0,
                                           sp_size=c.tp_size if local else 1, cp_rank=c.cp_rank,
@@ -193,6 +198,8 @@ class LinearProbe:
         x = args[0]
         if not x.requires_grad:  # parameters are frozen: make the input a leaf so gradients flow
             x = x.detach().requires_grad_(True)
+        else:  # a node of its own: G_X is this linear's dgrad, not the sum over every linear that
+            x = x.view_as(x)  # reads the same tensor (MLA's down-projections share their input)
         mode = c.mode_of(mb)
         if mode == "clean":
             self._add("x_sq", tokens.sum_sq(x.detach()))
@@ -249,9 +256,9 @@ class LinearProbe:
         xb, gb = bwd.take(x2), bwd.take(g2)
         ex = {}
         for p in c.precisions:
-            ex[p] = self._err(xs, p, "fprop_input", not self.column)
+            ex[p] = self._err(xs, p, "fprop_input", self.row)
             self._add("ex", fwd.scale * tokens.sum_sq(ex[p]), p)
-            self._add("ex_w", bwd.scale * tokens.sum_sq(self._err(xb, p, "wgrad_input", not self.column)), p)
+            self._add("ex_w", bwd.scale * tokens.sum_sq(self._err(xb, p, "wgrad_input", self.row)), p)
             self._add("egy_d", bwd.scale * tokens.sum_sq(self._err(gb, p, "dgrad_grad_output", self.column)), p)
             self._add("egy_w", bwd.scale * tokens.sum_sq(self._err(gb, p, "wgrad_grad_output", self.column)), p)
         del xb, gb
@@ -266,7 +273,7 @@ class LinearProbe:
         self.weights_done = True
         roles = {p: ("fprop_weight", "dgrad_weight") if first else ("fprop_weight",) for p in c.precisions}
         for rows, w_blk, errs in weights.error_blocks(self.module.weight, c.error_fn, roles,
-                                                      group=c.tp_group if c.tp_size > 1 else None):
+                                                      group=self._weight_group()):
             if first:
                 self._weight_norms(w_blk, errs)
             gw_blk = gws_g[:, rows].t() @ gws_x  # wgrad G_W = G_Y^T X, on the sample, these rows
@@ -276,7 +283,7 @@ class LinearProbe:
                 self._add("gw_ew", gw_sample.scale * tokens.dot(gw_blk, e), p)
                 # dY = Q(X) Q(W)^T - X W^T on the token sample, these output features
                 dy = ex[p] @ (w_blk + e).t() + xs @ e.t()
-                if not self.column and c.tp_size > 1:  # a row-parallel layer's partial products
+                if self.row and c.tp_size > 1:  # a row-parallel layer's partial products
                     dist.all_reduce(dy, group=c.tp_group)
                 self._add("dy_sq", fwd.scale * tokens.sum_sq(dy), p)
                 along[p] += (gs[:, rows] * dy).sum(1)  # <G_Y,t, dY_t> per sampled token
@@ -301,8 +308,8 @@ class LinearProbe:
             return
         self.weights_done = True
         roles = {p: ("fprop_weight", "dgrad_weight") for p in self.c.precisions}
-        group = self.c.tp_group if self.c.tp_size > 1 else None
-        for _, w_blk, errs in weights.error_blocks(self.module.weight, self.c.error_fn, roles, group=group):
+        for _, w_blk, errs in weights.error_blocks(self.module.weight, self.c.error_fn, roles,
+                                                   group=self._weight_group()):
             self._weight_norms(w_blk, errs)
 
     def _on_gx_clean(self, mb: int, g: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ from snip_megatron.stats.config import MeasureConfig
 from snip_megatron.megatron.apply import is_te_linear, list_planned_linears
 from snip_megatron.megatron.gemm_view import unfused
 from snip_megatron.models.inventory import ParallelKind
-from snip_megatron.plan import model_keys
+from snip_megatron.models import gpt
 from snip_megatron.stats.discover import _unwrap
 from snip_megatron.stats.microbatches import sample_microbatches, step_positions, summed_mask
 from snip_megatron.stats.quant_error import ErrorFn, formats_error_fn
@@ -227,7 +227,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
     (global rank 0 holds all rows; every stage with `pp_to_all`). `reduce=False` returns this
     rank's local table, unreduced (for tests). Statistics stay on the device until the one
     transfer at the end. `keys`: the table's rows, every planned linear of the model in forward
-    order (its inventory's keys; default: a dense GPT of the config's layers)."""
+    order (its inventory's keys; default: a GPT of the config's layers and attention)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -246,7 +246,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             planned = list_planned_linears(chunks)
             kinds = {pl.key: pl.entry.kind for pl in planned}
             linears = [(pl.key, views.enter_context(unfused(pl.module,
-                                                            column=kinds[pl.key] is ParallelKind.COLUMN))
+                                                            column=kinds[pl.key] is ParallelKind.COLUMN,
+                                                            duplicated=kinds[pl.key] is ParallelKind.DUPLICATED))
                         if is_te_linear(pl.module) else pl.module) for pl in planned]
             error_fn = error_fn or formats_error_fn(config.formats, config.seed)
             # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
@@ -267,7 +268,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
             device = next(iter(chunks[0].parameters())).device
-            collector = Collector(linears, keys=model_keys(mconfig.num_layers) if keys is None else keys,
+            collector = Collector(linears, keys=gpt.of_config(mconfig).keys() if keys is None else keys,
                                   kinds=kinds, error_fn=error_fn,
                                   precisions=config.precisions, seed=config.seed, first_order=config.first_order,
                                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,

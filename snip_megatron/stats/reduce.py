@@ -5,6 +5,9 @@
   sequence parallelism the token dim is sharded too: statistics of a column-parallel layer's
   input side (X, G_X: [s/tp, b, k]) and of a row-parallel layer's output side (Y, G_Y) are sums
   over TP as well; statistics the hooks compute on tokens gathered over TP stay replicated.
+  A duplicated linear (MLA's down-projections in the TE spec: the whole weight on every TP rank)
+  has nothing sharded by features; under SP each rank holds its own tokens of X and Y (and their
+  gradients), so those per-token sums add over TP, and everything else is replicated.
 - DP and CP: replicas are averaged over the data-parallel group with context parallelism (CP
   ranks hold different tokens of the same sequences and are reduced like DP replicas, as
   Megatron reduces gradients over DP x CP). AdamW state of a distributed optimizer is sharded
@@ -37,6 +40,8 @@ _SHARDED_ROW = {"x_sq", "gx_sq", "bwd_eta_sq", "ex", "ex_w", "gx_ex"}
 # (the errors, dY and G_W are computed on tokens gathered over TP and keep the rules above).
 _TOKEN_SHARDED_COLUMN = {"x_sq", "n", "gx_sq", "gx_ex", "bwd_eta_sq"}
 _TOKEN_SHARDED_ROW = {"y_sq", "gy_sq", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq"}
+# A duplicated linear under SP: both its input and its output are this rank's tokens.
+_TOKEN_SHARDED_DUPLICATED = _TOKEN_SHARDED_COLUMN | _TOKEN_SHARDED_ROW
 ADAM_FIELDS = ("adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel")
 
 
@@ -45,8 +50,7 @@ def tp_sharded(field: str, kind: ParallelKind, sequence_parallel: bool = False) 
     base = field.split(".", 1)[0]
     kind = ParallelKind(kind)
     if kind is ParallelKind.DUPLICATED:
-        raise NotImplementedError("statistics of TP-duplicated linears (weights replicated over TP) are not "
-                                  "reduced yet; measure this model at TP=1")
+        return sequence_parallel and base in _TOKEN_SHARDED_DUPLICATED
     column = kind is ParallelKind.COLUMN
     sharded = _SHARDED_ALWAYS | (_SHARDED_COLUMN if column else _SHARDED_ROW)
     if sequence_parallel:

@@ -31,7 +31,12 @@ def test_paths_and_keys_translate_both_ways():
     assert gpt.key_for_path("decoder.layers.2.mlp.linear_fc1", 10) == LayerKey(13, "linear_fc1")
     assert gpt.key_for_path("module.decoder.layers.0.self_attention.linear_qkv") == LayerKey(1, "linear_qkv")
     assert gpt.key_for_path("decoder.layers.0.mlp.experts.linear_fc1") is None
-    assert gpt.key_for_path("mtp.layers.0.transformer_layer.mlp.linear_fc1") is None
+    # multi-token prediction: keys of their own, by depth, whatever the chunk's offset (0.16 and 0.19 names)
+    assert gpt.key_for_path("mtp.layers.0.transformer_layer.mlp.linear_fc1", 10) == LayerKey(1, "mtp.linear_fc1")
+    assert gpt.key_for_path("module.mtp.layers.1.mtp_model_layer.self_attention.linear_qkv") == \
+        LayerKey(2, "mtp.linear_qkv")
+    assert gpt.key_for_path("mtp.layers.0.eh_proj", 3) == LayerKey(1, "mtp.eh_proj")
+    assert gpt.module_path(LayerKey(1, "mtp.linear_proj")) == "mtp.layers.0.mtp_model_layer.self_attention.linear_proj"
     assert gpt.module_path(LayerKey(13, "linear_fc1"), 10) == "decoder.layers.2.mlp.linear_fc1"
     assert gpt.layer_path("module.decoder.layers.3.mlp.linear_fc2") == "module.decoder.layers.3"
     with pytest.raises(ValueError, match="not a planned linear of a GPT chunk"):
@@ -71,7 +76,7 @@ def test_only_the_adapter_names_the_gpt_linears_in_code():
     from pathlib import Path
 
     package = Path(gpt.__file__).resolve().parents[1]
-    names = set(gpt.LINEAR_NAMES)
+    names = set(gpt.NAMES)  # the dense layer's and multi-latent attention's
     found = []
     for path in sorted(package.rglob("*.py")):
         if path == Path(gpt.__file__).resolve():
@@ -84,3 +89,63 @@ def test_only_the_adapter_names_the_gpt_linears_in_code():
             elif isinstance(node, ast.keyword) and node.arg in names:
                 found.append(f"{path.relative_to(package)}:{node.lineno} {node.arg}=")
     assert not found, "\n".join(found)
+
+
+MLA = gpt.MLADims(q_lora_rank=32, kv_lora_rank=48, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16)
+
+
+def test_multi_latent_attention_inventory_shapes_kinds_and_flops():
+    import dataclasses
+
+    shape = get_shape("llama_tiny")
+    inv = gpt.inventory(shape, mla=MLA, sequence_parallel=True)
+    n, h = shape.num_attention_heads, shape.hidden_size
+    layer1 = {e.key.name: e for e in inv if e.layer == 1}
+    assert list(layer1) == ["linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj", "linear_kv_up_proj",
+                            "linear_proj", "linear_fc1", "linear_fc2"]
+    assert layer1["linear_q_down_proj"].shape == (32, h) and layer1["linear_kv_down_proj"].shape == (64, h)
+    assert layer1["linear_q_up_proj"].shape == (n * 32, 32) and layer1["linear_kv_up_proj"].shape == (n * 32, 48)
+    assert layer1["linear_proj"].shape == (h, n * 16)
+    assert {k: e.kind.value for k, e in layer1.items() if "down" in k} == {"linear_q_down_proj": "duplicated",
+                                                                          "linear_kv_down_proj": "duplicated"}
+    assert layer1["linear_kv_down_proj"].sp_shards_input and not layer1["linear_proj"].sp_shards_input
+    assert layer1["linear_kv_up_proj"].flops_per_token == 6 * n * 32 * 48
+    no_q_lora = gpt.inventory(shape, mla=dataclasses.replace(MLA, q_lora_rank=None))
+    assert [e.key.name for e in no_q_lora if e.layer == 1][0] == "linear_q_proj"
+    assert gpt.key_for_path("decoder.layers.1.self_attention.linear_kv_up_proj", 4) == LayerKey(6, "linear_kv_up_proj")
+    # a dense GPT's keys keep their order and seeds (v1 plans and digests unchanged)
+    from snip_megatron.models.order import forward_order, key_index
+
+    assert sorted(all_keys(2), key=forward_order) == all_keys(2)
+    assert [key_index(k) for k in all_keys(1)] == [4, 5, 6, 7]
+
+
+def test_an_mla_model_built_on_the_emulated_spec_holds_its_inventory(megatron_single):
+    from megatron.core import package_info
+
+    from snip_megatron.megatron.model import build_model_chunks
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape
+
+    if package_info.__version__.startswith("0.16."):
+        pytest.skip("megatron-core 0.16.1's MLASelfAttention cannot be built without Transformer Engine "
+                    "(isinstance(linear_proj, TELinear) with TELinear None)")
+    chunks = build_model_chunks(shape, backend="emulated", mla=MLA)
+    found = gpt.discover(chunks)
+    assert found == gpt.inventory(shape, mla=MLA) == gpt.of_config(chunks[0].config)
+    assert {type(m).__name__ for p, m in chunks[0].named_modules() if p.endswith("down_proj")} == {"QuantDownProjection"}
+
+
+def test_multi_token_prediction_keys_live_apart_from_the_decoder():
+    from snip_megatron.models.inventory import Inventory, merge
+
+    shape = get_shape("llama_tiny")
+    inv = gpt.inventory(shape, mtp_num_layers=1)
+    mtp = [e for e in inv if gpt.is_mtp(e.key)]
+    assert [str(e.key) for e in mtp] == ["1.mtp.eh_proj", "1.mtp.linear_qkv", "1.mtp.linear_proj",
+                                         "1.mtp.linear_fc1", "1.mtp.linear_fc2"]
+    assert list(inv)[-5:] == mtp and mtp[0].shape == (shape.hidden_size, 2 * shape.hidden_size)
+    assert inv.entry("1.linear_qkv").shape == inv.entry("1.mtp.linear_qkv").shape
+    # the last pipeline stage holds the MTP layer, the first decoder layer 1: one global list
+    first = Inventory("gpt", [e for e in inv if e.layer == 1 and not gpt.is_mtp(e.key)])
+    last = Inventory("gpt", [e for e in inv if e.layer > 1 or gpt.is_mtp(e.key)])
+    assert merge([last, first]) == inv

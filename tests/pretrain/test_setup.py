@@ -26,7 +26,11 @@ def megatron_args(*argv):
 
 @pytest.mark.parametrize("argv, flag", [
     (["--num-experts", "4"], "--num-experts (MoE)"),
-    (["--multi-latent-attention"], "--multi-latent-attention"),
+    (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
+    (["--multi-latent-attention", "--tensor-model-parallel-size", "2"],
+     "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel"),
+    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
+     "--mtp-num-layers with --pipeline-model-parallel-size > 1"),
     (["--hybrid-layer-pattern", "*-"], "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does "
                                        "not: run snip-pretrain-hybrid"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3"),
@@ -82,6 +86,14 @@ def test_a_model_that_is_not_the_one_planned_is_refused_before_the_first_step(me
     with pytest.raises(SystemExit, match=r"^SNIP: gpt inventory does not match the model built on these ranks "
                                          r"\(the config and the built layer spec disagree\): 1.linear_qkv differs"):
         run.check_inventory([model])
+
+
+def test_multi_latent_attention_and_multi_token_prediction_are_planned_not_refused():
+    for argv in (["--multi-latent-attention"], ["--multi-latent-attention", "--q-lora-rank", "32"],
+                 ["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                 ["--mtp-num-layers", "1"]):
+        args = megatron_args("--snip", *argv)
+        assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv
 
 
 POINT_6 = [

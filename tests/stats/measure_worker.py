@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from snip_megatron.megatron import runtime
+from snip_megatron.models.gpt import MLADims
 from snip_megatron.shapes import ModelShape
 
 SHAPE = ModelShape(name="stats_tiny", num_layers=2, hidden_size=64, ffn_hidden_size=128,
@@ -44,6 +45,14 @@ LAYOUTS = {  # name -> (tp, pp, keep Megatron's own init, TransformerConfig over
     # it whole in one process, pair the two micro-batches dp2_k2 samples (its replicas' second ones)
     "single4": (1, 1, False, {}, None), "pair": (1, 1, False, {}, None),
 }
+# multi-latent attention (down-projections duplicated over TP, as in Megatron's TE spec), with
+# q_lora_rank (mla_*) and without (mlaq_*); every width a multiple of the error function's 16-element
+# blocks. Megatron's MLA needs sequence parallelism at TP > 1 (megatron/mla.py says why).
+MLA = MLADims(q_lora_rank=32, kv_lora_rank=48, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16)
+MLA_NO_Q_LORA = MLADims(q_lora_rank=None, kv_lora_rank=48, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16)
+for _prefix, _dims in (("mla", MLA), ("mlaq", MLA_NO_Q_LORA)):
+    LAYOUTS.update({f"{_prefix}_single": (1, 1, True, dict(mla=_dims), None),
+                    f"{_prefix}_tp2_sp": (2, 1, True, dict(mla=_dims, sequence_parallel=True), None)})
 DP2_STEP = 4
 """Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
 micro-batches r, r + 2, ...)."""

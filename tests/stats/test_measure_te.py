@@ -28,3 +28,18 @@ def test_te_spec_statistics_equal_the_local_spec(tmp_path, tp):
         assert r["params_kept"] and r["forward_restored"]
         assert r["runs_during_measurement"] == {k: {} for k in r["runs_during_measurement"]}, \
             r["runs_during_measurement"]  # no TE GEMM (quantized or not) ran while measured
+
+
+def test_mla_duplicated_te_linears_measure_as_the_local_spec_under_sequence_parallelism(tmp_path):
+    """Multi-latent attention at TP=2 with SP: TE's duplicated down-projections (whole weight, this
+    rank's tokens) give the statistics of SNIP's duplicated local linear, every row and field to 1e-5
+    (and those equal one process's: tests/stats/test_measure_mla.py)."""
+    run_distributed([WORKER, "--out", str(tmp_path), "--tp", "2", "--mla", "--sp"], nproc=2, timeout=600,
+                    env={"PYTHONPATH": double_pythonpath(apex=True)})
+    for rank in range(2):
+        r = json.loads((Path(tmp_path) / f"rank{rank}.json").read_text())
+        bad = {f: w for f, w in r["worst"].items() if not w <= 1e-5}
+        assert not bad, bad
+        assert r["keys"][:2] == ["1.linear_q_down_proj", "1.linear_kv_down_proj"]
+        assert r["kinds"]["1.linear_kv_down_proj"] is None and r["kinds"]["1.linear_kv_up_proj"] == "column"
+        assert r["params_kept"] and r["forward_restored"]

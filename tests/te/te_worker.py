@@ -97,7 +97,9 @@ def build_te_gpt(shape: ModelShape = SHAPE, *, the_plan=None, quant_recipe=None,
                                      quant_recipe=quant_recipe, **config_overrides)
     if the_plan is not None:
         config.quant_recipe = te_recipe_for(config, the_plan)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)))
+    return GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=False, position_embedding_type="rope")

@@ -1,0 +1,105 @@
+"""Megatron-LM's loop trains a multi-latent-attention GPT and a multi-token-prediction GPT with SNIP
+on the CPU (prod lane). MLA: every MLA linear planned (linear_q_proj, or the q down/up-projections;
+the kv down/up-projections; linear_proj), measured and re-planned at one process with an MTP layer
+(and resumed with the checkpoint's plan), at TP=2 with sequence parallelism (Megatron's TE spec over
+the TE double), and at PP=2 with a budget per stage (without q_lora_rank). MTP (--mtp-num-layers 1):
+its eh_proj and inner layer's linears keyed "mtp.<name>" by depth, never FP4 (as Megatron), measured
+and re-planned at one process (with MLA, above) and at TP=2 (with PP it is refused at start-up). (Statistics at TP=2+SP equal one
+process's: tests/stats/test_measure_mla.py.)"""
+
+import json
+import re
+
+import pytest
+
+from snip_megatron.plan import Plan
+from tests.distributed import run_distributed
+from tests.pretrain import test_runs
+from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of
+
+# the GPT of test_runs without grouped-query attention, which Megatron refuses with MLA
+GQA = ("--group-query-attention", "--num-query-groups")
+MODEL = [a for i, a in enumerate(test_runs.MODEL)
+         if a not in GQA and test_runs.MODEL[i - 1] != "--num-query-groups"]
+
+
+def train(cwd, *argv, **kw):
+    saved = test_runs.MODEL
+    test_runs.MODEL = MODEL
+    try:
+        return test_runs.train(cwd, *argv, **kw)
+    finally:
+        test_runs.MODEL = saved
+
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "48", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "16",
+       "--v-head-dim", "16", "--rope-type", "rope"]
+Q_LORA = ["--q-lora-rank", "32"]
+SNIP = ["--mock-data", "--vocab-size", "256", "--eval-interval", "100", "--snip", "--snip-warmup", "1",
+        "--snip-interval", "2", "--snip-lag", "0", "--snip-fp4-budget", "0.5"]
+PER_LAYER = {"q_lora": ["linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj", "linear_kv_up_proj",
+                        "linear_proj", "linear_fc1", "linear_fc2"],
+             "no_q_lora": ["linear_q_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj",
+                           "linear_fc1", "linear_fc2"]}
+
+
+def replans(out: str) -> list[str]:
+    return [line for line in snip_lines(out) if re.match(r"\[snip\] step [1-9]\d*: plan .* measurement", line)]
+
+
+@needs_training
+def test_one_process_measures_replans_and_resumes_the_checkpoint_plan(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = [*MLA, *Q_LORA, *SNIP, "--mtp-num-layers", "1", "--train-iters", "4", "--save-interval", "2",
+              "--save", str(ckpt)]
+    out = train(tmp_path, *common, "--exit-interval", "2")
+    mtp = ["mtp.eh_proj"] + ["mtp." + n for n in PER_LAYER["q_lora"]]
+    assert f"[snip] {len(mtp)} multi-token-prediction linears planned in BF16/FP8, never FP4" in out
+    assert "[snip] rank 0 runs the plan on its 22 planned linears: {'bf16': 0, 'fp8': 22, 'fp4': 0}" in snip_lines(out)
+    assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2]
+    state = state_of(ckpt, 2)
+    plan = Plan.from_dict(state["plan"])
+    assert sorted({k.name for k in plan.keys()}) == sorted(PER_LAYER["q_lora"] + mtp)
+    assert plan.counts()["fp4"] > 0  # the re-plan put some MLA linears in FP4 ...
+    assert {p.value for k, p in plan.items() if k.name.startswith("mtp.")} <= {"bf16", "fp8"}  # ... no MTP one
+    out = train(tmp_path, *common, "--load", str(ckpt))
+    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
+    assert sorted(losses(out)) == [3, 4] and len(replans(out)) == 1
+
+
+@needs_training
+def test_tp2_sp_over_the_te_double_measures_and_replans(tmp_path):
+    """Megatron's TE spec: the down-projections are TELinear(parallel_mode="duplicated"), measured
+    through their unfused GEMM on this rank's tokens (the CPU's torch norms refuse SP; TE's do not)."""
+    from tests.pretrain.test_te_runs import DATA, TE, WORKER, te_env
+
+    probe = tmp_path / "probe"
+    out = run_distributed([str(WORKER), str(probe), *MODEL, *TE, *MLA, *Q_LORA, *DATA, *SNIP[5:],
+                           "--tensor-model-parallel-size", "2", "--sequence-parallel", "--train-iters", "3"],
+                          nproc=2, timeout=600, env=te_env(100)).stdout
+    planned = json.loads((probe / "rank0.json").read_text())["planned"]
+    assert sorted(planned) == sorted(f"{layer}.{n}" for layer in (1, 2) for n in PER_LAYER["q_lora"])
+    assert {planned[f"1.{n}"] for n in ("linear_q_down_proj", "linear_kv_down_proj")} == {"TELinear"}
+    assert len(replans(out)) == 2 and sorted(losses(out)) == [1, 2, 3]  # measured at steps 1 and 3
+
+
+@needs_training
+def test_pp2_measures_and_replans_per_stage(tmp_path):
+    out = train(tmp_path, *MLA, *SNIP, "--pipeline-model-parallel-size", "2", "--snip-per-stage-budget",
+                "--train-iters", "3", nproc=2)
+    assert f"[snip] rank 0 runs the plan on its {len(PER_LAYER['no_q_lora'])} planned linears" in out
+    assert len(replans(out)) == 2 and sorted(losses(out)) == [1, 2, 3]  # measured at steps 1 and 3
+    assert all(2.0 < x < 7.0 for x in losses(out).values())
+
+
+@needs_training
+def test_mtp_at_tp2_measures_and_replans(tmp_path):
+    out = test_runs.train(tmp_path, *SNIP, "--mtp-num-layers", "1", "--tensor-model-parallel-size", "2",
+                          "--train-iters", "3",
+                          "--save", str(tmp_path / "ckpt"), "--save-interval", "3", nproc=2)
+    assert "[snip] 5 multi-token-prediction linears planned in BF16/FP8, never FP4" in out
+    assert len(replans(out)) == 2 and sorted(losses(out)) == [1, 2, 3]
+    assert "mtp_1 loss" in out
+    plan = Plan.from_dict(state_of(tmp_path / "ckpt", 3)["plan"])
+    assert sorted(k.name for k in plan.keys() if k.layer == 1 and k.name.startswith("mtp.")) == \
+        sorted(["mtp.eh_proj", "mtp.linear_qkv", "mtp.linear_proj", "mtp.linear_fc1", "mtp.linear_fc2"])
+    assert plan.counts()["fp4"] > 0 and {p.value for k, p in plan.items() if k.name.startswith("mtp.")} <= {"bf16", "fp8"}
