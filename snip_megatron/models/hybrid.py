@@ -4,7 +4,7 @@
 linear_fc2), `M` Mamba layer (mixer.in_proj, out_proj), `G` gated delta net (self_attention.in_proj,
 out_proj); `|` cuts pipeline segments. Layer i of a segment has `layer_number = i + 1 + offset`,
 the offset being the layers of the segments before it (Megatron's `select_pipeline_segment`).
-MoE (`E`), MLA (`+`), DSA (`D`) and MTP (`/`) are refused by name until SNIP plans them. An
+MoE (`E`), MLA (`+`), DSA (`D`) and MTP (`/`) layers are refused by name until SNIP plans them here. An
 attention layer's keys are a GPT layer's (GPT layer L is hybrid layers 2L-1 and 2L of `*-*-...`).
 Pure: the pattern and the config's widths give the inventory; Megatron is not imported.
 """
@@ -36,7 +36,8 @@ LINEARS: dict[str, tuple[LinearSlot, ...]] = {
 LAYER_NAMES = {"*": "attention", "-": "MLP", "M": "Mamba", "G": "gated delta net"}
 REFUSED = {
     "E": "MoE layers (E): SNIP plans MoE experts after the MoE issue; use '-' (dense MLP) layers",
-    "+": "multi-latent attention layers (+): SNIP does not plan MLA yet; use '*' attention layers",
+    "+": "multi-latent attention layers (+): SNIP plans MLA on GPTModel (snip-pretrain-gpt "
+         "--multi-latent-attention), not yet as hybrid layers; use '*' attention layers",
     "D": "DeepSeek sparse attention layers (D): SNIP does not plan DSA yet; use '*' attention layers",
     "/": "multi-token prediction ('/' in the pattern): SNIP does not plan MTP layers yet; drop the "
          "'/...' part of the pattern",
