@@ -150,7 +150,7 @@ def current_plan(model) -> Plan:
                  if (p := precision_of(pl.module)) is not None})
 
 
-def _num_layers(model) -> "Inventory | None":
+def _config_inventory(model) -> "Inventory | None":
     """The planned linears of the whole model the chunks' config describes (None without one)."""
     for chunk in _chunks(model):
         config = getattr(chunk, "config", None)
@@ -174,8 +174,9 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
     """
     if not isinstance(plan, Plan):
         raise ValueError(f"apply_plan needs a Plan, got {type(plan).__name__}")
-    if num_layers is None and family_of(_chunks(model)) == gpt.FAMILY:  # a dense GPT's layer count
-        num_layers = _num_layers(model)
+    family = family_of(_chunks(model))
+    if num_layers is None and family == gpt.FAMILY:  # the GPT the chunks' config describes
+        num_layers = _config_inventory(model)
     if num_layers is not None:
         plan.check_model(num_layers)
     linears = list_planned_linears(model)
@@ -201,7 +202,7 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         todo.append((pl, new, config))
 
     changes: list[AppliedChange] = []
-    parse_path = adapter(family_of(_chunks(model))).parse_path
+    parse_path = adapter(family).parse_path
     for pl, new, config in todo:
         if is_te_linear(pl.module):
             keep_te_weights_fresh(pl.module)
