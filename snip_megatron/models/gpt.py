@@ -175,8 +175,10 @@ def module_kind(module) -> ParallelKind:
     return ParallelKind.ROW if hasattr(module, "input_is_parallel") else ParallelKind.COLUMN
 
 
-def module_path(key: LayerKey, layer_offset: int = 0) -> str:
-    """The path Megatron gives `key` inside the chunk whose first layer is `layer_offset` + 1."""
+def module_path(key: "LayerKey | InventoryEntry", layer_offset: int = 0) -> str:
+    """The path Megatron gives `key` (or an inventory entry's) inside the chunk whose first layer
+    is `layer_offset` + 1."""
+    key = getattr(key, "key", key)
     if is_mtp(key) and key.name in SLOTS:
         slot = SLOTS[key.name]
         inner = "" if slot is MTP_EH_PROJ else MTP_INNER[0] + "."

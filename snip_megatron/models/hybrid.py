@@ -182,15 +182,13 @@ def key_for_path(module_path: str, layer_offset: int = 0) -> "LayerKey | None":
     return None if parsed is None else LayerKey(layer_offset + parsed[0] + 1, parsed[1])
 
 
-def module_path(key: LayerKey, pattern: str, layer_offset: int = 0) -> str:
-    """The path Megatron gives `key` inside the chunk whose first layer is `layer_offset` + 1."""
-    symbols = layer_symbols(pattern)
-    local = key.layer - layer_offset - 1
-    slots = {s.name: s for s in LINEARS[symbols[key.layer - 1]]} if 1 <= key.layer <= len(symbols) else {}
-    if local < 0 or key.name not in slots:
-        raise ValueError(f"{key} is not a planned linear of pattern {pattern!r} in a chunk starting after "
-                         f"layer {layer_offset}")
-    return f"decoder.layers.{local}.{slots[key.name].suffix}"
+def module_path(entry: InventoryEntry, layer_offset: int = 0) -> str:
+    """The path Megatron gives an inventory entry inside the chunk whose first layer is
+    `layer_offset` + 1 (the entry's suffix names the layer kind, so no pattern is needed)."""
+    local = entry.layer - layer_offset - 1
+    if local < 0:
+        raise ValueError(f"{entry.key} is not in a chunk starting after layer {layer_offset}")
+    return f"decoder.layers.{local}.{entry.suffix}"
 
 
 def is_model(chunk) -> bool:

@@ -95,6 +95,7 @@ def check_user_recipe(user_recipe, model, source: str) -> None:
 
     from snip_megatron.formats.precision import Precision
     from snip_megatron.models import gpt
+    from snip_megatron.models.registry import adapter
     from snip_megatron.plan import model_keys
 
     if user_recipe is None:
@@ -103,9 +104,8 @@ def check_user_recipe(user_recipe, model, source: str) -> None:
     if clash:
         raise ValueError(f"{source} defines config keys {clash}, the names SNIP's plan uses; rename them")
     # each planned linear's path as if the model were one stage
-    paths = ([(k, gpt.module_path(k)) for k in model_keys(model)]
-             if isinstance(model, int) or model.family == gpt.FAMILY
-             else [(e.key, f"decoder.layers.{e.layer - 1}.{e.suffix}") for e in model])
+    paths = ([(k, gpt.module_path(k)) for k in model_keys(model)] if isinstance(model, int)
+             else [(e.key, adapter(model.family).module_path(e)) for e in model])
     for planned, path in paths:
         for matcher in user_recipe.matchers:
             key = matcher.match(MatchContext(path, planned.layer - 1))

@@ -187,7 +187,7 @@ def test_a_hybrid_chunks_paths_match_by_its_pattern():
     plan = Plan({k: "fp4" if k.layer == 7 else "fp8" for k in inv.keys()}, inventory=inv)
     recipe = build_recipe(plan, layer_offset=4, family="hybrid")
     got = {path: get_quant_config_or_none(path, recipe).config["precision"]
-           for path in (hybrid.module_path(k, pattern, 4) for k in inv.keys() if k.layer > 4)}
+           for path in (hybrid.module_path(e, 4) for e in inv if e.layer > 4)}
     assert got == {"decoder.layers.0.mixer.in_proj": "fp8", "decoder.layers.0.mixer.out_proj": "fp8",
                    "decoder.layers.1.self_attention.linear_qkv": "fp8",
                    "decoder.layers.1.self_attention.linear_proj": "fp8",

@@ -55,10 +55,13 @@ def test_paths_and_keys_translate_both_ways():
     assert hybrid.key_for_path("decoder.layers.1.mixer.in_proj", 4) == LayerKey(6, "in_proj")
     assert hybrid.key_for_path("module.decoder.layers.0.self_attention.in_proj") == LayerKey(1, "in_proj")
     assert hybrid.key_for_path("decoder.layers.0.mixer.conv1d") is None
-    assert hybrid.module_path(LayerKey(6, "in_proj"), "M*M*|MGM*", 4) == "decoder.layers.1.self_attention.in_proj"
-    assert hybrid.module_path(LayerKey(5, "in_proj"), "M*M*|MGM*", 4) == "decoder.layers.0.mixer.in_proj"
-    with pytest.raises(ValueError, match="not a planned linear of pattern"):
-        hybrid.module_path(LayerKey(5, "linear_qkv"), "M*M*|MGM*", 4)
+    inv = hybrid.inventory(get_shape("llama_tiny").with_(num_layers=8), "M*M*|MGM*")
+    assert hybrid.module_path(inv.entry(LayerKey(6, "in_proj")), 4) == "decoder.layers.1.self_attention.in_proj"
+    assert hybrid.module_path(inv.entry(LayerKey(5, "in_proj")), 4) == "decoder.layers.0.mixer.in_proj"
+    assert [hybrid.key_for_path(hybrid.module_path(e, 4), 4) for e in inv if e.layer > 4] == \
+        [e.key for e in inv if e.layer > 4]
+    with pytest.raises(ValueError, match="not in a chunk starting after layer 4"):
+        hybrid.module_path(inv.entry(LayerKey(3, "in_proj")), 4)
 
 
 def test_pipeline_stages_of_each_layer():

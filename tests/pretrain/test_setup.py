@@ -264,6 +264,33 @@ def test_a_user_precision_config_is_merged_or_refused(tmp_path):
                                          r"linear SNIP plans"):
         check_user_recipe(load_quantization_recipe(str(bad)), 4, "--te-precision-config-file")
 
+    # A HybridModel run (snip-pretrain-hybrid checks the same file against the pattern's inventory):
+    # merged into a chunk's recipe at that chunk's hybrid offset, refused where it sets a planned
+    # linear, named by the path Megatron gives it in that pattern (MLP layer 2, Mamba layer 1).
+    from snip_megatron.models import hybrid
+    from snip_megatron.models.keys import LayerKey
+    from snip_megatron.shapes import ModelShape
+
+    shape = ModelShape(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
+    inv = hybrid.inventory(shape, "*-|*-")
+    check_user_recipe(user, inv, "--te-precision-config-file")
+    plan = Plan({k: "fp4" if k == LayerKey(4, "linear_fc1") else "fp8" for k in inv.keys()}, inventory=inv)
+    recipe = merged_recipe(plan, _layout_config(), None, backend="emulated", formats=Formats(), user_recipe=user,
+                           inventory=inv, offset=2)  # the second pipeline stage's chunk: layers 3, 4
+    assert recipe.match_to_config_key(MatchContext("decoder.layers.1.mlp.linear_fc1", 1)) == "fp4"
+    assert recipe.match_to_config_key(MatchContext("decoder.layers.0.self_attention.linear_qkv", 0)) == "fp8"
+    assert recipe.match_to_config_key(MatchContext("output_layer", None)) == "keep_high"
+    with pytest.raises(ValueError, match=r"sets decoder.layers.1.mlp.linear_fc1 \(config 'keep_high'\), a "
+                                         r"linear SNIP plans"):
+        check_user_recipe(load_quantization_recipe(str(bad)), inv, "--te-precision-config-file")
+    mamba = tmp_path / "mamba.yaml"
+    mamba.write_text(YAML.format(extra='  in:\n    enabled: true\n    type: glob\n    pattern: "*mixer.in_proj"\n'
+                                       '    config: keep_high'))
+    with pytest.raises(ValueError, match=r"sets decoder.layers.0.mixer.in_proj \(config 'keep_high'\)"):
+        check_user_recipe(load_quantization_recipe(str(mamba)), hybrid.inventory(shape, "M*-*"),
+                          "--te-precision-config-file")
+    check_user_recipe(load_quantization_recipe(str(mamba)), inv, "--te-precision-config-file")  # no Mamba layer
+
 
 def _layout_config():
     from snip_megatron.megatron.layout import layout_config
