@@ -66,24 +66,27 @@ def prepare_run(cfg, snip: SnipConfig):
         snip = te.config
     else:
         snip = snip.resolved("emulated")
-    num_layers = model.num_layers
+    from snip_megatron.models import gpt
+
+    inventory = gpt.of_config(model)  # the planned linears (multi-latent attention and MTP included)
     try:
         snip.warmup_steps(cfg.train.train_iters)
     except ValueError as e:
         raise ValueError(f"{e} (Bridge's train.train_iters)") from None
-    initial_plan(snip, num_layers)  # a saved plan (snip.plan) must fit the model
-    check_user_recipe(getattr(model, "quant_recipe", None), num_layers, "model.quant_recipe")
+    initial_plan(snip, inventory)  # a saved plan (snip.plan) must fit the model
+    check_user_recipe(getattr(model, "quant_recipe", None), inventory, "model.quant_recipe")
     iteration, state = expected_resume(cfg.checkpoint)
     if state is not None:
         where = f"the SNIP state of checkpoint iteration {iteration} under {cfg.checkpoint.load}"
         try:
-            Plan.from_dict(state["plan"]).check_model(num_layers)
+            Plan.from_dict(state["plan"]).check_model(inventory)
         except (KeyError, ValueError) as e:
             raise ValueError(f"{where} does not fit this model ({e}); resume with the model it was "
                              "trained with") from None
     inner = cfg.checkpoint.custom_manager_class
     return BridgeRun(cfg=cfg, snip=snip, backend=backend, te=te,
-                     user_spec=spec_for_backend(model.transformer_layer_spec, backend),
+                     user_spec=spec_for_backend(model.transformer_layer_spec, backend,
+                                                bool(getattr(model, "multi_latent_attention", False))),
                      user_recipe=getattr(model, "quant_recipe", None),
                      inner_manager=None if inner == MANAGER else inner,
                      resumed=state, resumed_iteration=iteration)

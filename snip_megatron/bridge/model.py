@@ -58,12 +58,50 @@ def check_emulated_spec(spec, backend: str) -> None:
                          "local_layer_spec, or model.transformer_impl='transformer_engine' for TE linears")
 
 
-def spec_for_backend(user_spec, backend: str):
+def spec_for_backend(user_spec, backend: str, multi_latent_attention: bool = False):
     """The spec SNIP builds on. Bridge's default spec is Transformer Engine's whatever
     `transformer_impl` says; the emulated backend (transformer_impl='local') takes Bridge's local
-    spec instead. Any other spec is the user's, kept (its planned linears are replaced or planned)."""
-    from megatron.bridge.models.gpt_provider import default_layer_spec, local_layer_spec
+    spec instead. Bridge's own layer specs build dense attention whatever `multi_latent_attention`
+    says (its MLA models take a decoder block spec, which SNIP cannot plan): with MLA they are
+    Megatron's MLA layer spec (`mla_layer_spec`). Any other spec is the user's, kept (its planned
+    linears are replaced or planned)."""
+    from megatron.bridge.models import gpt_provider
 
-    if backend == "emulated" and user_spec is default_layer_spec:
-        return local_layer_spec
+    bridges = (gpt_provider.default_layer_spec, gpt_provider.local_layer_spec,
+               gpt_provider.transformer_engine_layer_spec)
+    if multi_latent_attention and any(user_spec is s for s in bridges):
+        return mla_layer_spec
+    if backend == "emulated" and user_spec is gpt_provider.default_layer_spec:
+        return gpt_provider.local_layer_spec
     return user_spec
+
+
+def mla_layer_spec(config):
+    """Megatron's multi-latent-attention GPT layer spec for a Bridge model config, as Megatron-LM's
+    default spec builds it: Transformer Engine's (transformer_impl='transformer_engine'), else the
+    local one with SNIP's MLA core and TP-duplicated down-projections (snip_megatron/megatron/mla.py)."""
+    from snip_megatron.megatron.spec import get_local_layer_spec
+
+    qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+    if getattr(config, "transformer_impl", None) == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True, qk_layernorm=qk_layernorm)
+    return get_local_layer_spec(config.normalization, multi_latent_attention=True, qk_layernorm=qk_layernorm)
+
+
+def snip_mtp_block_spec(run, config, vp_stage=None):
+    """The multi-token-prediction block of a Bridge model on SNIP's emulated backend. Bridge builds
+    it from the layer spec (SnipLayerSpec, so the inner layer has SNIP's linears) but always with
+    Transformer Engine's norms and eh_proj (gpt_provider.mtp_block_spec); here they are Megatron's
+    local ones, as Megatron-LM builds them for transformer_impl='local', with SNIP's emulated
+    eh_proj (pretrain.model.with_planned_mtp_linears). The TE backend keeps Bridge's block."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from snip_megatron.pretrain.model import with_planned_mtp_linears
+
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    spec = config.transformer_layer_spec(config, vp_stage=vp_stage)
+    block = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False, vp_stage=vp_stage)
+    return with_planned_mtp_linears(block, run.backend)

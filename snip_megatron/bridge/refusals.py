@@ -105,11 +105,21 @@ def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
 
     refuse(getattr(model, "num_moe_experts", None), "model.num_moe_experts (MoE): SNIP plans dense GPT "
            "layers only; expert linears would run unplanned. Train dense, or run without SNIP")
-    refuse(getattr(model, "multi_latent_attention", False), "model.multi_latent_attention: SNIP plans "
-           "multi-latent attention in Megatron-LM's loop (snip-pretrain-gpt) but not yet through Bridge; "
-           "set it False, or train with snip-pretrain-gpt --multi-latent-attention")
-    refuse(getattr(model, "mtp_num_layers", None), "model.mtp_num_layers (multi-token prediction): SNIP "
-           "plans MTP in Megatron-LM's loop (snip-pretrain-gpt) but not yet through Bridge; set it None")
+    # Multi-latent attention and multi-token prediction are planned as in Megatron-LM's loop
+    # (pretrain.setup.refusals), with the same limits.
+    mla = getattr(model, "multi_latent_attention", False)
+    refuse(mla and not hasattr(model, "kv_lora_rank"), "model.multi_latent_attention on a "
+           f"{type(model).__name__}, which has no MLA widths (kv_lora_rank, qk_head_dim, ...): use "
+           "megatron.bridge.models.mla_provider.MLAModelProvider (or a provider derived from it)")
+    refuse(mla and getattr(model, "mla_down_proj_fusion", False), "model.mla_down_proj_fusion: SNIP plans "
+           "multi-latent attention's separate q/kv down-projections; set it False")
+    refuse(mla and (model.tensor_model_parallel_size or 1) > 1 and not getattr(model, "sequence_parallel", False),
+           "model.multi_latent_attention at tensor_model_parallel_size > 1 needs model.sequence_parallel=True: "
+           "without it Megatron's MLA takes the shared rotary key's gradient from each rank's own heads, so "
+           "TP ranks train another model than one process (snip_megatron/megatron/mla.py)")
+    refuse(getattr(model, "mtp_num_layers", None) and (model.pipeline_model_parallel_size or 1) > 1,
+           "model.mtp_num_layers with pipeline_model_parallel_size > 1: SNIP plans multi-token prediction at "
+           "1 process and with TP, not yet with pipeline parallelism; set one of them back")
     refuse(getattr(model, "use_transformer_engine_full_layer_spec", False), "model.use_transformer_engine_"
            "full_layer_spec: TE's fused TransformerLayer has no planned linears; set it False")
     impl = getattr(model, "transformer_impl", None)

@@ -109,12 +109,12 @@ class BridgeRun:
         from snip_megatron.pretrain.setup import SnipRun
 
         factory = self.controller_factory or make_controller
-        # the built model is checked against this before the first step (SnipRun.check_inventory)
-        inventory = gpt.inventory(model_shape(model_config),
-                                  sequence_parallel=bool(getattr(model_config, "sequence_parallel", False)))
+        # the built model is checked against this before the first step (SnipRun.check_inventory):
+        # the GPT's linears, multi-latent attention's and multi-token prediction's included
+        inventory = gpt.of_config(model_config)
         loop = SnipRun(config=self.snip, controller=factory(self.snip, model_config, self.cfg),
                        backend=self.backend, sm=None if self.te is None else self.te.sm,
-                       num_layers=model_config.num_layers,
+                       num_layers=inventory,
                        seq_length=model_config.seq_length, micro_batch_size=self.cfg.train.micro_batch_size,
                        user_recipe=self.user_recipe, inventory=inventory)
         loop.resume(state)
@@ -179,23 +179,28 @@ def make_controller(snip: SnipConfig, model_config, cfg):
     the plan log in the checkpoint folder."""
     from snip_megatron.controller import SnipController
     from snip_megatron.megatron.layout import pipeline_stages
+    from snip_megatron.models import gpt
+    from snip_megatron.pretrain.setup import mtp_exclusions
 
+    inventory = gpt.of_config(model_config)
     stages = pipeline_stages(model_config) if model_config.pipeline_model_parallel_size > 1 else None
     excluded = None
     if getattr(model_config, "transformer_impl", None) == "transformer_engine":
         from snip_megatron.te.shapes import describe_exclusions, te_exclusions
 
-        excluded = te_exclusions(model_shape(model_config), snip.formats, snip.uses,
+        excluded = te_exclusions(model_shape(model_config), snip.formats, snip.uses, inventory=inventory,
                                  tp=model_config.tensor_model_parallel_size,
                                  sequence_parallel=bool(model_config.sequence_parallel),
                                  cp=model_config.context_parallel_size or 1,
                                  micro_batch_size=cfg.train.micro_batch_size)
         for line in describe_exclusions(excluded):
             _print_rank_0(f"[snip] {line}")
+    excluded = mtp_exclusions(inventory, excluded)  # Megatron keeps FP4 off MTP layers (said once)
     return SnipController(snip, model_shape(model_config), total_steps=cfg.train.train_iters,
                           run_dir=cfg.checkpoint.save,
                           tokens_per_step=cfg.train.global_batch_size * model_config.seq_length,
-                          stages=stages, log=_print_rank_0, excluded=excluded, loggers=run_loggers(cfg))
+                          stages=stages, log=_print_rank_0, excluded=excluded, loggers=run_loggers(cfg),
+                          inventory=inventory)
 
 
 def run_loggers(cfg):

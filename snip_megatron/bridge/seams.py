@@ -1,4 +1,5 @@
-"""The one Megatron-Bridge function SNIP wraps: `megatron.bridge.training.train.train_step`.
+"""The Megatron-Bridge functions SNIP wraps: `megatron.bridge.training.train.train_step`, and
+`megatron.bridge.models.gpt_provider.mtp_block_spec` (below).
 
 Why: Bridge's callbacks (on_train_step_start and the rest) get the model and optimizer but no
 data iterator, and a measurement runs on the micro-batches of the step about to train. So, on
@@ -10,6 +11,11 @@ there (by `enable_snip`, before pretrain) and passes through for any pretrain() 
 active SNIP run's. Its parameters are checked against the ones this code was written for
 (`check_seams`) before anything is wrapped, so a Bridge that changed them fails at start-up with
 the function named, never mid-run (tests/bridge/test_seams.py fails too).
+
+`mtp_block_spec` (which GPTModelProvider.provide looks up in its module when it builds a chunk):
+for the active SNIP run's model on the emulated backend, the multi-token-prediction block gets
+Megatron's local norms and SNIP's emulated eh_proj (bridge/model.py `snip_mtp_block_spec`) instead
+of Bridge's Transformer Engine ones; anything else passes through.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ from __future__ import annotations
 import functools
 
 MODULE = "megatron.bridge.training.train"
+PROVIDER = "megatron.bridge.models.gpt_provider"
 WRAPPED = {
     (MODULE, "train_step"):
         ("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
+    (PROVIDER, "mtp_block_spec"): ("config", "vp_stage"),
 }
-"""The wrapped function and the leading parameters the wrapper relies on (Bridge 0.6.2)."""
+"""The wrapped functions and the leading parameters the wrappers rely on (Bridge 0.6.2)."""
 
-_ORIGINAL = None
+_ORIGINAL: dict = {}
 
 
 def check_seams() -> None:
@@ -34,11 +42,10 @@ def check_seams() -> None:
 
 
 def install() -> None:
-    """Wrap Bridge's train_step (once per process; pass-through for runs without SNIP)."""
-    global _ORIGINAL
+    """Wrap Bridge's train_step and mtp_block_spec (once per process; pass-through for runs without SNIP)."""
     import importlib
 
-    if _ORIGINAL is not None:
+    if _ORIGINAL:
         return
     check_seams()
     train = importlib.import_module(MODULE)
@@ -51,18 +58,31 @@ def install() -> None:
         return original(forward_step_func, data_iterator, model, optimizer, scheduler, global_state,
                         *args, **kwargs)
 
+    provider = importlib.import_module(PROVIDER)
+    original_mtp = provider.mtp_block_spec
+
+    @functools.wraps(original_mtp)
+    def mtp_block_spec(config, vp_stage=None, *args, **kwargs):
+        from snip_megatron.bridge.model import snip_mtp_block_spec
+        from snip_megatron.bridge.run import active
+
+        run = active(config)
+        if run is None or run.backend != "emulated":
+            return original_mtp(config, vp_stage, *args, **kwargs)
+        return snip_mtp_block_spec(run, config, vp_stage)
+
     train.train_step = train_step
-    _ORIGINAL = original
+    provider.mtp_block_spec = mtp_block_spec
+    _ORIGINAL.update({(MODULE, "train_step"): original, (PROVIDER, "mtp_block_spec"): original_mtp})
 
 
 def uninstall() -> None:
-    """Put Bridge's own train_step back."""
-    global _ORIGINAL
+    """Put Bridge's own functions back."""
     import importlib
 
-    if _ORIGINAL is not None:
-        importlib.import_module(MODULE).train_step = _ORIGINAL
-        _ORIGINAL = None
+    for (module, name), original in _ORIGINAL.items():
+        setattr(importlib.import_module(module), name, original)
+    _ORIGINAL.clear()
 
 
 def step_begin(forward_step_func, data_iterator, model, optimizer, global_state):

@@ -17,12 +17,14 @@ BACKENDS = ("emulated", "local", "te")
 linears (a BF16 reference), Transformer Engine's linears (planned through quant_recipe)."""
 
 
-def get_local_layer_spec(normalization: str = "RMSNorm", multi_latent_attention: bool = False):
+def get_local_layer_spec(normalization: str = "RMSNorm", multi_latent_attention: bool = False,
+                         qk_layernorm: bool = False):
     """Megatron's own local (non-TE) GPT layer spec; with multi-latent attention, a core attention
     that takes MLA's head widths and down-projections duplicated over TP (megatron/mla.py says why)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=multi_latent_attention)
+    spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=multi_latent_attention,
+                                    qk_layernorm=qk_layernorm)
     if multi_latent_attention:
         from snip_megatron.megatron.mla import DuplicatedDownProjection
 

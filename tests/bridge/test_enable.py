@@ -12,6 +12,10 @@ from snip_megatron.plan import Plan
 from tests.bridge import tiny
 
 
+MLA_LINEARS = ["linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj",
+               "linear_fc1", "linear_fc2"]
+
+
 def test_a_short_run_replans_and_every_linear_runs_the_ilps_plan(bridge_on_cpu, tmp_path):
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
@@ -60,6 +64,43 @@ def test_a_short_run_replans_and_every_linear_runs_the_ilps_plan(bridge_on_cpu, 
     assert [e.step for e in events.Scalars("snip/predicted_cost")] == [2]
     assert [e.step for e in events.Images("snip/plan_heatmap")] == steps
     assert events.Tensors("snip/plan_table/text_summary")[-1].tensor_proto.string_val[0].decode().count("\n") == 9
+
+
+def test_multi_latent_attention_and_multi_token_prediction_replan_through_bridge(bridge_on_cpu, tmp_path, capsys):
+    """Bridge's MLAModelProvider with q_lora_rank and one MTP layer, on SNIP's emulated linears: every
+    MLA linear (down-projections duplicated over TP, as Megatron's TE spec builds them) and the MTP
+    layer's, keyed "mtp.<name>" by depth and never FP4 (as Megatron), are measured and re-planned."""
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    from snip_megatron.bridge import enable_snip
+    from snip_megatron.bridge.run import active
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
+    from snip_megatron.megatron.apply import current_plan, list_planned_linears
+    from snip_megatron.megatron.mla import LocalMLACore, QuantDownProjection
+
+    cfg = tiny.tiny_mla_config(num_layers=2, iters=3)
+    snip = SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5)
+    record = tiny.recorder()
+    callbacks = enable_snip(cfg, snip)
+    run = active(cfg)
+    pretrain(cfg, forward_step, callbacks=callbacks + [record])
+
+    controller = run.controller
+    assert [h["event"] for h in controller.history] == ["initial", "update"]
+    mtp = ["mtp.eh_proj"] + ["mtp." + n for n in MLA_LINEARS]
+    plan = controller.plan
+    assert sorted({k.name for k in plan.keys()}) == sorted(MLA_LINEARS + mtp) and len(plan) == 2 * 7 + 8
+    assert plan.counts()["fp4"] > 0  # the re-plan put some MLA linears in FP4 ...
+    assert {p.value for k, p in plan.items() if k.name.startswith("mtp.")} <= {"bf16", "fp8"}  # ... no MTP one
+    assert "[snip] 8 multi-token-prediction linears planned in BF16/FP8, never FP4" in capsys.readouterr().out
+    planned = list_planned_linears(record.model)
+    assert len(planned) == 22 and current_plan(record.model) == plan
+    assert all(isinstance(pl.module, (QuantColumnParallelLinear, QuantRowParallelLinear, QuantDownProjection))
+               for pl in planned)
+    assert {type(pl.module) for pl in planned if pl.key.name.endswith("down_proj")} == {QuantDownProjection}
+    assert any(isinstance(m, LocalMLACore) for m in record.model[0].modules())
+    assert sorted(record.losses) == [1, 2, 3] and all(math.isfinite(x) for x in record.losses.values())
 
 
 def test_disabled_snip_changes_nothing():

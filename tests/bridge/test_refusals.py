@@ -48,8 +48,8 @@ REFUSED = [  # (what is set, the text the refusal must carry)
     ("optimizer.reuse_grad_buf_for_mxfp8_param_ag", True, r"optimizer.reuse_grad_buf_for_mxfp8_param_ag"),
     ("model.use_kitchen", True, r"model.use_kitchen=True"),
     ("model.num_moe_experts", 4, r"model.num_moe_experts \(MoE\)"),
-    ("model.multi_latent_attention", True, r"model.multi_latent_attention"),
-    ("model.mtp_num_layers", 1, r"model.mtp_num_layers"),
+    ("model.multi_latent_attention", True, r"model.multi_latent_attention on a GPTModelProvider, which has no "
+                                           r"MLA widths .*MLAModelProvider"),
     ("model.use_transformer_engine_full_layer_spec", True, r"full_layer_spec"),
     ("model.transformer_impl", "inference_optimized", r"model.transformer_impl='inference_optimized'"),
     ("model.transformer_impl", "transformer_engine", r"Transformer Engine is not installed here"),
@@ -117,3 +117,22 @@ def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
     cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
     cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = True
     assert refusals(cfg, SnipConfig(enabled=True)) == []
+
+
+def test_multi_latent_attention_and_multi_token_prediction_pass_with_megatron_lms_limits():
+    """As in Megatron-LM's loop: MLA at TP > 1 needs sequence parallelism, the fused down-projection
+    is refused, MTP is refused with pipeline parallelism; otherwise both are planned."""
+    from snip_megatron.bridge.refusals import refusals
+
+    snip = SnipConfig(enabled=True)
+    assert refusals(tiny.tiny_mla_config(), snip) == []
+    assert refusals(tiny.tiny_mla_config(mtp_num_layers=None), snip) == []
+    cfg = tiny.tiny_mla_config(tp=2)
+    assert [line.split(":")[0] for line in refusals(cfg, snip)] == [
+        "model.multi_latent_attention at tensor_model_parallel_size > 1 needs model.sequence_parallel=True"]
+    cfg.model.sequence_parallel = True
+    assert refusals(cfg, snip) == []
+    cfg.model.mla_down_proj_fusion = True
+    assert [line.split(":")[0] for line in refusals(cfg, snip)] == ["model.mla_down_proj_fusion"]
+    assert [line.split(":")[0] for line in refusals(tiny.tiny_mla_config(pp=2), snip)] == [
+        "model.mtp_num_layers with pipeline_model_parallel_size > 1"]

@@ -53,6 +53,27 @@ def tiny_config(layer_spec=None, *, num_layers: int = 2, iters: int = 8, tp: int
     return cfg
 
 
+MLA = dict(q_lora_rank=32, kv_lora_rank=48, qk_head_dim=16, qk_pos_emb_head_dim=16, v_head_dim=16)
+"""Multi-latent attention's widths for the tiny model (as tests/pretrain/test_mla_runs.py's)."""
+
+
+def tiny_mla_config(*, mtp_num_layers: "int | None" = 1, **kwargs):
+    """tiny_config on Bridge's MLAModelProvider (the provider of its DeepSeek/Kimi models): multi-latent
+    attention of MLA's widths (every head its own keys: no GQA), plain RoPE, and an MTP layer."""
+    import dataclasses
+
+    from megatron.bridge.models.mla_provider import MLAModelProvider
+
+    cfg = tiny_config(**kwargs)
+    dense, default = cfg.model, type(cfg.model)()
+    # what tiny_config and the recipe set; MLA's own defaults (YaRN's scaling fields ...) stay
+    fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)
+              if f.init and getattr(dense, f.name) is not getattr(default, f.name)}
+    cfg.model = MLAModelProvider(**{**fields, **MLA, "multi_latent_attention": True, "rope_type": "rope",
+                                    "num_query_groups": dense.num_attention_heads, "mtp_num_layers": mtp_num_layers})
+    return cfg
+
+
 def tiny_recipe():
     """tiny_config as a recipe function (snip-bridge-pretrain --recipe tests.bridge.tiny:tiny_recipe)."""
     return tiny_config(iters=4)
