@@ -14,6 +14,7 @@ from pathlib import PurePath
 from snip_megatron.cli.recipe import RunRecipe
 from snip_megatron.megatron.args import snip_args_from_config
 from snip_megatron.shapes import PRESETS
+from snip_megatron.models import gpt
 from snip_megatron.train.config import TrainingSchedule
 
 PRETRAIN_MODULE = "snip_megatron.pretrain"
@@ -37,6 +38,12 @@ def megatron_args(recipe: RunRecipe) -> list[str]:
     ]
     if m.num_query_groups != m.num_attention_heads:
         args += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
+    mla = gpt.PRESET_MLA.get(m.name)
+    if mla is not None:  # the preset's multi-latent attention (llama_tiny_mla), with RoPE as the others'
+        args += ["--multi-latent-attention", "--kv-lora-rank", str(mla.kv_lora_rank), "--qk-head-dim",
+                 str(mla.qk_head_dim), "--qk-pos-emb-head-dim", str(mla.qk_pos_emb_head_dim), "--v-head-dim",
+                 str(mla.v_head_dim), "--rope-type", "rope"]
+        args += ["--q-lora-rank", str(mla.q_lora_rank)] if mla.q_lora_rank is not None else []
     args += [
         "--seq-length", str(m.seq_length),
         "--max-position-embeddings", str(m.seq_length),

@@ -124,6 +124,11 @@ class MLADims:
         return tuple(s for s in MLA_LINEARS if s.name not in skip)
 
 
+PRESET_MLA = {"llama_tiny_mla": MLADims(q_lora_rank=64, kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16,
+                                         v_head_dim=32)}
+"""The multi-latent attention of the model presets that have it (snip_megatron.shapes.PRESETS)."""
+
+
 def layer_slots(mla: "MLADims | None" = None) -> tuple[LinearSlot, ...]:
     """The planned linears of one layer, in forward order (dense attention without `mla`)."""
     if mla is None:

@@ -39,8 +39,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict, dict]:
     p = argparse.ArgumentParser(prog="python -m snip_megatron.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama_tiny", choices=list(PRESETS),
-                   help="model preset (snip_megatron.shapes.PRESETS)")
-    train = add_dataclass_flags(p, TrainConfig, exclude=("model", "data", "formats"),
+                   help="model preset (snip_megatron.shapes.PRESETS; llama_tiny_mla: multi-latent attention)")
+    train = add_dataclass_flags(p, TrainConfig, exclude=("model", "mla", "data", "formats"),
                                 flag_of=lambda n: _TRAIN_FLAGS.get(n, "--" + n.replace("_", "-")),
                                 choices={"backend": BACKENDS, "params_dtype": PARAM_DTYPES})
     data = add_dataclass_flags(p.add_argument_group("data"), DataConfig, defaults={"vocab_size": None},
@@ -92,13 +92,13 @@ def main(argv: list[str] | None = None) -> int:
         if te is not None:  # the linears TE cannot run in FP8/FP4 for their shapes: never planned there
             from snip_megatron.te.shapes import describe_exclusions, te_exclusions
 
-            excluded = te_exclusions(config.shape, snip.formats, snip.uses, tp=config.tp,
+            excluded = te_exclusions(config.shape, snip.formats, snip.uses, inventory=config.inventory, tp=config.tp,
                                      micro_batch_size=config.micro_batch_size)
             for line in describe_exclusions(excluded):
                 print(f"[snip] {line}", flush=True)
         hooks.append(SnipController(snip, config.shape, total_steps=config.steps, run_dir=run_dir,
                                     tokens_per_step=config.micro_batch_size * config.seq_len, excluded=excluded,
-                                    loggers=loggers))
+                                    loggers=loggers, inventory=config.inventory))
     trainer = Trainer(config, hooks=hooks)
     loggers.writers = trainer.figure_writers
     history = trainer.fit()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from snip_megatron.data.prepare import DataConfig
 from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.megatron.spec import BACKENDS
+from snip_megatron.models import gpt
+from snip_megatron.models.gpt import MLADims
 from snip_megatron.shapes import ModelShape, get_shape
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -95,6 +97,9 @@ class TrainConfig(TrainingSchedule):
 
     model: str | ModelShape = "llama_tiny"
     """Preset name (snip_megatron.shapes) or a ModelShape. Its vocab_size is replaced by the tokenizer's."""
+    mla: MLADims | None = None
+    """Multi-latent attention's widths (models.gpt.MLADims); None: the preset's (llama_tiny_mla has
+    it), else dense grouped-query attention."""
     data: DataConfig | None = None
     """Corpus and tokenizer; None means the stdlib corpus with a tokenizer of the model's vocab size."""
     split: str = "95,5,0"
@@ -146,11 +151,25 @@ class TrainConfig(TrainingSchedule):
                              f"(the 'local' backend runs plain Megatron linears)")
         if self.load_step is not None and self.load_dir is None:
             raise ValueError("TrainConfig.load_step needs load_dir")
+        if self.mla is None and isinstance(self.model, str):
+            self.mla = gpt.PRESET_MLA.get(self.model)
+        if self.mla is not None and not isinstance(self.mla, MLADims):
+            raise ValueError(f"TrainConfig.mla must be a models.gpt.MLADims or None, got {self.mla!r}")
+        if self.mla is not None and self.tp > 1:
+            raise ValueError(f"TrainConfig.mla (multi-latent attention) at tp={self.tp}: Megatron's MLA needs "
+                             "sequence parallelism at TP > 1, which the compact loop does not run; use tp=1, or "
+                             "snip-pretrain-gpt --multi-latent-attention --sequence-parallel")
 
     @property
     def shape(self) -> ModelShape:
         """The model shape (before the tokenizer sets its vocabulary size)."""
         return self.model if isinstance(self.model, ModelShape) else get_shape(self.model)
+
+    @property
+    def inventory(self):
+        """The planned linears of the model (models.inventory.Inventory; multi-latent attention's
+        with `mla`)."""
+        return gpt.inventory(self.shape, mla=self.mla)
 
     @property
     def seq_len(self) -> int:

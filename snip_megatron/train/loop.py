@@ -59,7 +59,7 @@ class Trainer:
         self._setup_model()
         self.inventory = self._agreed_inventory()
         """The planned linears of the model on every rank, checked against the config's."""
-        self.set_plan(Plan.uniform(self.shape.num_layers, config.precision))
+        self.set_plan(Plan.uniform(self.inventory, config.precision))
         if config.load_dir is not None:
             self.load(config.load_dir, config.load_step)
 
@@ -150,7 +150,7 @@ class Trainer:
         """The GPU's compute capability for the TE linears' dicts (None: no TE linears)."""
         runtime.seed_all(cfg.seed)
         dtype = torch.bfloat16 if cfg.params_dtype == "bf16" else torch.float32
-        self.modules = build_model_chunks(self.shape, backend=cfg.backend, params_dtype=dtype)
+        self.modules = build_model_chunks(self.shape, backend=cfg.backend, params_dtype=dtype, mla=cfg.mla)
         model_config = self.modules[0].config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=cfg.distributed_optimizer)
@@ -181,7 +181,7 @@ class Trainer:
         from snip_megatron.models.agree import agree_on_model
 
         sp = bool(getattr(self.modules[0].config, "sequence_parallel", False))
-        inventory = agree_on_model(self.modules, gpt.inventory(self.shape, sequence_parallel=sp))
+        inventory = agree_on_model(self.modules, gpt.inventory(self.shape, sequence_parallel=sp, mla=self.config.mla))
         for hook in self.hooks:
             planned = getattr(hook, "inventory", None)
             if planned is not None:
@@ -218,13 +218,13 @@ class Trainer:
 
         if not isinstance(plan, Plan):
             raise ValueError(f"set_plan needs a Plan, got {type(plan).__name__}")
-        plan.check_model(self.shape.num_layers)
+        plan.check_model(self.inventory)
         if self.config.backend == "local":  # plain Megatron linears: BF16 (or the params dtype) only
             if any(p is not Precision.BF16 for p in plan.values()):
                 raise ValueError("backend 'local' runs plain Megatron linears and cannot take FP8/FP4 "
                                  "plans; use backend='emulated'")
         else:
-            apply_plan(self.chunks, plan, num_layers=self.shape.num_layers,
+            apply_plan(self.chunks, plan, num_layers=self.inventory,
                        formats=self.config.formats, sm=self.sm)
         self.plan = plan
 

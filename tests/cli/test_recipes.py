@@ -173,9 +173,14 @@ def test_megatron_accepts_the_generated_arguments():
     parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     for overrides in (["model=llama_70b", "parallel=tp8_pp8_vpp2", "train=pretrain", "snip=aggressive"],
                       ["model=llama_1b", "parallel=tp1_dp8", "train=pretrain", "data=stdlib",
-                       "snip=first_last_k", "train.tensorboard_dir=tb", "train.wandb_project=snip"]):
+                       "snip=first_last_k", "train.tensorboard_dir=tb", "train.wandb_project=snip"],
+                      ["model=llama_tiny_mla", "train.entry=megatron"]):
         args = parser.parse_args(megatron_args(compose_recipe(overrides)))
-        assert args.num_layers in (80, 22)
+        assert args.num_layers in (80, 22, 6)
+        # the MLA preset's attention reaches Megatron-LM (never a dense model of its shape)
+        assert args.multi_latent_attention == (args.num_layers == 6)
+        if args.multi_latent_attention:
+            assert (args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim, args.v_head_dim) == (64, 64, 32, 32)
         from snip_megatron.megatron.args import snip_config_from_args
 
         assert snip_config_from_args(args).enabled
