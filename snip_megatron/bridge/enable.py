@@ -44,15 +44,16 @@ def enable_snip(cfg, snip: SnipConfig) -> list:
 def prepare_run(cfg, snip: SnipConfig):
     """The BridgeRun of `cfg`, after every check; changes nothing (ValueError listing what to change)."""
     from snip_megatron.bridge.checkpoint import MANAGER, expected_resume
-    from snip_megatron.bridge.model import SnipLayerSpec, spec_for_backend
-    from snip_megatron.bridge.refusals import backend_of, refusals
+    from snip_megatron.bridge.model import SnipHybridStackSpec, SnipLayerSpec, spec_for_backend
+    from snip_megatron.bridge.refusals import backend_of, is_hybrid, refusals
     from snip_megatron.bridge.run import BridgeRun
     from snip_megatron.controller import initial_plan
     from snip_megatron.plan import Plan
     from snip_megatron.pretrain.model import check_user_recipe
 
     model = cfg.model
-    if isinstance(getattr(model, "transformer_layer_spec", None), SnipLayerSpec):
+    if isinstance(getattr(model, "transformer_layer_spec", None), SnipLayerSpec) or \
+            isinstance(getattr(model, "hybrid_stack_spec", None), SnipHybridStackSpec):
         raise ValueError("enable_snip was already called on this config; call it once per ConfigContainer")
     backend = backend_of(model)
     refused = refusals(cfg, snip, backend)
@@ -66,9 +67,9 @@ def prepare_run(cfg, snip: SnipConfig):
         snip = te.config
     else:
         snip = snip.resolved("emulated")
-    from snip_megatron.models import gpt
+    from snip_megatron.bridge.run import planned_inventory
 
-    inventory = gpt.of_config(model)  # the planned linears (multi-latent attention and MTP included)
+    inventory = planned_inventory(model)  # the GPT's (MLA and MTP included), or the HybridModel's pattern
     try:
         snip.warmup_steps(cfg.train.train_iters)
     except ValueError as e:
@@ -84,9 +85,10 @@ def prepare_run(cfg, snip: SnipConfig):
             raise ValueError(f"{where} does not fit this model ({e}); resume with the model it was "
                              "trained with") from None
     inner = cfg.checkpoint.custom_manager_class
-    return BridgeRun(cfg=cfg, snip=snip, backend=backend, te=te,
-                     user_spec=spec_for_backend(model.transformer_layer_spec, backend,
-                                                bool(getattr(model, "multi_latent_attention", False))),
+    user_spec = (model.hybrid_stack_spec if is_hybrid(model) else
+                 spec_for_backend(model.transformer_layer_spec, backend,
+                                  bool(getattr(model, "multi_latent_attention", False))))
+    return BridgeRun(cfg=cfg, snip=snip, backend=backend, te=te, user_spec=user_spec,
                      user_recipe=getattr(model, "quant_recipe", None),
                      inner_manager=None if inner == MANAGER else inner,
                      resumed=state, resumed_iteration=iteration)
@@ -99,14 +101,18 @@ def install(cfg, run) -> list:
     from snip_megatron.bridge import seams
     from snip_megatron.bridge.callbacks import SnipCallback
     from snip_megatron.bridge.checkpoint import MANAGER
-    from snip_megatron.bridge.model import SnipLayerSpec
+    from snip_megatron.bridge.model import SnipHybridStackSpec, SnipLayerSpec
+    from snip_megatron.bridge.refusals import is_hybrid
     from snip_megatron.bridge.run import activate
 
     seams.install()  # checks Bridge's train_step first: a changed Bridge stops here
     # Bridge instantiates the checkpoint manager (and any _target_ in a run_config.yaml) only from
     # allow-listed module prefixes.
     register_allowed_target_prefix("snip_megatron.")
-    cfg.model.transformer_layer_spec = SnipLayerSpec(run.user_spec)
+    if is_hybrid(cfg.model):
+        cfg.model.hybrid_stack_spec = SnipHybridStackSpec(run.user_spec)
+    else:
+        cfg.model.transformer_layer_spec = SnipLayerSpec(run.user_spec)
     cfg.checkpoint.custom_manager_class = MANAGER
     activate(run)
     return [SnipCallback(run)]

@@ -43,6 +43,51 @@ class SnipLayerSpec:
         return spec
 
 
+@dataclass
+class SnipHybridStackSpec:
+    """HybridModelProvider's `hybrid_stack_spec` with each chunk's quant_recipe (a HybridModel run).
+
+    `HybridModelProvider.provide()` resolves its stack spec right before it builds the chunk and
+    passes itself (the model config) to HybridModel, whose TE linears read `config.quant_recipe` as
+    they are built and again in its post-init loop. So this sets the recipe of the chunk about to be
+    built, at the layer offset Megatron's `select_pipeline_segment` gives this pipeline rank, exactly as
+    snip-pretrain-hybrid does (pretrain.model.snip_hybrid_builder); the spec is the user's (None:
+    Bridge's default, Megatron's TE-only hybrid stack spec) as it is. On the first chunk it starts
+    the run's controller."""
+
+    user_spec: Any
+    """The stack spec (or spec function; None: Bridge's default) the model config had before `enable_snip`."""
+
+    def __call__(self, config):
+        import inspect
+
+        from megatron.bridge.models.hybrid.hybrid_provider import get_default_hybrid_stack_spec
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from snip_megatron.bridge.run import active, hybrid_pattern
+        from snip_megatron.models import hybrid
+        from snip_megatron.pretrain.model import merged_recipe
+
+        run = active(config)
+        if run is None:
+            raise RuntimeError("SnipHybridStackSpec builds models of the ConfigContainer enable_snip(cfg, snip) "
+                               "was called on (one SNIP run per process); call enable_snip on this config")
+        run.start(config)
+        spec = self.user_spec
+        if spec is None:
+            spec = get_default_hybrid_stack_spec(config)
+        elif not isinstance(spec, ModuleSpec):
+            spec = spec(config) if inspect.signature(spec).parameters else spec()
+        pp = config._pg_collection.pp
+        offset, _ = hybrid.segment(hybrid_pattern(config), pp.rank() if pp is not None else 0,
+                                   pp.size() if pp is not None else 1)
+        config.quant_recipe = merged_recipe(run.controller.plan, config, None, backend=run.backend,
+                                            formats=run.snip.formats, user_recipe=run.user_recipe,
+                                            sm=None if run.te is None else run.te.sm,
+                                            inventory=run.loop.inventory, offset=offset)
+        return spec
+
+
 def check_emulated_spec(spec, backend: str) -> None:
     """The emulated backend replaces the planned linears of a local spec; a Transformer Engine
     spec fuses the attention norm into the layer's first linear (TELayerNormColumnParallelLinear),

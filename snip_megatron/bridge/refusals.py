@@ -72,16 +72,55 @@ def precision_fields(obj, where: str) -> list[str]:
     return out
 
 
+def is_hybrid(model) -> bool:
+    """Whether a Bridge model config builds a HybridModel (HybridModelProvider, megatron-core 0.18+)."""
+    try:
+        from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+    except ImportError:
+        return False
+    return isinstance(model, HybridModelProvider)
+
+
+def hybrid_refusals(model, backend: str) -> list[str]:
+    """What a HybridModelProvider run cannot do with SNIP: layer symbols SNIP does not plan (by name),
+    SNIP's emulated linears (Megatron's hybrid stack spec is TE-only), and, without a GPU, Mamba and
+    GDN layers (CUDA kernels: SNIP could not measure their linears), as snip-pretrain-hybrid refuses."""
+    import torch
+
+    from snip_megatron.models import hybrid
+
+    pattern = model.hybrid_layer_pattern or model.hybrid_override_pattern
+    if getattr(model, "mtp_hybrid_override_pattern", None):
+        return ["model.mtp_hybrid_override_pattern (multi-token prediction of a HybridModel): SNIP does not "
+                "plan MTP layers of a HybridModel yet; set it None"]
+    try:
+        symbols = hybrid.layer_symbols(pattern)
+    except ValueError as e:
+        return [str(e).replace("--hybrid-layer-pattern", "model.hybrid_layer_pattern")]
+    out = []
+    if backend != "te":
+        out.append("HybridModelProvider plans Transformer Engine linears (Megatron's hybrid stack spec is "
+                   "TE-only): set model.transformer_impl='transformer_engine'")
+    cuda_only = [f"{hybrid.LAYER_NAMES[c]} ({c})" for c in dict.fromkeys(symbols) if c in "MG"]
+    if cuda_only and not torch.cuda.is_available():
+        out.append(f"model.hybrid_layer_pattern {pattern!r}: {' and '.join(cuda_only)} layers run CUDA kernels "
+                   "(mamba_ssm, causal_conv1d; fla), so on CPU SNIP cannot measure their in_proj/out_proj linears; "
+                   "run on a GPU, or use '*' and '-' layers only")
+    return out
+
+
 def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
     """Every setting of `cfg` this SNIP run cannot honour (empty: nothing to change)."""
     from megatron.bridge.models.gpt_provider import GPTModelProvider
 
     model = cfg.model
-    if not isinstance(model, GPTModelProvider):
+    hybrid = is_hybrid(model)
+    if not hybrid and not isinstance(model, GPTModelProvider):
         return [f"model is a {type(model).__name__}: SNIP plans GPT models built by GPTModelProvider "
-                "(the gpt, llama, qwen ... recipes)"]
+                "(the gpt, llama, qwen ... recipes; MLAModelProvider's multi-latent attention) and HybridModels "
+                "built by HybridModelProvider"]
     backend = backend or backend_of(model)
-    out = []
+    out = hybrid_refusals(model, backend) if hybrid else []
 
     def refuse(when, text):
         if when:

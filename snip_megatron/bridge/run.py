@@ -105,13 +105,11 @@ class BridgeRun:
                 _print_rank_0(line)
 
     def _make_loop(self, model_config, state: Optional[dict]):
-        from snip_megatron.models import gpt
         from snip_megatron.pretrain.setup import SnipRun
 
         factory = self.controller_factory or make_controller
-        # the built model is checked against this before the first step (SnipRun.check_inventory):
-        # the GPT's linears, multi-latent attention's and multi-token prediction's included
-        inventory = gpt.of_config(model_config)
+        # the built model is checked against this before the first step (SnipRun.check_inventory)
+        inventory = planned_inventory(model_config)
         loop = SnipRun(config=self.snip, controller=factory(self.snip, model_config, self.cfg),
                        backend=self.backend, sm=None if self.te is None else self.te.sm,
                        num_layers=inventory,
@@ -161,12 +159,39 @@ class BridgeRun:
             self.loop.report_saved(iteration, state, save_dir)
 
 
+def hybrid_pattern(model_config) -> "str | None":
+    """The layer pattern of a HybridModelProvider (its deprecated override spelling included), else None."""
+    from snip_megatron.bridge.refusals import is_hybrid
+
+    if not is_hybrid(model_config):
+        return None
+    return model_config.hybrid_layer_pattern or model_config.hybrid_override_pattern
+
+
+def planned_inventory(model_config):
+    """The planned linears of a Bridge model config (models.inventory.Inventory): a HybridModelProvider's
+    of its layer pattern, else the GPT's (multi-latent attention and multi-token prediction included)."""
+    from snip_megatron.models import gpt, hybrid
+
+    pattern = hybrid_pattern(model_config)
+    if pattern is None:
+        return gpt.of_config(model_config)
+    sp = bool(model_config.sequence_parallel) and (model_config.tensor_model_parallel_size or 1) > 1
+    return hybrid.inventory(model_shape(model_config), pattern, hybrid.HybridDims.of(model_config),
+                            sequence_parallel=sp)
+
+
 def model_shape(model_config):
-    """The ModelShape of Bridge's (final) model config, for the controller's FLOP table."""
+    """The ModelShape of Bridge's model config, for the controller's FLOP table (before Bridge
+    finalises it, a HybridModelProvider's layers come from its pattern and the MLP width is
+    Megatron's default, 4 x hidden)."""
+    from snip_megatron.models import hybrid
     from snip_megatron.shapes import ModelShape
 
-    return ModelShape(name="bridge", num_layers=model_config.num_layers, hidden_size=model_config.hidden_size,
-                      ffn_hidden_size=model_config.ffn_hidden_size,
+    pattern = hybrid_pattern(model_config)
+    num_layers = model_config.num_layers or (len(hybrid.layer_symbols(pattern)) if pattern else None)
+    return ModelShape(name="bridge", num_layers=num_layers, hidden_size=model_config.hidden_size,
+                      ffn_hidden_size=model_config.ffn_hidden_size or 4 * model_config.hidden_size,
                       num_attention_heads=model_config.num_attention_heads,
                       num_query_groups=model_config.num_query_groups or model_config.num_attention_heads,
                       vocab_size=model_config.vocab_size, seq_length=model_config.seq_length,
@@ -179,11 +204,17 @@ def make_controller(snip: SnipConfig, model_config, cfg):
     the plan log in the checkpoint folder."""
     from snip_megatron.controller import SnipController
     from snip_megatron.megatron.layout import pipeline_stages
-    from snip_megatron.models import gpt
+    from snip_megatron.models import hybrid
     from snip_megatron.pretrain.setup import mtp_exclusions
 
-    inventory = gpt.of_config(model_config)
-    stages = pipeline_stages(model_config) if model_config.pipeline_model_parallel_size > 1 else None
+    inventory, pattern = planned_inventory(model_config), hybrid_pattern(model_config)
+    pp = model_config.pipeline_model_parallel_size
+    stages = None
+    if pp > 1 and pattern is not None:  # the pattern's '|' segments (Megatron's select_pipeline_segment)
+        stage_of = hybrid.stage_of_layers(pattern, pp)
+        stages = {e.key: stage_of[e.layer] for e in inventory}
+    elif pp > 1:
+        stages = pipeline_stages(model_config)
     excluded = None
     if getattr(model_config, "transformer_impl", None) == "transformer_engine":
         from snip_megatron.te.shapes import describe_exclusions, te_exclusions

@@ -7,6 +7,7 @@ the checkpoints before it are written), as a crash would."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -38,6 +39,8 @@ def parse(argv=None):
     p.add_argument("--kill-at", type=int, default=None)
     p.add_argument("--snip", default="{}", help="SnipConfig fields as JSON (enabled is set)")
     p.add_argument("--no-snip", action="store_true", help="plain Bridge (no SNIP)")
+    p.add_argument("--hybrid", default=None, help="a HybridModel of this layer pattern (HybridModelProvider, "
+                   "Transformer Engine linears: run over the TE double) instead of the GPT")
     return p.parse_args(argv)
 
 
@@ -46,6 +49,10 @@ def main(argv=None) -> None:
     from tests.bridge import cpu, tiny
 
     cpu.install()
+    if args.hybrid:  # over the TE double: SNIP reads the double's GPU generation
+        from tests.pretrain.pretrain_worker import use_the_doubles_gpu
+
+        assert use_the_doubles_gpu(), "--hybrid runs over the TE double (tests/te_double on PYTHONPATH)"
     from megatron.bridge.training.callbacks import Callback
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
@@ -55,9 +62,10 @@ def main(argv=None) -> None:
     from snip_megatron.config import SnipConfig
     from snip_megatron.megatron.apply import current_plan
 
-    cfg = tiny.tiny_config(num_layers=args.layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                           distributed_optimizer=args.distopt, save=args.save, load=args.load,
-                           save_interval=args.save_interval)
+    make = tiny.tiny_config if args.hybrid is None else functools.partial(tiny.tiny_hybrid_config, args.hybrid)
+    layers = {} if args.hybrid else {"num_layers": args.layers}
+    cfg = make(**layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
+               distributed_optimizer=args.distopt, save=args.save, load=args.load, save_interval=args.save_interval)
     cfg.checkpoint.ckpt_step = args.ckpt_step
     if args.recompute:
         cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = \

@@ -9,6 +9,9 @@ import math
 import torch
 
 VOCAB = 256
+FUSIONS = ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion", "gradient_accumulation_fusion",
+           "apply_rope_fusion", "cross_entropy_loss_fusion", "persist_layer_norm")
+"""Fused CUDA kernels, off on CPU."""
 
 
 def tiny_config(layer_spec=None, *, num_layers: int = 2, iters: int = 8, tp: int = 1, pp: int = 1,
@@ -26,9 +29,7 @@ def tiny_config(layer_spec=None, *, num_layers: int = 2, iters: int = 8, tp: int
     m.normalization, m.gated_linear_unit, m.activation_func = "RMSNorm", True, torch.nn.functional.silu
     m.position_embedding_type, m.add_bias_linear = "rope", False
     m.transformer_impl, m.transformer_layer_spec = "local", layer_spec or local_layer_spec
-    for fusion in ("masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-                   "gradient_accumulation_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion",
-                   "persist_layer_norm"):
+    for fusion in FUSIONS:
         setattr(m, fusion, False)
     m.use_cpu_initialization = True
     m.attention_dropout = m.hidden_dropout = 0.0
@@ -71,6 +72,30 @@ def tiny_mla_config(*, mtp_num_layers: "int | None" = 1, **kwargs):
               if f.init and getattr(dense, f.name) is not getattr(default, f.name)}
     cfg.model = MLAModelProvider(**{**fields, **MLA, "multi_latent_attention": True, "rope_type": "rope",
                                     "num_query_groups": dense.num_attention_heads, "mtp_num_layers": mtp_num_layers})
+    return cfg
+
+
+def tiny_hybrid_config(pattern: str = "*-*-", **kwargs):
+    """tiny_config on Bridge's HybridModelProvider: one layer per pattern symbol, over Transformer
+    Engine's linears (Megatron's hybrid stack spec is TE-only: on CPU, the TE double)."""
+    import dataclasses
+
+    from megatron.bridge.models.hybrid.hybrid_provider import HybridModelProvider
+    from megatron.core.transformer.enums import AttnBackend
+
+    symbols = pattern.replace("|", "")
+    cfg = tiny_config(num_layers=len(symbols), **kwargs)
+    dense, default = cfg.model, type(cfg.model)()
+    names = {f.name for f in dataclasses.fields(HybridModelProvider) if f.init}
+    fields = {f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)
+              if f.init and f.name in names and getattr(dense, f.name) is not getattr(default, f.name)}
+    fields.pop("transformer_layer_spec", None)
+    fields.update({fusion: False for fusion in FUSIONS})  # HybridModelProvider's own defaults turn them on
+    cfg.model = HybridModelProvider(**{**fields, "hybrid_layer_pattern": pattern, "num_layers": None,
+                                       "transformer_impl": "transformer_engine", "vocab_size": VOCAB,
+                                       "attention_backend": AttnBackend.auto, "position_embedding_type": "rope",
+                                       "gated_linear_unit": True, "activation_func": torch.nn.functional.silu,
+                                       "bf16": False, "params_dtype": torch.float32, "pipeline_dtype": torch.float32})
     return cfg
 
 
