@@ -15,14 +15,15 @@ WORKER = str(Path(__file__).with_name("bridge_worker.py"))
 
 
 def worker(out: Path, *args: str, nproc: int = 1, snip: "dict | None" = None, check: bool = True,
-           timeout: float = 900) -> dict:
-    """Run the worker; returns {rank: its JSON} (empty for a run that ended without writing)."""
+           timeout: float = 900, env: "dict | None" = None) -> dict:
+    """Run the worker (one process: with `env` added to its environment); returns {rank: its JSON}
+    (empty for a run that ended without writing)."""
     argv = [WORKER, "--out", str(out), *args] + (["--snip", json.dumps(snip)] if snip is not None else [])
     if nproc > 1:
         proc = run_distributed(argv, nproc=nproc, timeout=timeout, check=check)
     else:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
         # Output to files and a session of its own: a killed run leaves Bridge's checkpoint writer
         # process behind, which would hold a pipe open; the session's leftovers are killed after.
         Path(out).mkdir(parents=True, exist_ok=True)

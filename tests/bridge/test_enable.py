@@ -103,6 +103,27 @@ def test_multi_latent_attention_and_multi_token_prediction_replan_through_bridge
     assert sorted(record.losses) == [1, 2, 3] and all(math.isfinite(x) for x in record.losses.values())
 
 
+def test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double(tmp_path):
+    """Bridge's HybridModelProvider with '*-*-' (attention, MLP, attention, MLP layers), whose stack spec
+    is Transformer Engine's only, over the TE double standing in for an H100 (a process of its own):
+    SNIP plans its TE linears keyed by hybrid layer, measures, re-plans under Hopper's FP8 budget,
+    and every linear runs the controller's plan."""
+    from tests.bridge.runs import losses, worker
+    from tests.te.te_versions import double_pythonpath
+
+    env = {"PYTHONPATH": double_pythonpath(apex=True), "TE_DOUBLE_COMPUTE_CAPABILITY": "9.0"}
+    result = worker(tmp_path / "hybrid", "--hybrid", "*-*-", "--iters", "3", env=env,
+                    snip={"warmup": 2, "interval": 10, "lag": 0})
+    assert "[snip] on; backend te; formats fp8=blockwise(pow2); plan: initial fp8" in result["stdout"]
+    rank = result["ranks"][0]
+    assert [h["event"] for h in rank["history"]] == ["initial", "update"] and rank["history"][1]["step"] == 2
+    assert sorted(rank["plan"]) == sorted(["1.linear_qkv", "1.linear_proj", "2.linear_fc1", "2.linear_fc2",
+                                           "3.linear_qkv", "3.linear_proj", "4.linear_fc1", "4.linear_fc2"])
+    assert "bf16" in rank["plan"].values() and set(rank["plan"].values()) <= {"bf16", "fp8"}  # Hopper: no FP4
+    assert rank["local_plan"] == rank["plan"]  # every TE linear runs the re-plan
+    assert sorted(losses(result)) == [1, 2, 3] and all(math.isfinite(x) for x in losses(result).values())
+
+
 def test_disabled_snip_changes_nothing():
     from snip_megatron.bridge import enable_snip
 

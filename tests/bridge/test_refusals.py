@@ -136,3 +136,29 @@ def test_multi_latent_attention_and_multi_token_prediction_pass_with_megatron_lm
     assert [line.split(":")[0] for line in refusals(cfg, snip)] == ["model.mla_down_proj_fusion"]
     assert [line.split(":")[0] for line in refusals(tiny.tiny_mla_config(pp=2), snip)] == [
         "model.mtp_num_layers with pipeline_model_parallel_size > 1"]
+
+
+def test_a_hybrid_model_is_refused_where_snip_pretrain_hybrid_refuses_it():
+    """HybridModelProvider: SNIP plans '*' and '-' layers over Transformer Engine (the hybrid stack spec is
+    TE-only); layer kinds it does not plan, and Mamba layers on a CPU, are refused by name."""
+    from snip_megatron.bridge.refusals import hybrid_refusals
+
+    snip = SnipConfig(enabled=True)
+    model = tiny.tiny_hybrid_config("*-*-").model
+    assert hybrid_refusals(model, "te") == []
+    assert hybrid_refusals(model, "emulated") == [
+        "HybridModelProvider plans Transformer Engine linears (Megatron's hybrid stack spec is TE-only): set "
+        "model.transformer_impl='transformer_engine'"]
+    model.hybrid_layer_pattern = "M*-*"
+    assert hybrid_refusals(model, "te")[0].startswith("model.hybrid_layer_pattern 'M*-*': Mamba (M) layers run "
+                                                      "CUDA kernels")
+    model.hybrid_layer_pattern = "*E*E"
+    assert hybrid_refusals(model, "te")[0].startswith("model.hybrid_layer_pattern '*E*E': MoE layers (E)")
+    model.hybrid_layer_pattern, model.mtp_hybrid_override_pattern = "*-*-", "*-"
+    assert hybrid_refusals(model, "te")[0].startswith("model.mtp_hybrid_override_pattern")
+    cfg = tiny.tiny_hybrid_config("*-*-")
+    cfg.model.transformer_impl = "local"
+    with pytest.raises(ValueError, match="HybridModelProvider plans Transformer Engine linears"):
+        from snip_megatron.bridge import enable_snip
+
+        enable_snip(cfg, snip)
