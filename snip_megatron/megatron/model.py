@@ -70,6 +70,17 @@ def validate_layout(shape: ModelShape, tp: int = 1, pp: int = 1, vpp: int | None
         raise ValueError(f"num_layers={shape.num_layers} is not divisible by {what}")
 
 
+def check_mla_buildable() -> None:
+    """megatron-core 0.16's MLASelfAttention asks `isinstance(linear_proj, TELinear)` with TELinear
+    None when Transformer Engine is absent, so it cannot be built there: refused with the way out."""
+    from snip_megatron.megatron.apply import megatron_core_version
+
+    if megatron_core_version() < (0, 17) and not te_importable():
+        raise ValueError("multi-latent attention on megatron-core < 0.17 needs Transformer Engine (its "
+                         "MLASelfAttention checks isinstance(linear_proj, TELinear), None without TE): use "
+                         "megatron-core >= 0.19 (the prod lane) or install Transformer Engine")
+
+
 def make_transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
                             activation: str = "swiglu", params_dtype: torch.dtype = torch.float32,
                             quant_recipe=None, sequence_parallel: bool = False, mla=None, **overrides):
@@ -106,6 +117,7 @@ def make_transformer_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp:
     cuda = torch.cuda.is_available()
     kwargs.update(platform_flags(cuda, te_importable() if cuda else False))
     if mla is not None:
+        check_mla_buildable()
         # every head has its own keys and values (no GQA in MLA)
         kwargs.update(dataclasses.asdict(mla), multi_latent_attention=True, rope_type="rope",
                       num_query_groups=shape.num_attention_heads)

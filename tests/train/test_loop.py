@@ -118,13 +118,24 @@ def test_checkpoint_resume_gives_the_same_next_step_loss(tiny_config, tmp_path):
 def test_multi_latent_attention_measures_replans_and_resumes(tiny_config, tmp_path):
     """The attention of the llama_tiny_mla preset (TrainConfig.mla) on the tiny model: SNIP's controller
     measures every MLA linear (the down-projections duplicated over TP, as Megatron's TE spec builds
-    them), re-plans them, and the checkpoint resumes with that plan and the same next-step loss."""
+    them), re-plans them, and the checkpoint resumes with that plan and the same next-step loss.
+    On megatron-core 0.16 without TE (the compat lane) MLA cannot be built: refused, naming why."""
     import dataclasses
+
+    from snip_megatron.megatron.apply import megatron_core_version
+    from snip_megatron.megatron.model import make_transformer_config, te_importable
+    from snip_megatron.models.gpt import PRESET_MLA
+    from snip_megatron.shapes import get_shape
+
+    if megatron_core_version() < (0, 17) and not te_importable():
+        with pytest.raises(ValueError, match=r"multi-latent attention on megatron-core < 0.17 needs Transformer "
+                                             r"Engine"):
+            make_transformer_config(get_shape("llama_tiny_mla"), mla=PRESET_MLA["llama_tiny_mla"])
+        return
 
     from snip_megatron.config import SnipConfig
     from snip_megatron.controller import SnipController
     from snip_megatron.megatron.mla import QuantDownProjection
-    from snip_megatron.models.gpt import PRESET_MLA
     from tests.train.conftest import TINY
 
     assert tiny_config(model="llama_tiny_mla").mla == PRESET_MLA["llama_tiny_mla"]  # the preset's attention
