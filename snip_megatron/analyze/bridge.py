@@ -111,11 +111,11 @@ def measure(a: BridgeAnalysis, k: int) -> Measurement:
 
     from snip_megatron.analyze.megatron_lm import MeasureOnce
     from snip_megatron.bridge.enable import install, prepare_run
-    from snip_megatron.bridge.run import deactivate, make_controller
+    from snip_megatron.bridge.run import deactivate, make_controller, planned_inventory
 
     cfg = a.cfg
     run = prepare_run(cfg, a.snip)  # the Bridge settings that fight a plan are refused here
-    run.controller_factory = lambda snip, model_config, _cfg: MeasureOnce(snip, model_config.num_layers)
+    run.controller_factory = lambda snip, model_config, _cfg: MeasureOnce(snip, planned_inventory(model_config))
     install(cfg, run)
     owns_group = not dist.is_initialized()
 

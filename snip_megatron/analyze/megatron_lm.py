@@ -45,7 +45,8 @@ class MeasureOnce:
 
     name = "snip"
 
-    def __init__(self, snip, num_layers: int):
+    def __init__(self, snip, num_layers):
+        """`num_layers`: the model's Inventory (or a dense GPT's layer count)."""
         self.config = snip
         self.plan = Plan.uniform(num_layers, Precision.BF16)
         self.plan_source = "snip-analyze"

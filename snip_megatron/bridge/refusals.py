@@ -82,31 +82,17 @@ def is_hybrid(model) -> bool:
 
 
 def hybrid_refusals(model, backend: str) -> list[str]:
-    """What a HybridModelProvider run cannot do with SNIP: layer symbols SNIP does not plan (by name),
-    SNIP's emulated linears (Megatron's hybrid stack spec is TE-only), and, without a GPU, Mamba and
-    GDN layers (CUDA kernels: SNIP could not measure their linears), as snip-pretrain-hybrid refuses."""
-    import torch
+    """What a HybridModelProvider run cannot do with SNIP, as snip-pretrain-hybrid refuses it
+    (pretrain.setup.hybrid_refusals: layer kinds SNIP does not plan, SNIP's emulated linears, Mamba
+    and GDN layers on a CPU), and the MTP part of a Bridge hybrid pattern."""
+    from snip_megatron.pretrain.setup import hybrid_refusals as refused
 
-    from snip_megatron.models import hybrid
-
-    pattern = model.hybrid_layer_pattern or model.hybrid_override_pattern
     if getattr(model, "mtp_hybrid_override_pattern", None):
         return ["model.mtp_hybrid_override_pattern (multi-token prediction of a HybridModel): SNIP does not "
                 "plan MTP layers of a HybridModel yet; set it None"]
-    try:
-        symbols = hybrid.layer_symbols(pattern)
-    except ValueError as e:
-        return [str(e).replace("--hybrid-layer-pattern", "model.hybrid_layer_pattern")]
-    out = []
-    if backend != "te":
-        out.append("HybridModelProvider plans Transformer Engine linears (Megatron's hybrid stack spec is "
-                   "TE-only): set model.transformer_impl='transformer_engine'")
-    cuda_only = [f"{hybrid.LAYER_NAMES[c]} ({c})" for c in dict.fromkeys(symbols) if c in "MG"]
-    if cuda_only and not torch.cuda.is_available():
-        out.append(f"model.hybrid_layer_pattern {pattern!r}: {' and '.join(cuda_only)} layers run CUDA kernels "
-                   "(mamba_ssm, causal_conv1d; fla), so on CPU SNIP cannot measure their in_proj/out_proj linears; "
-                   "run on a GPU, or use '*' and '-' layers only")
-    return out
+    return refused(model.hybrid_layer_pattern or model.hybrid_override_pattern, backend,
+                   entry="HybridModelProvider", field="model.hybrid_layer_pattern",
+                   te_fix="set model.transformer_impl='transformer_engine'")
 
 
 def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
@@ -165,8 +151,10 @@ def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
     refuse(impl not in ("local", "transformer_engine"), f"model.transformer_impl={impl!r}: SNIP needs "
            "'local' (SNIP's emulated linears) or 'transformer_engine' (TE linears planned per module)")
     refuse(backend == "te" and not te_available(), "model.transformer_impl='transformer_engine': "
-           "Transformer Engine is not installed here; use model.transformer_impl='local' (SNIP's "
-           "emulated linears) with model.transformer_layer_spec=local_layer_spec")
+           "Transformer Engine is not installed here; " + (
+               "install it (Megatron's hybrid stack spec is TE-only)" if hybrid else
+               "use model.transformer_impl='local' (SNIP's emulated linears) with "
+               "model.transformer_layer_spec=local_layer_spec"))
     refuse(getattr(model, "cuda_graph_impl", "none") not in (None, "none")
            or getattr(model, "enable_cuda_graph", False) or getattr(model, "external_cuda_graph", False),
            "CUDA graphs (model.cuda_graph_impl / enable_cuda_graph) capture one precision per layer; "

@@ -108,10 +108,13 @@ def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[
     return out
 
 
-def hybrid_refusals(pattern: str, backend: str) -> list[str]:
+def hybrid_refusals(pattern: str, backend: str, *, entry: str = "snip-pretrain-hybrid",
+                    field: str = "--hybrid-layer-pattern",
+                    te_fix: str = "add --transformer-impl transformer_engine") -> list[str]:
     """What a HybridModel run of `pattern` cannot do with SNIP: layer kinds SNIP does not plan (by
     name), a backend other than TE (Megatron's hybrid spec is TE-only), and, without a GPU, Mamba
-    and GDN layers (their kernels are CUDA-only, so SNIP could not measure their linears)."""
+    and GDN layers (their kernels are CUDA-only, so SNIP could not measure their linears). `entry`,
+    `field` and `te_fix` name the loop's own spelling (Megatron-Bridge: its config fields)."""
     import torch
 
     from snip_megatron.models import hybrid
@@ -119,14 +122,13 @@ def hybrid_refusals(pattern: str, backend: str) -> list[str]:
     try:
         symbols = hybrid.layer_symbols(pattern)
     except ValueError as e:
-        return [str(e)]
+        return [str(e).replace("--hybrid-layer-pattern", field)]
     out = []
     if backend != "te":
-        out.append("snip-pretrain-hybrid plans Transformer Engine linears (Megatron's hybrid layer spec is "
-                   "TE-only): add --transformer-impl transformer_engine")
+        out.append(f"{entry} plans Transformer Engine linears (Megatron's hybrid layer spec is TE-only): {te_fix}")
     cuda_only = [f"{hybrid.LAYER_NAMES[c]} ({c})" for c in dict.fromkeys(symbols) if c in "MG"]
     if cuda_only and not torch.cuda.is_available():
-        out.append(f"--hybrid-layer-pattern {pattern!r}: {' and '.join(cuda_only)} layers run CUDA kernels "
+        out.append(f"{field} {pattern!r}: {' and '.join(cuda_only)} layers run CUDA kernels "
                    "(mamba_ssm, causal_conv1d; fla), so on CPU SNIP cannot measure their in_proj/out_proj "
                    "linears; run on a GPU (bench/gpu/hybrid_check.py), or use '*' and '-' layers only")
     return out

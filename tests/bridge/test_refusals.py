@@ -147,7 +147,7 @@ def test_a_hybrid_model_is_refused_where_snip_pretrain_hybrid_refuses_it():
     model = tiny.tiny_hybrid_config("*-*-").model
     assert hybrid_refusals(model, "te") == []
     assert hybrid_refusals(model, "emulated") == [
-        "HybridModelProvider plans Transformer Engine linears (Megatron's hybrid stack spec is TE-only): set "
+        "HybridModelProvider plans Transformer Engine linears (Megatron's hybrid layer spec is TE-only): set "
         "model.transformer_impl='transformer_engine'"]
     model.hybrid_layer_pattern = "M*-*"
     assert hybrid_refusals(model, "te")[0].startswith("model.hybrid_layer_pattern 'M*-*': Mamba (M) layers run "
