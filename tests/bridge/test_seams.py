@@ -26,7 +26,8 @@ def test_bridges_train_step_takes_what_the_wrapper_relies_on():
     # GPTModelProvider.provide looks mtp_block_spec up in its module for every chunk it builds.
     from megatron.bridge.models import gpt_provider
 
-    assert "mtp_block_spec=mtp_block_spec(self, vp_stage=vp_stage)" in inspect.getsource(gpt_provider.GPTModelProvider.provide)
+    provide = inspect.getsource(gpt_provider.GPTModelProvider.provide)
+    assert "mtp_block_spec=mtp_block_spec(self, vp_stage=vp_stage)" in provide
 
 
 def test_a_changed_train_step_is_refused_naming_it(monkeypatch):
