@@ -62,9 +62,6 @@ def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[
            "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel: "
            "without it Megatron's MLA takes the shared rotary key's gradient from each rank's own heads, "
            "so TP ranks train another model than one process (snip_megatron/megatron/mla.py)")
-    refuse(getattr(args, "mtp_num_layers", None) and args.pipeline_model_parallel_size > 1,
-           "--mtp-num-layers with --pipeline-model-parallel-size > 1: SNIP plans multi-token prediction at "
-           "1 process and with TP, not yet with pipeline parallelism; drop one of them")
     refuse(family == "gpt" and getattr(args, "hybrid_layer_pattern", None),
            "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does not: run "
            "snip-pretrain-hybrid (Megatron-LM's pretrain_hybrid.py with SNIP) instead")
