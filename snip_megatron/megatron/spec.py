@@ -7,10 +7,10 @@ after construction; which spec fields hold them is the model family's adapter's 
 
 from __future__ import annotations
 
-from snip_megatron.models.gpt import replace_duplicated_linears, replace_planned_linears
+from snip_megatron.models.gpt import replace_duplicated_linears, replace_mtp_planned_linears, replace_planned_linears
 
-__all__ = ["BACKENDS", "get_layer_spec", "get_local_layer_spec", "get_snip_layer_spec", "get_te_layer_spec",
-           "replace_planned_linears", "with_emulated_linears", "with_local_mla_core"]
+__all__ = ["BACKENDS", "get_layer_spec", "get_local_layer_spec", "get_mtp_block_spec", "get_snip_layer_spec",
+           "get_te_layer_spec", "replace_planned_linears", "with_emulated_linears", "with_local_mla_core"]
 
 BACKENDS = ("emulated", "local", "te")
 """Planned-linear backends: SNIP's emulated linears (any device, any plan), Megatron's plain local
@@ -80,3 +80,17 @@ def get_layer_spec(backend: str = "emulated", normalization: str = "RMSNorm", mu
             raise ValueError("the TE spec takes its normalization from TransformerConfig.normalization")
         return get_te_layer_spec(multi_latent_attention)
     raise ValueError(f"unknown linear backend {backend!r}; valid: {', '.join(BACKENDS)}")
+
+
+def get_mtp_block_spec(config, layer_spec, backend: str = "emulated", vp_stage=None):
+    """Megatron's multi-token-prediction block spec for one chunk (None on a chunk without MTP
+    layers), built from the decoder's layer spec as Megatron's GPT builders build it: its inner layer
+    has the decoder's planned linears; for the emulated backend its eh_proj is SNIP's too."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    block = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=backend == "te", vp_stage=vp_stage)
+    if block is None or backend != "emulated":
+        return block
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear
+
+    return replace_mtp_planned_linears(block, QuantColumnParallelLinear, lambda spec: spec)

@@ -374,7 +374,8 @@ def replace_mtp_planned_linears(block_spec, eh_proj_cls, layer_spec_fn):
     for layer in getattr(spec, "submodules", spec).layer_specs:
         if eh_proj_cls is not None:
             layer.submodules.eh_proj = eh_proj_cls
-        layer.submodules.mtp_model_layer = layer_spec_fn(layer.submodules.mtp_model_layer)
+        inner = next(name for name in MTP_INNER if hasattr(layer.submodules, name))  # by release
+        setattr(layer.submodules, inner, layer_spec_fn(getattr(layer.submodules, inner)))
     return spec
 
 

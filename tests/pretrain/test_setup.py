@@ -29,8 +29,6 @@ def megatron_args(*argv):
     (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
     (["--multi-latent-attention", "--tensor-model-parallel-size", "2"],
      "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel"),
-    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
-     "--mtp-num-layers with --pipeline-model-parallel-size > 1"),
     (["--hybrid-layer-pattern", "*-"], "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does "
                                        "not: run snip-pretrain-hybrid"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3"),
@@ -91,7 +89,7 @@ def test_a_model_that_is_not_the_one_planned_is_refused_before_the_first_step(me
 def test_multi_latent_attention_and_multi_token_prediction_are_planned_not_refused():
     for argv in (["--multi-latent-attention"], ["--multi-latent-attention", "--q-lora-rank", "32"],
                  ["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                 ["--mtp-num-layers", "1"]):
+                 ["--mtp-num-layers", "1"], ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"]):
         args = megatron_args("--snip", *argv)
         assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv
 
