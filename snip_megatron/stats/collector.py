@@ -176,6 +176,8 @@ class LinearProbe:
 
     def _noise_dot(self, field: noise.NoiseField, g: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=g.device)
+        if g.numel() == 0:  # an MoE expert routed no tokens
+            return total
         for rows, z in field.chunks(g.device):
             total = total + torch.dot(z.reshape(-1), g[rows].reshape(-1).float())
         return total
@@ -183,6 +185,8 @@ class LinearProbe:
     @staticmethod
     def _plus_noise(t: torch.Tensor, field: noise.NoiseField, scale: torch.Tensor) -> torch.Tensor:
         """t + scale * noise, the noise assembled block by block in t's dtype (+-1 is exact)."""
+        if t.numel() == 0:  # an MoE expert routed no tokens
+            return t
         z = torch.empty_like(t)
         for rows, part in field.chunks(t.device):
             z[rows] = part.to(t.dtype)
@@ -252,6 +256,9 @@ class LinearProbe:
             self._add("fwd_zg_clean", self._noise_dot(self._field(gz.shape, zmb, noise.FORWARD, "y", g.device), gz))
         x2, g2 = self._full_tokens(x, g)
         n, dev = x2.shape[0], x2.device
+        if n == 0:  # an MoE expert routed no tokens: no GEMM, nothing to add (weights: weight_stats)
+            self.pending_ex = None
+            return
         fwd = tokens.sample_rows(n, c.token_stride, dev)
         bwd = tokens.sample_rows(n, c.grad_token_stride, dev)
         xs, gs = fwd.take(x2), fwd.take(g2)
@@ -336,6 +343,8 @@ class LinearProbe:
     def _on_gy_bwd_noise(self, x: torch.Tensor, g: torch.Tensor) -> None:
         x2, g2 = self._full_tokens(x, g)
         n, dev = x2.shape[0], x2.device
+        if n == 0:  # an MoE expert routed no tokens
+            return
         sample = tokens.sample_rows(n, self.c.token_stride, dev, min_chunks=2)
         estimate = tokens.WgradNormEstimate(g2, x2, sample)
         xs, gs = sample.take(x2), sample.take(g2)

@@ -74,6 +74,34 @@ def test_measurement_leaves_moe_training_bit_identical(megatron_single, other_ba
     assert len(table.keys) == len(inv)
 
 
+def test_an_expert_routed_no_tokens_trains_and_is_measured_in_fp4(megatron_single):
+    """Megatron's SequentialMLP hands an expert that no token chose an empty input: the quantized
+    linears and the statistics take it (its row adds its weights only)."""
+    from snip_megatron.formats.precision import Precision
+    from snip_megatron.megatron.apply import apply_plan
+    from snip_megatron.plan import Plan
+
+    from snip_megatron.megatron import runtime
+    from snip_megatron.megatron.model import build_model_chunks
+
+    runtime.seed_all(1234)
+    chunks = build_model_chunks(SHAPE, backend="emulated", **MOE)
+    router = chunks[0].decoder.layers[0].mlp.router
+    with torch.no_grad():
+        router.expert_bias[3] = -1e4  # expert 3 never wins a top-2 (sigmoid scores lie in (0, 1))
+    inv = gpt.of_config(chunks[0].config)
+    apply_plan(chunks, Plan({k: Precision.FP4 if gpt.is_expert(k) else Precision.FP8 for k in inv.keys()}))
+    ddp, opt = wrap_ddp_and_optimizer(chunks, chunks[0].config, lr=1e-2, clip_grad=1.0, distributed_optimizer=False)
+    before = chunks[0].decoder.layers[0].mlp.experts.local_experts[3].linear_fc1.weight.detach().clone()
+    _train_step(ddp, opt, batches(seed=1))
+    table = measure_chunks(ddp, make_forward_step(), batches(seed=2), seq_length=SHAPE.seq_length,
+                           micro_batch_size=2, optimizer=opt)
+    assert table.nonfinite() == {}
+    assert table.get(gpt.LayerKey(1, "expert_fc1"), "n") == pytest.approx(2 * 2 * SHAPE.seq_length * 2)
+    idle = chunks[0].decoder.layers[0].mlp.experts.local_experts[3].linear_fc1.weight
+    assert torch.equal(idle, before)  # no tokens, no gradient, no update
+
+
 def test_without_freezing_the_routers_a_measurement_changes_training(megatron_single, monkeypatch):
     """The bit-identity above is the routers' doing: left as they are, the measurement's forwards
     add to the expert-bias token counts that training consumes."""
