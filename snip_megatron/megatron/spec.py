@@ -72,12 +72,24 @@ def get_te_layer_spec(multi_latent_attention: bool = False):
     return get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=multi_latent_attention)
 
 
+def _router_gemm_without_te() -> None:
+    """megatron-core 0.16's router GEMM tests `te_general_gemm is not None` but leaves the name
+    undefined when Transformer Engine is absent (moe_utils.py imports it in a try block with no
+    fallback; 0.17+ sets None), so every MoE forward raises NameError. Give it the None its own test
+    expects: Megatron then runs its torch GEMM, as later versions do without TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def get_moe_block_spec(config, backend: str = "emulated", vp_stage=None):
     """Megatron's decoder block spec of an MoE GPT (`moe_layer_freq` mixes dense and MoE layers;
     this stage's layers), with SNIP's emulated linears for the emulated backend (the experts of the
     local spec's SequentialMLP included)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    _router_gemm_without_te()
     if backend not in BACKENDS:
         raise ValueError(f"unknown linear backend {backend!r}; valid: {', '.join(BACKENDS)}")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=backend == "te",
