@@ -30,16 +30,18 @@ def _train(measured: bool, steps: int = 3, other_batches: bool = True):
     chunks = build(**MOE)
     ddp, opt = wrap_ddp_and_optimizer(chunks, chunks[0].config, lr=1e-2, clip_grad=1.0,
                                       distributed_optimizer=False)
-    tables = []
+    tables, fc1_sq = [], None  # fc1_sq: ||W||^2 of layer 1's expert_fc1 experts when measured
     for step in range(steps):
         mbs = batches(seed=step + 1)
         if measured and step == 1:
             measured_mbs = batches(seed=99) if other_batches else mbs
+            experts = chunks[0].decoder.layers[0].mlp.experts.local_experts
+            fc1_sq = sum(float((e.linear_fc1.weight.double() ** 2).sum()) for e in experts)
             tables.append(measure_chunks(ddp, make_forward_step(), measured_mbs, seq_length=SHAPE.seq_length,
                                          micro_batch_size=2, optimizer=opt))
         _train_step(ddp, opt, mbs)
     state = {n: t.detach().clone() for n, t in [*chunks[0].named_parameters(), *chunks[0].named_buffers()]}
-    return state, (tables[0] if tables else None), chunks
+    return state, (tables[0] if tables else None), chunks, fc1_sq
 
 
 def test_moe_inventory_of_the_built_model_is_the_configs(megatron_single):
@@ -58,8 +60,8 @@ def test_moe_inventory_of_the_built_model_is_the_configs(megatron_single):
 
 @pytest.mark.parametrize("other_batches", [False, True])
 def test_measurement_leaves_moe_training_bit_identical(megatron_single, other_batches):
-    with_measure, table, chunks = _train(True, other_batches=other_batches)
-    without, _, _ = _train(False)
+    with_measure, table, chunks, fc1_sq = _train(True, other_batches=other_batches)
+    without, _, _, _ = _train(False)
     assert with_measure.keys() == without.keys()
     assert any("expert_bias" in n for n in with_measure)
     for n in with_measure:
@@ -71,6 +73,11 @@ def test_measurement_leaves_moe_training_bit_identical(megatron_single, other_ba
     assert table.get(gpt.LayerKey(1, "expert_fc1"), "n") == pytest.approx(tokens * MOE["moe_router_topk"])
     assert table.get(gpt.LayerKey(1, "shared_expert_fc1"), "n") == pytest.approx(tokens)
     assert table.get(gpt.LayerKey(1, "expert_fc2"), "gw_sq") > 0
+    # weights and AdamW state: every expert's, in the unit's row
+    experts = chunks[0].decoder.layers[0].mlp.experts.local_experts
+    fc1 = [e.linear_fc1.weight for e in experts]
+    assert table.get(gpt.LayerKey(1, "expert_fc1"), "adam_numel") == sum(w.numel() for w in fc1) == 4 * 64 * 64
+    assert table.get(gpt.LayerKey(1, "expert_fc1"), "w_sq") == pytest.approx(fc1_sq, rel=1e-5)
     assert len(table.keys) == len(inv)
 
 
@@ -111,8 +118,8 @@ def test_without_freezing_the_routers_a_measurement_changes_training(megatron_si
         yield routing._Routes([])
 
     monkeypatch.setattr(measure_mod.routing, "frozen_routing", untouched)
-    with_measure, _, _ = _train(True)
-    without, _, _ = _train(False)
+    with_measure, _, _, _ = _train(True)
+    without, _, _, _ = _train(False)
     assert any(not torch.equal(with_measure[n], without[n]) for n in with_measure)
 
 
