@@ -279,6 +279,26 @@ def module_path(key: LayerKey, layer_offset: int = 0) -> str:
     return f"decoder.layers.{local}.{SLOTS[key.name].suffix}"
 
 
+def module_paths(key: LayerKey, layer_offset: int = 0) -> tuple[str, ...]:
+    """The paths the modules of `key`'s unit can have in the chunk: `module_path`, and for an
+    expert unit also its first local expert's (the SequentialMLP path)."""
+    path = module_path(key, layer_offset)
+    if not is_expert(key):
+        return (path,)
+    parent, leaf = path.rsplit(".", 1)
+    return path, f"{parent}.local_experts.0.{leaf}"
+
+
+def module_pattern(key: LayerKey, layer_offset: int = 0) -> str:
+    """A glob (fnmatch, as Megatron's GlobMatcher reads it) matching every module of `key`'s unit
+    in the chunk: its path, or for an expert unit the grouped module and every local expert."""
+    path = module_path(key, layer_offset)
+    if not is_expert(key):
+        return path
+    parent, leaf = path.rsplit(".", 1)
+    return f"{parent}.*{leaf}"
+
+
 def linear_shapes(shape: ModelShape, mla: "MLADims | None" = None,
                   moe: "MoEDims | None" = None) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each planned linear of a layer, unsharded (an expert unit's:

@@ -216,3 +216,18 @@ def test_moe_inventory_discovered_from_the_emulated_model_equals_the_configs(meg
     # every local expert is SNIP's emulated linear
     experts = [m for n, m in chunks[0].named_modules() if ".local_experts." in n and n.endswith("linear_fc1")]
     assert len(experts) == 8 and all(callable(getattr(m, "set_precision", None)) for m in experts)
+
+
+def test_an_expert_units_paths_and_glob_cover_the_grouped_module_and_every_local_expert():
+    import fnmatch
+
+    key = LayerKey(3, "expert_fc2")
+    assert gpt.module_paths(key, 2) == ("decoder.layers.0.mlp.experts.linear_fc2",
+                                        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2")
+    glob = gpt.module_pattern(key, 2)
+    for path in ("decoder.layers.0.mlp.experts.linear_fc2", "decoder.layers.0.mlp.experts.local_experts.7.linear_fc2"):
+        assert fnmatch.fnmatch(path, glob)
+    for path in ("decoder.layers.0.mlp.experts.local_experts.7.linear_fc1", "decoder.layers.0.mlp.shared_experts.linear_fc2",
+                 "decoder.layers.10.mlp.experts.linear_fc2"):
+        assert not fnmatch.fnmatch(path, glob)
+    assert gpt.module_pattern(LayerKey(3, "linear_fc2"), 2) == "decoder.layers.0.mlp.linear_fc2"
