@@ -10,7 +10,6 @@ from snip_megatron.megatron.smoke import wrap_ddp_and_optimizer
 from snip_megatron.stats.discover import planned_linears
 from snip_megatron.stats.measure import measure_chunks
 from snip_megatron.stats.quant_error import blockwise_error_fn
-ERROR_FN = blockwise_error_fn
 from tests.stats.measure_worker import SHAPE, batches, build
 
 
@@ -40,7 +39,7 @@ def _run(measured: bool, distributed_optimizer: bool):
 
     def measure_now():
         tables.append(measure_chunks(ddp, make_forward_step(), step2, seq_length=SHAPE.seq_length,
-                              micro_batch_size=2, optimizer=opt, error_fn=ERROR_FN()))
+                              micro_batch_size=2, optimizer=opt, error_fn=blockwise_error_fn()))
 
     _train_step(ddp, opt, step2, measure_now if measured else None)
     table = tables[0] if tables else None
