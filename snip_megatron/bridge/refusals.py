@@ -103,8 +103,9 @@ def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
     refuse(getattr(model, "use_kitchen", False), "model.use_kitchen=True quantizes through NVIDIA "
            "Kitchen instead of SNIP's plan; set it False")
 
-    refuse(getattr(model, "num_moe_experts", None), "model.num_moe_experts (MoE): SNIP plans dense GPT "
-           "layers only; expert linears would run unplanned. Train dense, or run without SNIP")
+    refuse(getattr(model, "num_moe_experts", None), "model.num_moe_experts (MoE): SNIP plans MoE GPTs in "
+           "Megatron-LM's loop only so far (snip-pretrain-gpt --num-experts, local spec, one process; "
+           "docs/moe.md), not through Bridge; train dense, or run without SNIP")
     refuse(getattr(model, "multi_latent_attention", False), "model.multi_latent_attention: SNIP plans "
            "multi-latent attention in Megatron-LM's loop (snip-pretrain-gpt) but not yet through Bridge; "
            "set it False, or train with snip-pretrain-gpt --multi-latent-attention")

@@ -35,7 +35,8 @@ LINEARS: dict[str, tuple[LinearSlot, ...]] = {
 """Each planned layer symbol's linears, in forward order."""
 LAYER_NAMES = {"*": "attention", "-": "MLP", "M": "Mamba", "G": "gated delta net"}
 REFUSED = {
-    "E": "MoE layers (E): SNIP plans MoE experts after the MoE issue; use '-' (dense MLP) layers",
+    "E": "MoE layers (E): SNIP plans MoE experts on GPTModel (snip-pretrain-gpt --num-experts, local spec, "
+         "one process), not yet as hybrid layers; use '-' (dense MLP) layers",
     "+": "multi-latent attention layers (+): SNIP plans MLA on GPTModel (snip-pretrain-gpt "
          "--multi-latent-attention), not yet as hybrid layers; use '*' attention layers",
     "D": "DeepSeek sparse attention layers (D): SNIP does not plan DSA yet; use '*' attention layers",

@@ -103,7 +103,7 @@ def check_user_recipe(user_recipe, model, source: str) -> None:
     if clash:
         raise ValueError(f"{source} defines config keys {clash}, the names SNIP's plan uses; rename them")
     # each planned linear's path as if the model were one stage
-    paths = ([(k, gpt.module_path(k)) for k in model_keys(model)]
+    paths = ([(k, path) for k in model_keys(model) for path in gpt.module_paths(k)]
              if isinstance(model, int) or model.family == gpt.FAMILY
              else [(e.key, f"decoder.layers.{e.layer - 1}.{e.suffix}") for e in model])
     for planned, path in paths:

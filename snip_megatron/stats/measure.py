@@ -28,7 +28,7 @@ import contextlib
 import torch
 
 from snip_megatron.formats.precision import Precision
-from snip_megatron.stats import adam
+from snip_megatron.stats import adam, routing
 from snip_megatron.stats.accumulator import to_table
 from snip_megatron.stats.collector import Collector
 from snip_megatron.stats.config import MeasureConfig
@@ -271,7 +271,9 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # lone one (decided for the whole sample, so every replica interleaves alike)
             noise_batches, noise_mbs = measured, micro_batch_size
             interleave, halves = config.interleave_noise and k_total >= 2, False
-            if config.interleave_noise and k_total == 1 and len(measured) == 1:
+            # an MoE layer's experts see routed rows, not [s, b] halves: MoE models keep whole micro-batches
+            moe = bool(routing.routers(chunks))
+            if config.interleave_noise and k_total == 1 and len(measured) == 1 and not moe:
                 cut = _halves(measured, micro_batch_size)
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
@@ -308,15 +310,17 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
         run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, loss_factor=loss_factor)
         snap = _rng_snapshot()
         try:
-            with measurement_mode(chunks, linears, mconfig), mtp_log_untouched():
-                # 1. the BF16 statistics pass
+            with measurement_mode(chunks, linears, mconfig), mtp_log_untouched(), \
+                    routing.frozen_routing(chunks) as routes:
+                # 1. the BF16 statistics pass (MoE routers record their choices; the noise passes replay them)
+                routes.record()
                 clean = collector.begin("clean")
                 losses = _run_pass(chunks, forward_step_func, measured, **run) if measured else []
                 for probe in collector.probes:  # a replica that measured nothing still has weights
                     probe.weight_stats()
                 collector.end()
                 _rng_restore(snap)
-                adam.adam_statistics(optimizer, {k: m.weight for k, m in linears},
+                adam.adam_statistics(optimizer, [(k, m.weight) for k, m in linears],
                                      add=lambda key, f, v: clean.add(clean.row(key), clean.col(f), v))
                 if ps.is_pipeline_last_stage(ignore_virtual=True):
                     g = len(layout.keys)
@@ -330,6 +334,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 collector.set_scales(reduced, config.noise_frac, config.bwd_noise_frac)
                 # 2. forward noise into every layer output at once; 3. backward noise into every input
                 # gradient (zero loss gradient): one pass on alternate micro-batches, or two passes
+                routes.replay()
                 if interleave:
                     noisy = collector.begin("noise")
                     _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
@@ -341,6 +346,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                         _run_pass(chunks, forward_step_func, measured, **run)
                         _rng_restore(snap)
                     collector.begin("bwd_noise", acc=noisy)
+                    routes.replay()
                     if measured:
                         _run_pass(chunks, forward_step_func, measured, zero_loss=True, **run)
                 collector.end()
