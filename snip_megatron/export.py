@@ -83,7 +83,7 @@ def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None) -> dic
     for _rank, _vp, offset, count in _chunks(plan.num_layers, pp, vpp):
         for key, precision in plan.items():
             if offset < key.layer <= offset + count:
-                path = gpt.module_path(key, offset)
+                path = gpt.module_pattern(key, offset)  # an expert unit: every local expert too
                 seen.setdefault(path, []).append((key, precision))
                 out.setdefault(path, precision)
     for path, entries in seen.items():

@@ -21,7 +21,8 @@ from snip_megatron.plan import Plan
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "group_query_attention",
               "num_query_groups", "kv_channels", "max_position_embeddings", "position_embedding_type",
               "normalization", "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights",
-              "qk_layernorm", "num_experts", "multi_latent_attention", "vocab_size")
+              "qk_layernorm", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+              "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "multi_latent_attention", "vocab_size")
 """Megatron-LM arguments that fix the model's parameters: a checkpoint of other values is another model."""
 _FLAG = {"add_bias_linear": "--disable-bias-linear"}
 

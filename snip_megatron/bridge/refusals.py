@@ -128,8 +128,9 @@ def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
     refuse(getattr(model, "use_kitchen", False), "model.use_kitchen=True quantizes through NVIDIA "
            "Kitchen instead of SNIP's plan; set it False")
 
-    refuse(getattr(model, "num_moe_experts", None), "model.num_moe_experts (MoE): SNIP plans dense GPT "
-           "layers only; expert linears would run unplanned. Train dense, or run without SNIP")
+    refuse(getattr(model, "num_moe_experts", None), "model.num_moe_experts (MoE): SNIP plans MoE GPTs in "
+           "Megatron-LM's loop only so far (snip-pretrain-gpt --num-experts, local spec, one process; "
+           "docs/moe.md), not through Bridge; train dense, or run without SNIP")
     # Multi-latent attention and multi-token prediction are planned as in Megatron-LM's loop
     # (pretrain.setup.refusals), with the same limits.
     mla = getattr(model, "multi_latent_attention", False)
@@ -143,8 +144,8 @@ def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:
            "without it Megatron's MLA takes the shared rotary key's gradient from each rank's own heads, so "
            "TP ranks train another model than one process (snip_megatron/megatron/mla.py)")
     refuse(getattr(model, "mtp_num_layers", None) and (model.pipeline_model_parallel_size or 1) > 1,
-           "model.mtp_num_layers with pipeline_model_parallel_size > 1: SNIP plans multi-token prediction at "
-           "1 process and with TP, not yet with pipeline parallelism; set one of them back")
+           "model.mtp_num_layers with pipeline_model_parallel_size > 1: SNIP plans multi-token prediction through "
+           "Bridge at one pipeline stage so far (snip-pretrain-gpt plans it with PP); set one of them back")
     refuse(getattr(model, "use_transformer_engine_full_layer_spec", False), "model.use_transformer_engine_"
            "full_layer_spec: TE's fused TransformerLayer has no planned linears; set it False")
     impl = getattr(model, "transformer_impl", None)

@@ -112,8 +112,10 @@ class _QuantLinearMixin:
 
     # ---- forward -------------------------------------------------------------------------------
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if not self.format_spec.is_quantized:
-            return super()._forward_impl(input, weight, *args, **kwargs)  # Megatron's own path
+        # Megatron's own path; also for an MoE expert routed no tokens this micro-batch (an empty
+        # product is exact in every format, and there is nothing to quantize)
+        if not self.format_spec.is_quantized or input.numel() == 0:
+            return super()._forward_impl(input, weight, *args, **kwargs)
         return self._quantized_forward_impl(input, weight, **kwargs)
 
     def _quantized_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,

@@ -62,16 +62,18 @@ def _chunks(model) -> list:
 
 def list_planned_linears(model) -> list[PlannedLinear]:
     """Every planned linear of this rank's chunk(s) (by the model family's adapter), in forward
-    order of their global keys."""
+    order of their global keys. An MoE expert unit on the SequentialMLP path lists each local
+    expert's module under the unit's key."""
     found: list[PlannedLinear] = []
-    seen: dict[LayerKey, str] = {}
+    seen: dict[LayerKey, tuple[int, str]] = {}
     family = adapter(family_of(_chunks(model)))
     for c, chunk in enumerate(_chunks(model)):
         for path, module, entry in family.planned_modules(chunk):
             key = entry.key
-            if key in seen:
-                raise ValueError(f"{key} appears twice on this rank: {seen[key]!r} and chunk {c} {path!r}")
-            seen[key] = f"chunk {c} {path}"
+            if key in seen and not (entry.experts and seen[key][0] == c):  # one unit, several experts
+                raise ValueError(f"{key} appears twice on this rank: chunk {seen[key][0]} {seen[key][1]!r} "
+                                 f"and chunk {c} {path!r}")
+            seen.setdefault(key, (c, path))
             found.append(PlannedLinear(key, c, path, module, entry))
     return sorted(found, key=lambda pl: forward_order(pl.key))  # modules register proj before qkv
 
@@ -214,5 +216,6 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         else:
             local = parse_path(pl.module_path)[0]
             pl.module.finish_init(QuantizationConfig(config, MatchContext(pl.module_path, local), new.value))
-        changes.append(AppliedChange(pl.key, pl.module_path, pl.chunk, old, new))
+        if not any(c.key == pl.key for c in changes[-1:]):  # an expert unit's experts: one change
+            changes.append(AppliedChange(pl.key, pl.module_path, pl.chunk, old, new))
     return changes

@@ -86,9 +86,13 @@ def chunk_layers(config, pp_rank: int, vp_stage: "int | None") -> tuple[int, int
 
 def pipeline_stages(config) -> dict[LayerKey, int]:
     """LayerKey -> the pipeline rank that holds it, by Megatron's offsets (any split, with VPP)."""
+    from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
+
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     keys = gpt.of_config(config).keys()
-    stages = {key: pp - 1 for key in keys if gpt.is_mtp(key)}  # Megatron builds MTP on the last stage
+    # Megatron builds every MTP layer on one stage: the last, or where a custom layout puts them
+    mtp_stage = max(get_mtp_ranks(list(range(pp)), config) or [pp - 1])
+    stages = {key: mtp_stage for key in keys if gpt.is_mtp(key)}
     for pp_rank in range(pp):
         for vp_stage in (range(vpp) if vpp else [None]):
             offset, count = chunk_layers(config, pp_rank, vp_stage)

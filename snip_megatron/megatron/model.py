@@ -135,7 +135,7 @@ def build_gpt_model(shape: ModelShape, *, config=None, backend: str = "emulated"
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from snip_megatron.megatron.spec import get_layer_spec
+    from snip_megatron.megatron.spec import get_layer_spec, get_moe_block_spec, get_mtp_block_spec
 
     if config is None:
         config = make_transformer_config(
@@ -145,10 +145,15 @@ def build_gpt_model(shape: ModelShape, *, config=None, backend: str = "emulated"
     if backend == "te" and not torch.cuda.is_available():
         raise ValueError("backend='te' needs a GPU with Transformer Engine; use backend='emulated'")
     kwargs = dict(vp_stage=vp_stage) if vp_stage is not None else {}
+    if getattr(config, "num_moe_experts", None):  # MoE: Megatron's block spec, dense and MoE layers
+        spec = get_moe_block_spec(config, backend, vp_stage)
+    else:
+        spec = get_layer_spec(backend, multi_latent_attention=bool(getattr(config, "multi_latent_attention", False)))
+    if getattr(config, "mtp_num_layers", None):  # the config's multi-token-prediction layers (never with MoE: refused)
+        kwargs["mtp_block_spec"] = get_mtp_block_spec(config, spec, backend, vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_layer_spec(backend, multi_latent_attention=bool(
-            getattr(config, "multi_latent_attention", False))),
+        transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length,
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

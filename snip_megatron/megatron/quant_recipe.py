@@ -25,7 +25,8 @@ QUANT_BACKENDS = ("emulated", "te")
 
 def parse_planned_path(module_path: str) -> "tuple[int, str] | None":
     """(stage-local 0-based layer index, linear name) of a planned linear's path, else None
-    (the dense-GPT adapter's rule: MTP layers and MoE experts are not planned)."""
+    (the GPT adapter's rule: an MoE layer's local experts are its expert units; MTP layers: keys
+    of their own, `key_for_path`)."""
     return gpt.parse_path(module_path)
 
 

@@ -7,10 +7,11 @@ after construction; which spec fields hold them is the model family's adapter's 
 
 from __future__ import annotations
 
-from snip_megatron.models.gpt import replace_duplicated_linears, replace_planned_linears
+from snip_megatron.models.gpt import replace_duplicated_linears, replace_mtp_planned_linears, replace_planned_linears
 
-__all__ = ["BACKENDS", "get_layer_spec", "get_local_layer_spec", "get_snip_layer_spec", "get_te_layer_spec",
-           "replace_planned_linears", "with_emulated_linears", "with_local_mla_core"]
+__all__ = ["BACKENDS", "get_layer_spec", "get_local_layer_spec", "get_moe_block_spec", "get_mtp_block_spec",
+           "get_snip_layer_spec", "get_te_layer_spec", "replace_planned_linears", "with_emulated_linears",
+           "with_local_mla_core"]
 
 BACKENDS = ("emulated", "local", "te")
 """Planned-linear backends: SNIP's emulated linears (any device, any plan), Megatron's plain local
@@ -46,16 +47,20 @@ def with_local_mla_core(spec):
 
 
 def with_emulated_linears(spec):
-    """A GPT layer spec (dense or MLA) with SNIP's emulated linears as its planned linears."""
+    """A GPT layer spec (dense, MLA, MoE: its experts' and shared experts' linears too), or each layer
+    of a block spec, with SNIP's emulated linears as its planned linears."""
     from snip_megatron.emulation.parallel_linear import (QuantColumnParallelLinear,
                                                          QuantRowParallelLinear)
     from snip_megatron.models import gpt
 
-    down = None
-    if gpt.is_mla_spec(spec):
-        from snip_megatron.megatron.mla import QuantDownProjection as down
-    return with_local_mla_core(replace_planned_linears(spec, QuantColumnParallelLinear, QuantRowParallelLinear,
-                                                       down))
+    def one(layer_spec):
+        down = None
+        if gpt.is_mla_spec(layer_spec):
+            from snip_megatron.megatron.mla import QuantDownProjection as down
+        return with_local_mla_core(replace_planned_linears(layer_spec, QuantColumnParallelLinear,
+                                                           QuantRowParallelLinear, down))
+
+    return gpt.map_layer_specs(spec, one)
 
 
 def get_snip_layer_spec(normalization: str = "RMSNorm", multi_latent_attention: bool = False):
@@ -70,6 +75,31 @@ def get_te_layer_spec(multi_latent_attention: bool = False):
     return get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=multi_latent_attention)
 
 
+def _router_gemm_without_te() -> None:
+    """megatron-core 0.16's router GEMM tests `te_general_gemm is not None` but leaves the name
+    undefined when Transformer Engine is absent (moe_utils.py imports it in a try block with no
+    fallback; 0.17+ sets None), so every MoE forward raises NameError. Give it the None its own test
+    expects: Megatron then runs its torch GEMM, as later versions do without TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def get_moe_block_spec(config, backend: str = "emulated", vp_stage=None):
+    """Megatron's decoder block spec of an MoE GPT (`moe_layer_freq` mixes dense and MoE layers;
+    this stage's layers), with SNIP's emulated linears for the emulated backend (the experts of the
+    local spec's SequentialMLP included)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    _router_gemm_without_te()
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown linear backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=backend == "te",
+                                      normalization=config.normalization, vp_stage=vp_stage)
+    return with_emulated_linears(spec) if backend == "emulated" else spec
+
+
 def get_layer_spec(backend: str = "emulated", normalization: str = "RMSNorm", multi_latent_attention: bool = False):
     """Spec by backend name: "emulated" (SNIP linears, any device), "local" (Megatron's plain
     linears, a reference), "te" (Transformer Engine, GPU only)."""
@@ -82,3 +112,17 @@ def get_layer_spec(backend: str = "emulated", normalization: str = "RMSNorm", mu
             raise ValueError("the TE spec takes its normalization from TransformerConfig.normalization")
         return get_te_layer_spec(multi_latent_attention)
     raise ValueError(f"unknown linear backend {backend!r}; valid: {', '.join(BACKENDS)}")
+
+
+def get_mtp_block_spec(config, layer_spec, backend: str = "emulated", vp_stage=None):
+    """Megatron's multi-token-prediction block spec for one chunk (None on a chunk without MTP
+    layers), built from the decoder's layer spec as Megatron's GPT builders build it: its inner layer
+    has the decoder's planned linears; for the emulated backend its eh_proj is SNIP's too."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    block = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=backend == "te", vp_stage=vp_stage)
+    if block is None or backend != "emulated":
+        return block
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear
+
+    return replace_mtp_planned_linears(block, QuantColumnParallelLinear, lambda spec: spec)

@@ -1,5 +1,6 @@
 """GPTModel adapter: the planned linears of each TransformerLayer (dense attention, or
-multi-latent attention with `--multi-latent-attention`) and its dense MLP.
+multi-latent attention with `--multi-latent-attention`) and its dense MLP or MoE layer (`--num-experts`:
+routed experts and shared experts; `--moe-layer-freq` mixes dense and MoE layers).
 
 The only place that names them. Keys are (global `TransformerLayer.layer_number`, linear name);
 module paths inside a chunk use the layer index local to the pipeline stage / virtual chunk, so a
@@ -55,8 +56,23 @@ token-sharded under SP. Megatron's local spec builds them as ColumnParallelLinea
 False, the output gathered by MLA; SNIP's local and emulated specs duplicate them as TE does), so a
 built model's kind comes from its module (`module_kind`)."""
 MLA_DOWN = tuple(s.name for s in MLA_LINEARS if s.kind is ParallelKind.DUPLICATED)
-NAMES = ("linear_qkv",) + tuple(s.name for s in MLA_LINEARS) + LINEAR_NAMES[1:]
-"""Every linear name a GPT layer can have, in forward order."""
+
+EXPERT_LINEARS = (
+    LinearSlot("expert_fc1", "mlp.experts.linear_fc1", ParallelKind.COLUMN),
+    LinearSlot("expert_fc2", "mlp.experts.linear_fc2", ParallelKind.ROW),
+)
+"""An MoE layer's routed experts: one planned unit per linear and layer, all its experts together.
+TE's grouped GEMM runs them as one module under one recipe; on the SequentialMLP path (the local
+spec) the local experts' `mlp.experts.local_experts.<i>.linear_fc1/2` form the same unit, so both
+paths plan alike."""
+SHARED_EXPERT_LINEARS = (
+    LinearSlot("shared_expert_fc1", "mlp.shared_experts.linear_fc1", ParallelKind.COLUMN),
+    LinearSlot("shared_expert_fc2", "mlp.shared_experts.linear_fc2", ParallelKind.ROW),
+)
+"""An MoE layer's shared experts (`--moe-shared-expert-intermediate-size`): a dense MLP on every token."""
+MOE_LINEARS = EXPERT_LINEARS + SHARED_EXPERT_LINEARS
+NAMES = ("linear_qkv",) + tuple(s.name for s in MLA_LINEARS) + LINEAR_NAMES[1:] + tuple(s.name for s in MOE_LINEARS)
+"""Every linear name a GPT layer can have, in forward order (a layer has a dense MLP or an MoE layer)."""
 MTP = "mtp."
 """Multi-token prediction: the prefix of its linears' names. Its layers are numbered 1..D again
 (Megatron's MTP layer_number), so a key (depth k, "mtp.<name>") names linear <name> of MTP layer k:
@@ -81,6 +97,12 @@ def is_mtp(key: LayerKey) -> bool:
 SLOTS = {s.name: s for s in LINEARS + MLA_LINEARS}
 SLOTS.update({MTP + s.name: LinearSlot(MTP + s.name, s.suffix, s.kind) for s in LINEARS + MLA_LINEARS})
 SLOTS[MTP_EH_PROJ.name] = MTP_EH_PROJ
+SLOTS.update({s.name: s for s in MOE_LINEARS})
+
+
+def is_expert(key: LayerKey) -> bool:
+    """Whether `key` names an MoE layer's routed-expert unit."""
+    return key.name in (EXPERT_LINEARS[0].name, EXPERT_LINEARS[1].name)
 
 UNPLANNED = (
     Unplanned("embedding", "embeddings stay in BF16"),
@@ -90,14 +112,29 @@ UNPLANNED = (
     Unplanned("decoder.final_layernorm", "norms stay in BF16"),
     Unplanned("output_layer", "the output layer stays in BF16"),
 )
+MOE_ROUTER = Unplanned("decoder.layers.*.mlp.router", "the MoE router stays in high precision: Megatron gives "
+                       "it no quant_recipe (--moe-router-dtype sets its dtype)")
+SHARED_EXPERT_GATE = Unplanned("decoder.layers.*.mlp.shared_experts.gate_weight",
+                               "the shared-expert gate stays in high precision (a bare weight, no quant_recipe)")
 
-# A planned linear inside a GPTModel chunk (optionally under DDP's `module.`). MTP layers
-# (`mtp.layers...`) and MoE experts (`mlp.experts...`) do not match: not planned.
-_PATH = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.(" + "|".join(re.escape(s.suffix) for s in SLOTS.values())
-                   + r")$")
-_NAME_OF_SUFFIX = {s.suffix: s.name for s in LINEARS + MLA_LINEARS}
+# A planned linear inside a GPTModel chunk (optionally under DDP's `module.`); a routed expert's
+# linear is the grouped module (`mlp.experts.linear_fc1`) or one local expert's
+# (`mlp.experts.local_experts.<i>.linear_fc1`, SequentialMLP). MTP layers (`mtp.layers...`) do not match.
+_LOCAL_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+
+
+def _suffix_pattern(suffix: str) -> str:
+    if suffix in (s.suffix for s in EXPERT_LINEARS):
+        parent, leaf = suffix.rsplit(".", 1)
+        return re.escape(parent) + r"\.(?:local_experts\.\d+\.)?" + re.escape(leaf)
+    return re.escape(suffix)
+
+
+_PATH = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.(" + "|".join(dict.fromkeys(
+    _suffix_pattern(s.suffix) for s in SLOTS.values())) + r")$")
+_NAME_OF_SUFFIX = {s.suffix: s.name for s in LINEARS + MLA_LINEARS + MOE_LINEARS}
 _MTP_PATH = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.(?:(?:" + "|".join(MTP_INNER) + r")\.("
-                       + "|".join(re.escape(s) for s in _NAME_OF_SUFFIX) + r")|(eh_proj))$")
+                       + "|".join(re.escape(s.suffix) for s in LINEARS + MLA_LINEARS) + r")|(eh_proj))$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,23 +161,78 @@ class MLADims:
         return tuple(s for s in MLA_LINEARS if s.name not in skip)
 
 
+@dataclass(frozen=True, kw_only=True)
+class MoEDims:
+    """An MoE GPT's experts (Megatron's TransformerConfig MoE fields)."""
+
+    num_experts: int
+    """num_moe_experts."""
+    topk: int
+    """moe_router_topk: experts each token is routed to."""
+    ffn_hidden_size: int
+    """moe_ffn_hidden_size: one expert's hidden width."""
+    shared_ffn_hidden_size: "int | None" = None
+    """moe_shared_expert_intermediate_size: the shared experts' width (None: no shared experts)."""
+    shared_gate: bool = False
+    """moe_shared_expert_gate."""
+    layer_freq: "int | tuple[int, ...]" = 1
+    """moe_layer_freq: every n-th layer is MoE (from the first), or one 0/1 per layer."""
+
+    @classmethod
+    def of(cls, config) -> "MoEDims | None":
+        """The experts of a TransformerConfig with num_moe_experts (None without)."""
+        experts = getattr(config, "num_moe_experts", None)
+        if not experts:
+            return None
+        freq = getattr(config, "moe_layer_freq", 1)
+        return cls(num_experts=int(experts), topk=int(getattr(config, "moe_router_topk", 2)),
+                   ffn_hidden_size=int(getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size),
+                   shared_ffn_hidden_size=getattr(config, "moe_shared_expert_intermediate_size", None) or None,
+                   shared_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
+                   layer_freq=freq if isinstance(freq, int) else tuple(int(f) for f in freq))
+
+    def is_moe_layer(self, layer: int, num_layers: int) -> bool:
+        """Whether 1-based decoder layer `layer` of `num_layers` is an MoE layer (Megatron's
+        `get_gpt_decoder_layer_specs` reading moe_layer_freq)."""
+        if isinstance(self.layer_freq, int):
+            return (layer - 1) % self.layer_freq == 0
+        if len(self.layer_freq) != num_layers:
+            raise ValueError(f"moe_layer_freq lists {len(self.layer_freq)} layers, the model has {num_layers}")
+        return bool(self.layer_freq[layer - 1])
+
+    def slots(self) -> tuple[LinearSlot, ...]:
+        """An MoE layer's planned linears after attention, in forward order."""
+        return EXPERT_LINEARS + (SHARED_EXPERT_LINEARS if self.shared_ffn_hidden_size else ())
+
+    def unplanned(self) -> tuple[Unplanned, ...]:
+        return (MOE_ROUTER,) + ((SHARED_EXPERT_GATE,) if self.shared_ffn_hidden_size and self.shared_gate else ())
+
+
+def layer_slots(mla: "MLADims | None" = None, moe: "MoEDims | None" = None) -> tuple[LinearSlot, ...]:
+    """The planned linears of one layer, in forward order (dense attention without `mla`; a dense
+    MLP without `moe`, the MoE layer's linears with it)."""
+    attention = LINEARS[:2] if mla is None else mla.attention_slots() + LINEARS[1:2]
+    return attention + (LINEARS[2:] if moe is None else moe.slots())
+
+
 PRESET_MLA = {"llama_tiny_mla": MLADims(q_lora_rank=64, kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16,
                                          v_head_dim=32)}
 """The multi-latent attention of the model presets that have it (snip_megatron.shapes.PRESETS)."""
-
-
-def layer_slots(mla: "MLADims | None" = None) -> tuple[LinearSlot, ...]:
-    """The planned linears of one layer, in forward order (dense attention without `mla`)."""
-    if mla is None:
-        return LINEARS
-    return mla.attention_slots() + LINEARS[1:]
 
 
 def parse_path(module_path: str) -> "tuple[int, str] | None":
     """(stage-local 0-based layer index, linear name) of a decoder layer's planned linear's module
     path, else None (MTP linears: `parse_mtp_path`)."""
     m = _PATH.search(module_path)
-    return (int(m.group(1)), _NAME_OF_SUFFIX[m.group(2)]) if m else None
+    return (int(m.group(1)), _NAME_OF_SUFFIX[_LOCAL_EXPERT.sub("", m.group(2))]) if m else None
+
+
+def expert_index(module_path: str) -> "int | None":
+    """The local expert index of one SequentialMLP expert's linear (`...local_experts.<i>.linear_fc1`),
+    else None."""
+    m = _PATH.search(module_path)
+    e = _LOCAL_EXPERT.search(m.group(2)) if m else None
+    return int(e.group(1)) if e else None
 
 
 def parse_mtp_path(module_path: str) -> "LayerKey | None":
@@ -194,17 +286,45 @@ def module_path(key: "LayerKey | InventoryEntry", layer_offset: int = 0) -> str:
     return f"decoder.layers.{local}.{SLOTS[key.name].suffix}"
 
 
-def linear_shapes(shape: ModelShape, mla: "MLADims | None" = None) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each planned linear of a layer, unsharded."""
+def module_paths(key: "LayerKey | InventoryEntry", layer_offset: int = 0) -> tuple[str, ...]:
+    """The paths the modules of `key`'s unit (or an inventory entry's) can have in the chunk:
+    `module_path`, and for an expert unit also its first local expert's (the SequentialMLP path)."""
+    key = getattr(key, "key", key)
+    path = module_path(key, layer_offset)
+    if not is_expert(key):
+        return (path,)
+    parent, leaf = path.rsplit(".", 1)
+    return path, f"{parent}.local_experts.0.{leaf}"
+
+
+def module_pattern(key: LayerKey, layer_offset: int = 0) -> str:
+    """A glob (fnmatch, as Megatron's GlobMatcher reads it) matching every module of `key`'s unit
+    in the chunk: its path, or for an expert unit the grouped module and every local expert."""
+    path = module_path(key, layer_offset)
+    if not is_expert(key):
+        return path
+    parent, leaf = path.rsplit(".", 1)
+    return f"{parent}.*{leaf}"
+
+
+def linear_shapes(shape: ModelShape, mla: "MLADims | None" = None,
+                  moe: "MoEDims | None" = None) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each planned linear of a layer, unsharded (an expert unit's:
+    one expert's; with `moe`, an MoE layer's linears besides a dense layer's)."""
     h, n = shape.hidden_size, shape.num_attention_heads
     qkv_out = (n + 2 * shape.num_query_groups) * shape.head_dim
-    fc1_out = (2 if shape.gated_linear_unit else 1) * shape.ffn_hidden_size  # SwiGLU: gate and up
+    gates = 2 if shape.gated_linear_unit else 1  # SwiGLU: gate and up
     out = {
         "linear_qkv": (qkv_out, h),
         "linear_proj": (h, n * shape.head_dim),
-        "linear_fc1": (fc1_out, h),
+        "linear_fc1": (gates * shape.ffn_hidden_size, h),
         "linear_fc2": (h, shape.ffn_hidden_size),
     }
+    if moe is not None:
+        out["expert_fc1"], out["expert_fc2"] = (gates * moe.ffn_hidden_size, h), (h, moe.ffn_hidden_size)
+        if moe.shared_ffn_hidden_size:
+            shared = moe.shared_ffn_hidden_size
+            out["shared_expert_fc1"], out["shared_expert_fc2"] = (gates * shared, h), (h, shared)
     if mla is None:
         return out
     q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim  # multi_latent_attention.py: q_head_dim
@@ -216,7 +336,8 @@ def linear_shapes(shape: ModelShape, mla: "MLADims | None" = None) -> dict[str, 
         "linear_kv_up_proj": (n * (mla.qk_head_dim + mla.v_head_dim), mla.kv_lora_rank),
         "linear_proj": (h, n * mla.v_head_dim),
     }
-    return {s.name: {**out, **mla_shapes}[s.name] for s in layer_slots(mla)}
+    names = [s.name for s in layer_slots(mla)] + ([s.name for s in moe.slots()] if moe is not None else [])
+    return {name: {**out, **mla_shapes}[name] for name in names}
 
 
 def keys(num_layers: int, mla: "MLADims | None" = None) -> list[LayerKey]:
@@ -225,27 +346,38 @@ def keys(num_layers: int, mla: "MLADims | None" = None) -> list[LayerKey]:
 
 
 def entry(layer: int, name: str, out_in: tuple[int, int], *, sequence_parallel: bool = False,
-          kind: "ParallelKind | None" = None) -> InventoryEntry:
+          kind: "ParallelKind | None" = None, moe: "MoEDims | None" = None) -> InventoryEntry:
+    """One planned linear's entry; an expert unit's counts `moe`'s experts and top-k."""
     slot = SLOTS[name]
     kind = slot.kind if kind is None else ParallelKind(kind)
+    expert = slot in EXPERT_LINEARS
+    if expert and moe is None:
+        raise ValueError(f"{layer}.{name} is a routed-expert unit: its entry needs the MoEDims")
     # Under SP a column-parallel linear gathers its token-sharded input itself, and a duplicated one
-    # works on this rank's tokens; a row-parallel one reads the TP-sharded hidden dim of whole sequences.
+    # works on this rank's tokens; a row-parallel one reads the TP-sharded hidden dim of whole
+    # sequences. Experts get their tokens from the dispatcher, never sequence-sharded.
     return InventoryEntry(LayerKey(layer, name), slot.suffix, (int(out_in[0]), int(out_in[1])), kind,
-                          sequence_parallel and kind is not ParallelKind.ROW)
+                          sequence_parallel and kind is not ParallelKind.ROW and not expert,
+                          experts=moe.num_experts if expert else 0, topk=moe.topk if expert else 1)
 
 
 def inventory(shape: ModelShape, *, sequence_parallel: bool = False, mla: "MLADims | None" = None,
-              mtp_num_layers: int = 0) -> Inventory:
-    """Every planned linear of a GPT of `shape` (with multi-latent attention of `mla`, and
-    `mtp_num_layers` multi-token-prediction layers after the decoder), without building it (the
-    70B layout in microseconds)."""
-    shapes = linear_shapes(shape, mla)
+              mtp_num_layers: int = 0, moe: "MoEDims | None" = None) -> Inventory:
+    """Every planned linear of a GPT of `shape` (with multi-latent attention of `mla`, the MoE
+    layers of `moe`, and `mtp_num_layers` multi-token-prediction layers after the decoder),
+    without building it (the 70B layout in microseconds)."""
+    if moe is not None and mtp_num_layers:
+        raise ValueError("SNIP plans MoE layers in the decoder only, not with multi-token prediction")
+    shapes = linear_shapes(shape, mla, moe)
     shapes.update({MTP + name: out_in for name, out_in in shapes.items()})
     shapes[MTP_EH_PROJ.name] = (shape.hidden_size, 2 * shape.hidden_size)
-    decoder = ((layer, s) for layer in range(1, shape.num_layers + 1) for s in layer_slots(mla))
+    L = shape.num_layers
+    decoder = ((layer, s) for layer in range(1, L + 1)
+               for s in layer_slots(mla, moe if moe is not None and moe.is_moe_layer(layer, L) else None))
     mtp = ((depth, s) for depth in range(1, mtp_num_layers + 1) for s in mtp_slots(mla))
-    return Inventory(FAMILY, [entry(layer, s.name, shapes[s.name], sequence_parallel=sequence_parallel)
-                              for layer, s in (*decoder, *mtp)], UNPLANNED)
+    return Inventory(FAMILY, [entry(layer, s.name, shapes[s.name], sequence_parallel=sequence_parallel, moe=moe)
+                              for layer, s in (*decoder, *mtp)],
+                     UNPLANNED + (moe.unplanned() if moe is not None else ()))
 
 
 def of_config(config) -> Inventory:
@@ -258,6 +390,7 @@ def of_config(config) -> Inventory:
                        kv_channels=getattr(config, "kv_channels", None),
                        gated_linear_unit=bool(getattr(config, "gated_linear_unit", True)))
     return inventory(shape, mla=MLADims.of(config), mtp_num_layers=int(getattr(config, "mtp_num_layers", None) or 0),
+                     moe=MoEDims.of(config),
                      sequence_parallel=bool(getattr(config, "sequence_parallel", False))
                      and int(getattr(config, "tensor_model_parallel_size", 1) or 1) > 1)
 
@@ -269,7 +402,8 @@ def _pattern(path: str) -> str:
 def planned_modules(chunk):
     """(module path, module, entry) of every planned linear of one built chunk, in registration
     order; `entry` is the linear's inventory entry, its layer number the enclosing layer's
-    `layer_number`, its whole shape its weight's times TP along the sharded dim."""
+    `layer_number`, its whole shape its weight's times TP along the sharded dim (expert TP for
+    experts). Every local expert of a SequentialMLP yields its own module, with its unit's entry."""
     for path, module in chunk.named_modules():
         parsed = parse_path(path)
         mtp_key = parse_mtp_path(path) if parsed is None else None
@@ -283,13 +417,16 @@ def planned_modules(chunk):
             raise ValueError(f"{layer_path(path)!r} has no integer layer_number; not a TransformerLayer?")
         config = getattr(module, "config", None)
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
-        out_f, in_f = (int(d) for d in module.weight.shape)
         slot = SLOTS[parsed[1]]
+        if slot in EXPERT_LINEARS:  # experts are split over the expert TP group
+            tp = int(getattr(config, "expert_tensor_parallel_size", None) or tp)
+        out_f, in_f = (int(d) for d in module.weight.shape)
         kind = module_kind(module) if slot.kind is ParallelKind.DUPLICATED else slot.kind
         whole = {ParallelKind.COLUMN: (out_f * tp, in_f), ParallelKind.ROW: (out_f, in_f * tp),
                  ParallelKind.DUPLICATED: (out_f, in_f)}[kind]
         yield path, module, entry(number, parsed[1], whole, kind=kind,
-                                  sequence_parallel=bool(getattr(config, "sequence_parallel", False)))
+                                  sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
+                                  moe=MoEDims.of(config) if slot in EXPERT_LINEARS else None)
 
 
 def discover(model_chunks) -> Inventory:
@@ -299,19 +436,24 @@ def discover(model_chunks) -> Inventory:
     Megatron's `finish_init` (TE linears and SNIP's emulated ones). Other modules that take one
     (MTP, experts) are listed as unplanned."""
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    found, unplanned = [], dict.fromkeys(UNPLANNED)
+    found, unplanned = {}, dict.fromkeys(UNPLANNED)
     for chunk in chunks:
         for path, module, e in planned_modules(chunk):
             if callable(getattr(module, "finish_init", None)):
-                found.append(e)
+                if found.setdefault(e.key, e) != e:  # the local experts of one unit agree
+                    raise ValueError(f"{path!r} differs from the other linears of {e.key}: {e} vs {found[e.key]}")
         for path, module in chunk.named_modules():
+            if path.endswith("mlp.router"):
+                unplanned[MOE_ROUTER] = None
+            if path.endswith("mlp.shared_experts") and getattr(module, "gate_weight", None) is not None:
+                unplanned[SHARED_EXPERT_GATE] = None
             if callable(getattr(module, "finish_init", None)) and key_for_path(path) is None:
                 unplanned[Unplanned(_pattern(path), "takes a quant_recipe but the GPT adapter does not plan "
                                                     "it (not a decoder layer's attention or dense MLP linear)")] = None
     order = {name: i for i, name in enumerate((MTP_EH_PROJ.name,) + NAMES)}
     # modules register proj before qkv; MTP layers come after the decoder
-    found.sort(key=lambda e: (is_mtp(e.key), e.layer, order[e.key.name.removeprefix(MTP)]
-                              if e.key.name != MTP_EH_PROJ.name else -1))
+    found = sorted(found.values(), key=lambda e: (is_mtp(e.key), e.layer, order[e.key.name.removeprefix(MTP)]
+                                                  if e.key.name != MTP_EH_PROJ.name else -1))
     return Inventory(FAMILY, found, unplanned)
 
 
@@ -324,13 +466,21 @@ def is_mla_spec(layer_spec) -> bool:
     return hasattr(attention, "linear_kv_down_proj")
 
 
-def _spec_fields(column_cls, row_cls, duplicated_cls=None, mla: bool = False) -> dict[str, dict[str, object]]:
-    """{layer submodule: {spec field: class}}, each planned linear's class by its parallel kind."""
+def is_moe_spec(layer_spec) -> bool:
+    """Whether a GPT layer spec builds an MoE layer (its MLP has experts)."""
+    return hasattr(_submodules(getattr(getattr(layer_spec, "submodules", None), "mlp", None)), "experts")
+
+
+def _spec_fields(column_cls, row_cls, duplicated_cls=None, mla: bool = False,
+                 moe: bool = False) -> dict[str, dict[str, object]]:
+    """{submodule path below the layer: {spec field: class}}, each planned linear's class by its
+    parallel kind (an MoE layer's: its experts' and shared experts' MLP fields)."""
     by_kind = {ParallelKind.COLUMN: column_cls, ParallelKind.ROW: row_cls,
                ParallelKind.DUPLICATED: column_cls if duplicated_cls is None else duplicated_cls}
     out: dict[str, dict[str, object]] = {}
-    for s in (MLA_LINEARS + LINEARS[1:]) if mla else LINEARS:
-        parent, leaf = s.suffix.split(".")
+    attention = (MLA_LINEARS + LINEARS[1:2]) if mla else LINEARS[:2]
+    for s in attention + (MOE_LINEARS if moe else LINEARS[2:]):
+        parent, leaf = s.suffix.rsplit(".", 1)
         out.setdefault(parent, {})[leaf] = by_kind[s.kind]
     return out
 
@@ -341,20 +491,79 @@ def _submodules(module_spec):
     return getattr(module_spec, "submodules", None)
 
 
+def _spec_at(layer_spec, parent: str):
+    """The submodules of the spec at `parent` ("mlp", "mlp.experts") below a layer spec (None if none)."""
+    subs = getattr(layer_spec, "submodules", None)
+    for part in parent.split("."):
+        subs = _submodules(getattr(subs, part, None))
+    return subs
+
+
+def _with_fields(module_spec, fields: dict):
+    """A copy of a ModuleSpec, or a functools.partial taking `submodules=` (megatron-core >= 0.17
+    builds MLPs, MoE layers and experts so), whose submodules have `fields` set."""
+    subs = _submodules(module_spec)
+    if dataclasses.is_dataclass(subs):
+        new = dataclasses.replace(subs, **fields)
+    else:
+        new = copy.copy(subs)
+        for name, value in fields.items():
+            setattr(new, name, value)
+    if isinstance(module_spec, functools.partial):
+        return functools.partial(module_spec.func, *module_spec.args, **{**module_spec.keywords, "submodules": new})
+    module_spec = copy.copy(module_spec)
+    module_spec.submodules = new
+    return module_spec
+
+
+def _replaced_at(module_spec, parts: list, fields: dict):
+    if not parts:
+        return _with_fields(module_spec, fields)
+    child = getattr(_submodules(module_spec), parts[0])
+    return _with_fields(module_spec, {parts[0]: _replaced_at(child, parts[1:], fields)})
+
+
+def layer_specs(spec) -> "list | None":
+    """The per-layer specs of a decoder block spec (TransformerBlockSubmodules, or a ModuleSpec
+    holding them: Megatron-LM's spec with --num-experts), else None (one layer spec for every layer)."""
+    specs = getattr(spec, "layer_specs", None)
+    if specs is None:
+        specs = getattr(getattr(spec, "submodules", None), "layer_specs", None)
+    return None if specs is None else list(specs)
+
+
+def map_layer_specs(spec, fn):
+    """`fn(layer spec)` of a layer spec, or a copy of a block spec with `fn` of each of its layers."""
+    specs = layer_specs(spec)
+    if specs is None:
+        return fn(spec)
+    new = [fn(s) for s in specs]
+    holder = spec if hasattr(spec, "layer_specs") else spec.submodules
+    holder = dataclasses.replace(holder, layer_specs=new) if dataclasses.is_dataclass(holder) else holder
+    if hasattr(spec, "layer_specs"):
+        return holder
+    spec = copy.copy(spec)
+    spec.submodules = holder
+    return spec
+
+
 def spec_lacks(layer_spec) -> list[str]:
-    """The planned linears (module suffixes) a GPT layer spec has no field for (a block spec,
-    another attention): SNIP cannot plan such a spec."""
+    """The planned linears (module suffixes) a GPT layer spec (or each layer of a block spec) has no
+    field for (another attention, another MLP): SNIP cannot plan such a spec."""
+    specs = layer_specs(layer_spec)
+    if specs is not None:
+        return list(dict.fromkeys(x for s in specs for x in spec_lacks(s)))
     lacking = []
-    for parent, fields in _spec_fields(None, None, mla=is_mla_spec(layer_spec)).items():
-        subs = _submodules(getattr(getattr(layer_spec, "submodules", None), parent, None))
+    for parent, fields in _spec_fields(None, None, mla=is_mla_spec(layer_spec), moe=is_moe_spec(layer_spec)).items():
+        subs = _spec_at(layer_spec, parent)
         lacking += [f"{parent}.{leaf}" for leaf in fields if not hasattr(subs, leaf)]
     return lacking
 
 
 def spec_linear_class(layer_spec, suffix: str):
     """The class a GPT layer spec builds for the planned linear at `suffix` (None if it has none)."""
-    parent, leaf = suffix.split(".")
-    return getattr(_submodules(getattr(layer_spec.submodules, parent, None)), leaf, None)
+    parent, leaf = suffix.rsplit(".", 1)
+    return getattr(_spec_at(layer_spec, parent), leaf, None)
 
 
 def first_linear_suffix() -> str:
@@ -381,24 +590,21 @@ def replace_mtp_planned_linears(block_spec, eh_proj_cls, layer_spec_fn):
     for layer in getattr(spec, "submodules", spec).layer_specs:
         if eh_proj_cls is not None:
             layer.submodules.eh_proj = eh_proj_cls
-        layer.submodules.mtp_model_layer = layer_spec_fn(layer.submodules.mtp_model_layer)
+        inner = next(name for name in MTP_INNER if hasattr(layer.submodules, name))  # by release
+        setattr(layer.submodules, inner, layer_spec_fn(getattr(layer.submodules, inner)))
     return spec
 
 
 def replace_planned_linears(layer_spec, column_cls, row_cls, duplicated_cls=None):
-    """A copy of a GPT layer spec whose column-parallel planned linears are `column_cls`,
-    row-parallel ones `row_cls` and MLA's down-projections `duplicated_cls` (default `column_cls`,
-    as Megatron's local spec has them). megatron-core 0.16 builds the MLP as `ModuleSpec(MLP,
+    """A copy of a GPT layer spec (or of each layer of a block spec) whose column-parallel planned
+    linears are `column_cls`, row-parallel ones `row_cls` and MLA's down-projections
+    `duplicated_cls` (default `column_cls`, as Megatron's local spec has them); an MoE layer's
+    experts' and shared experts' linears alike. megatron-core 0.16 builds the MLP as `ModuleSpec(MLP,
     submodules=MLPSubmodules)`, 0.17+ as `functools.partial(MLP.as_mlp_submodule, submodules=...)`."""
+    if layer_specs(layer_spec) is not None:
+        return map_layer_specs(layer_spec, lambda s: replace_planned_linears(s, column_cls, row_cls, duplicated_cls))
     spec = copy.deepcopy(layer_spec)
-    for parent, fields in _spec_fields(column_cls, row_cls, duplicated_cls, mla=is_mla_spec(layer_spec)).items():
-        module_spec = getattr(spec.submodules, parent)
-        if isinstance(module_spec, functools.partial):
-            new = dataclasses.replace(module_spec.keywords["submodules"], **fields)
-            module_spec = functools.partial(module_spec.func, *module_spec.args,
-                                            **{**module_spec.keywords, "submodules": new})
-        else:  # a ModuleSpec (deep-copied above)
-            for leaf, cls in fields.items():
-                setattr(module_spec.submodules, leaf, cls)
-        setattr(spec.submodules, parent, module_spec)
+    fields = _spec_fields(column_cls, row_cls, duplicated_cls, mla=is_mla_spec(layer_spec), moe=is_moe_spec(layer_spec))
+    for parent, leaves in fields.items():
+        spec = _replaced_at(spec, parent.split("."), leaves)
     return spec

@@ -35,7 +35,8 @@ LINEARS: dict[str, tuple[LinearSlot, ...]] = {
 """Each planned layer symbol's linears, in forward order."""
 LAYER_NAMES = {"*": "attention", "-": "MLP", "M": "Mamba", "G": "gated delta net"}
 REFUSED = {
-    "E": "MoE layers (E): SNIP plans MoE experts after the MoE issue; use '-' (dense MLP) layers",
+    "E": "MoE layers (E): SNIP plans MoE experts on GPTModel (snip-pretrain-gpt --num-experts, local spec, "
+         "one process), not yet as hybrid layers; use '-' (dense MLP) layers",
     "+": "multi-latent attention layers (+): SNIP plans MLA on GPTModel (snip-pretrain-gpt "
          "--multi-latent-attention), not yet as hybrid layers; use '*' attention layers",
     "D": "DeepSeek sparse attention layers (D): SNIP does not plan DSA yet; use '*' attention layers",
@@ -189,6 +190,12 @@ def module_path(entry: InventoryEntry, layer_offset: int = 0) -> str:
     if local < 0:
         raise ValueError(f"{entry.key} is not in a chunk starting after layer {layer_offset}")
     return f"decoder.layers.{local}.{entry.suffix}"
+
+
+def module_paths(entry: InventoryEntry, layer_offset: int = 0) -> tuple[str, ...]:
+    """The paths the modules of an entry can have in the chunk (one: a hybrid layer's linear has no
+    local experts; the GPT adapter's expert units have two)."""
+    return (module_path(entry, layer_offset),)
 
 
 def is_model(chunk) -> bool:

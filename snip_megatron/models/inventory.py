@@ -38,6 +38,11 @@ class InventoryEntry:
     """How TP shards it."""
     sp_shards_input: bool = False
     """Whether sequence parallelism hands it a token-sharded input ([s/tp, b, k])."""
+    experts: int = 0
+    """An MoE layer's routed-expert linear: the number of experts whose same-shaped GEMMs form this
+    one unit (`shape` is one expert's); 0 for a plain linear."""
+    topk: int = 1
+    """Routed copies of each token the unit computes on (the router's top-k; 1 for a plain linear)."""
 
     @property
     def layer(self) -> int:
@@ -46,8 +51,10 @@ class InventoryEntry:
 
     @property
     def flops_per_token(self) -> int:
-        """fprop + dgrad + wgrad: three GEMMs of 2 * out * in FLOPs per token."""
-        return 6 * self.shape[0] * self.shape[1]
+        """fprop + dgrad + wgrad: three GEMMs of 2 * out * in FLOPs per token; an expert unit's per
+        token of the model, each routed to `topk` experts (Megatron-LM's routed-FLOP count,
+        `num_floating_point_operations`: tokens x topk x one expert's GEMMs)."""
+        return 6 * self.shape[0] * self.shape[1] * self.topk
 
 
 @dataclass(frozen=True)

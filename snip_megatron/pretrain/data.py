@@ -35,17 +35,19 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def get_batch(data_iterator, vp_stage=None) -> dict:
+def get_batch(data_iterator, vp_stage=None, mtp_here: bool = False) -> dict:
     """This rank's micro-batch, as Megatron-LM's pretrain_gpt gets it: TP rank 0 reads it, Megatron
     broadcasts it over the TP group (the tensors this pipeline stage needs) and slices it for
-    context parallelism. Stages that neither embed nor compute the loss get Nones."""
+    context parallelism. Stages that neither embed, compute the loss nor hold multi-token-prediction
+    layers get Nones. `mtp_here`: this chunk builds MTP layers (the model's `mtp_process`), which
+    embed the tokens again, so the stage gets every tensor (tokens and positions also on the last)."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
     from megatron.training import get_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
 
-    if not is_first_or_last_pipeline_stage(vp_stage):
+    if not is_first_or_last_pipeline_stage(vp_stage) and not mtp_here:
         return dict.fromkeys(BATCH_KEYS)
     args = get_args()
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -62,7 +64,7 @@ def get_batch(data_iterator, vp_stage=None) -> dict:
         broadcast_src_rank=ps.get_tensor_model_parallel_src_rank(),
         broadcast_group=ps.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
         tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        mtp_on_this_rank=mtp_here, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         is_pipeline_last_stage=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage))
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
@@ -88,13 +90,22 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
+def _builds_mtp(model) -> bool:
+    """Whether this (wrapped) model chunk holds multi-token-prediction layers: Megatron's own
+    `mtp_process` of GPTModel and HybridModel (`mtp_on_this_rank`: the last stage, or where a
+    --pipeline-model-parallel-layout puts them)."""
+    while not hasattr(model, "mtp_process") and hasattr(model, "module"):
+        model = model.module
+    return bool(getattr(model, "mtp_process", False))
+
+
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """Megatron's forward_step_func (training, validation and the controller's measurement)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     if return_schedule_plan:
         raise ValueError("--overlap-moe-expert-parallel-comm needs MoE, which SNIP refuses")
-    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"), _builds_mtp(model))
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])

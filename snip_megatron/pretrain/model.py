@@ -104,8 +104,8 @@ def check_user_recipe(user_recipe, model, source: str) -> None:
     if clash:
         raise ValueError(f"{source} defines config keys {clash}, the names SNIP's plan uses; rename them")
     # each planned linear's path as if the model were one stage
-    paths = ([(k, gpt.module_path(k)) for k in model_keys(model)] if isinstance(model, int)
-             else [(e.key, adapter(model.family).module_path(e)) for e in model])
+    paths = ([(k, path) for k in model_keys(model) for path in gpt.module_paths(k)] if isinstance(model, int)
+             else [(e.key, path) for e in model for path in adapter(model.family).module_paths(e)])
     for planned, path in paths:
         for matcher in user_recipe.matchers:
             key = matcher.match(MatchContext(path, planned.layer - 1))

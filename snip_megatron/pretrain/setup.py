@@ -52,8 +52,11 @@ def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[
         if when:
             out.append(text)
 
-    refuse(getattr(args, "num_experts", None), "--num-experts (MoE): SNIP plans dense GPT layers only; "
-           "expert linears would run unplanned. Train dense, or drop --snip")
+    if getattr(args, "num_experts", None):
+        out += moe_refusals(args)
+    refuse(getattr(args, "use_transformer_engine_op_fuser", False),
+           "--use-transformer-engine-op-fuser: its fused MLP (and expert) ops ignore per-module recipes, so the "
+           "plan would not reach them; drop it")
     refuse(getattr(args, "multi_latent_attention", False) and getattr(args, "mla_down_proj_fusion", False),
            "--mla-down-proj-fusion: SNIP plans multi-latent attention's separate q/kv down-projections; "
            "drop it")
@@ -62,9 +65,6 @@ def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[
            "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel: "
            "without it Megatron's MLA takes the shared rotary key's gradient from each rank's own heads, "
            "so TP ranks train another model than one process (snip_megatron/megatron/mla.py)")
-    refuse(getattr(args, "mtp_num_layers", None) and args.pipeline_model_parallel_size > 1,
-           "--mtp-num-layers with --pipeline-model-parallel-size > 1: SNIP plans multi-token prediction at "
-           "1 process and with TP, not yet with pipeline parallelism; drop one of them")
     refuse(family == "gpt" and getattr(args, "hybrid_layer_pattern", None),
            "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does not: run "
            "snip-pretrain-hybrid (Megatron-LM's pretrain_hybrid.py with SNIP) instead")
@@ -106,6 +106,59 @@ def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[
            "each weight gradient in its own backward; drop it")
     refuse(getattr(args, "use_legacy_models", False), "--use-legacy-models: SNIP plans Megatron-Core models")
     return out
+
+
+def moe_refusals(args) -> list[str]:
+    """What an MoE run (--num-experts) cannot do with SNIP yet, one line each naming the flag. SNIP
+    plans, measures and re-plans MoE GPTs on Megatron's local spec (SequentialMLP experts with SNIP's
+    emulated linears) at one process (docs/moe.md)."""
+    out = []
+
+    def refuse(when, text):
+        if when:
+            out.append(text)
+
+    world = int(getattr(args, "world_size", 1) or 1)
+    refuse(int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1,
+           "--expert-model-parallel-size > 1: SNIP does not yet reduce expert statistics over expert "
+           "parallelism; run MoE at --expert-model-parallel-size 1")
+    refuse(world > 1, f"--num-experts on {world} processes: SNIP measures MoE models at one process so far "
+           "(expert statistics over TP/EP/DP/PP are not reduced yet); run one process, or drop --snip")
+    refuse(getattr(args, "moe_grouped_gemm", False),
+           "--moe-grouped-gemm: SNIP does not yet pad grouped-GEMM token splits for per-module FP8/FP4 "
+           "(Megatron pads them only under a global --fp8-format/--fp4-format); drop it (SequentialMLP experts)")
+    refuse(args.transformer_impl == "transformer_engine",
+           "--num-experts with --transformer-impl transformer_engine: SNIP plans MoE experts on Megatron's "
+           "local spec only so far; use --transformer-impl local")
+    refuse(getattr(args, "moe_router_fusion", False),
+           "--moe-router-fusion: the fused top-k bypasses Megatron's router-replay hook, which SNIP uses to "
+           "keep routing fixed across its measurement passes; drop it")
+    balancing = getattr(args, "moe_router_load_balancing_type", "aux_loss")
+    balancing = [balancing] if isinstance(balancing, str) else list(balancing or [])
+    odd = [b for b in balancing if b in ("sinkhorn", "quantile_balancing")]
+    refuse(odd, f"--moe-router-load-balancing-type {' '.join(odd)}: routes without Megatron's top-k replay "
+           "hook, so SNIP cannot freeze routing while it measures; use aux_loss, seq_aux_loss, global_aux_loss or none")
+    refuse(getattr(args, "moe_expert_capacity_factor", None) is not None,
+           "--moe-expert-capacity-factor: token dropping follows the routing probabilities, which SNIP's "
+           "noise passes change; drop it (dropless MoE)")
+    refuse(getattr(args, "moe_latent_size", None),
+           "--moe-latent-size: SNIP does not plan the latent projections yet; drop it")
+    refuse(getattr(args, "mtp_num_layers", None),
+           "--mtp-num-layers with --num-experts: SNIP plans MoE layers in the decoder, not in "
+           "multi-token-prediction layers yet; drop one of them")
+    return out
+
+
+def moe_notice(inventory) -> "str | None":
+    """The start-up line of an MoE model: the modules of its MoE layers that are never planned."""
+    from snip_megatron.models import gpt
+
+    kept = [u for u in inventory.unplanned if u in (gpt.MOE_ROUTER, gpt.SHARED_EXPERT_GATE)]
+    if not kept:
+        return None
+    units = sum(1 for e in inventory if e.experts)
+    return (f"[snip] MoE: {units} routed-expert units planned (each all experts of one layer's fc1 or fc2); "
+            "never planned: " + "; ".join(f"{u.path} ({u.reason})" for u in kept))
 
 
 def hybrid_refusals(pattern: str, backend: str, *, entry: str = "snip-pretrain-hybrid",
@@ -456,6 +509,9 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
 
         for line in startup_lines(checked.te) + [f"[snip] {d}" for d in describe_exclusions(excluded)]:
             _print_rank_0(line)
+    notice = moe_notice(inventory)
+    if notice is not None:
+        _print_rank_0(notice)
     return run
 
 

@@ -83,7 +83,7 @@ def moment(inner, param, state: dict, name: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def adam_statistics(optimizer, weights: dict, add=None) -> dict:
+def adam_statistics(optimizer, weights, add=None) -> dict:
     """{key: {field: 0-dim tensor}} (table.ADAM fields) for this rank's share of each weight.
 
     adam_du_sq = sum (c / (sqrt(v_hat) + eps))^2 with c = (1 - b1) / (1 - b1^t): how much the
@@ -91,7 +91,8 @@ def adam_statistics(optimizer, weights: dict, add=None) -> dict:
     BF16 update m_hat / (sqrt(v_hat) + eps) (lr left out); adam_dv_sq and adam_v_sum weight the
     first by v_hat (errors distributed like the gradient). Keys without state are left out.
     `add(key, field, value)`, when given, receives every value instead."""
-    by_id = {id(w): k for k, w in weights.items()}
+    # a dict {key: weight}, or (key, weight) pairs: an MoE expert unit's weights add into one key
+    by_id = {id(w): k for k, w in (weights.items() if isinstance(weights, dict) else weights)}
     out: dict = {}
     if optimizer is None:
         return out

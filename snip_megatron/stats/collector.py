@@ -103,8 +103,10 @@ class _MicrobatchIds:
 class LinearProbe:
     """The hooks of one planned linear (a Megatron Column/RowParallelLinear or subclass)."""
 
-    def __init__(self, key: LayerKey, module, collector: "Collector"):
+    def __init__(self, key: LayerKey, module, collector: "Collector", noise_key: "LayerKey | None" = None):
         self.key, self.module, self.c = key, module, collector
+        # the key of its noise streams: the unit's, or for one expert of an MoE unit its own
+        self.noise_key = key if noise_key is None else noise_key
         kind = ParallelKind(collector.kinds[key])
         self.column = kind is ParallelKind.COLUMN
         self.row = kind is ParallelKind.ROW
@@ -157,7 +159,7 @@ class LinearProbe:
                                           sp_size=c.tp_size if local else 1, cp_rank=c.cp_rank,
                                           cp_size=c.cp_size, device=device)
         full_len = shape[0] * (c.tp_size if local else 1) * c.cp_size
-        return noise.NoiseField(seed=c.seed, key=self.key, microbatch=mb, stream=stream,
+        return noise.NoiseField(seed=c.seed, key=self.noise_key, microbatch=mb, stream=stream,
                                 local_shape=tuple(int(d) for d in shape), tp_rank=c.tp_rank,
                                 tp_size=c.tp_size, sharded=features,
                                 stride=self.stride if side == "y" else 1,
@@ -174,6 +176,8 @@ class LinearProbe:
 
     def _noise_dot(self, field: noise.NoiseField, g: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=g.device)
+        if g.numel() == 0:  # an MoE expert routed no tokens
+            return total
         for rows, z in field.chunks(g.device):
             total = total + torch.dot(z.reshape(-1), g[rows].reshape(-1).float())
         return total
@@ -181,6 +185,8 @@ class LinearProbe:
     @staticmethod
     def _plus_noise(t: torch.Tensor, field: noise.NoiseField, scale: torch.Tensor) -> torch.Tensor:
         """t + scale * noise, the noise assembled block by block in t's dtype (+-1 is exact)."""
+        if t.numel() == 0:  # an MoE expert routed no tokens
+            return t
         z = torch.empty_like(t)
         for rows, part in field.chunks(t.device):
             z[rows] = part.to(t.dtype)
@@ -250,6 +256,9 @@ class LinearProbe:
             self._add("fwd_zg_clean", self._noise_dot(self._field(gz.shape, zmb, noise.FORWARD, "y", g.device), gz))
         x2, g2 = self._full_tokens(x, g)
         n, dev = x2.shape[0], x2.device
+        if n == 0:  # an MoE expert routed no tokens: no GEMM, nothing to add (weights: weight_stats)
+            self.pending_ex = None
+            return
         fwd = tokens.sample_rows(n, c.token_stride, dev)
         bwd = tokens.sample_rows(n, c.grad_token_stride, dev)
         xs, gs = fwd.take(x2), fwd.take(g2)
@@ -334,6 +343,8 @@ class LinearProbe:
     def _on_gy_bwd_noise(self, x: torch.Tensor, g: torch.Tensor) -> None:
         x2, g2 = self._full_tokens(x, g)
         n, dev = x2.shape[0], x2.device
+        if n == 0:  # an MoE expert routed no tokens
+            return
         sample = tokens.sample_rows(n, self.c.token_stride, dev, min_chunks=2)
         estimate = tokens.WgradNormEstimate(g2, x2, sample)
         xs, gs = sample.take(x2), sample.take(g2)
@@ -379,7 +390,16 @@ class Collector:
         self.scales = None  # [rows + 1, 2] device tensor: s (forward), t (backward) per layer row
         self.acc = Accumulator(self.keys, self.precisions, self.device)
         self.errors: list[str] = []  # exceptions the hooks caught, "<layer>: <type>: <message>"
-        self.probes = [LinearProbe(LayerKey(*k), m, self) for k, m in linears]
+        # several modules of one key (the local experts of an MoE unit) add into its row; each has
+        # noise of its own, so the experts' noise is independent as a grouped GEMM's rows would be
+        counts = collections.Counter(LayerKey(*k) for k, _ in linears)
+        seen: collections.Counter = collections.Counter()
+        self.probes = []
+        for k, m in linears:
+            k = LayerKey(*k)
+            noise_key = None if counts[k] == 1 else LayerKey(k.layer, f"{k.name}_{seen[k]}")
+            seen[k] += 1
+            self.probes.append(LinearProbe(k, m, self, noise_key))
 
     def begin(self, mode: str, acc: "Accumulator | None" = None) -> Accumulator:
         """Start a pass; statistics accumulate into `acc` (a fresh one by default)."""

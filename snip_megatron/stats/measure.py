@@ -10,8 +10,9 @@ Call it at a step boundary with the micro-batches of the coming step (the caller
 the same list, so the data position does not move). Training is left untouched: parameters are
 frozen during the passes (no gradient reaches param.grad or DDP's main_grad buffers), Megatron's
 finalize_model_grads is switched off, planned linears run in BF16 and get their precision back,
-and the global and Megatron RNG states are restored (noise and stochastic rounding use dedicated
-generators).
+the global and Megatron RNG states are restored (noise and stochastic rounding use dedicated
+generators), and Megatron's multi-token-prediction loss is scaled as the returned loss and kept out
+of the step's log (megatron/mtp_loss.py).
 
 The passes run MeasureConfig.micro_batches of the step's micro-batches (stats/microbatches.py),
 and their sums are scaled up to the step. Statistics stay on the device; the table reaches the
@@ -27,12 +28,13 @@ import contextlib
 import torch
 
 from snip_megatron.formats.precision import Precision
-from snip_megatron.stats import adam
+from snip_megatron.stats import adam, routing
 from snip_megatron.stats.accumulator import to_table
 from snip_megatron.stats.collector import Collector
 from snip_megatron.stats.config import MeasureConfig
 from snip_megatron.megatron.apply import is_te_linear, list_planned_linears
 from snip_megatron.megatron.gemm_view import unfused
+from snip_megatron.megatron.mtp_loss import mtp_log_untouched, scaled_mtp_loss
 from snip_megatron.models.inventory import ParallelKind
 from snip_megatron.models import gpt
 from snip_megatron.stats.discover import _unwrap
@@ -154,10 +156,16 @@ def _run_pass(chunks, forward_step_func, batches, *, seq_length, micro_batch_siz
 
     losses: list = []
     data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
-    get_forward_backward_func()(
-        forward_step_func=_wrap_forward_step(forward_step_func, losses, zero_loss, loss_factor),
-        data_iterator=data, model=list(chunks), num_microbatches=len(batches), seq_length=seq_length,
-        micro_batch_size=micro_batch_size, forward_only=False)
+
+    def mtp_factor() -> float:  # the micro-batch whose forward runs: its loss is the next one taken
+        mb = len(losses)
+        return 0.0 if (zero_loss(mb) if callable(zero_loss) else zero_loss) else loss_factor
+
+    with scaled_mtp_loss(mtp_factor):  # Megatron's MTP loss is not the one the forward step returns
+        get_forward_backward_func()(
+            forward_step_func=_wrap_forward_step(forward_step_func, losses, zero_loss, loss_factor),
+            data_iterator=data, model=list(chunks), num_microbatches=len(batches), seq_length=seq_length,
+            micro_batch_size=micro_batch_size, forward_only=False)
     return losses
 
 
@@ -263,7 +271,9 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # lone one (decided for the whole sample, so every replica interleaves alike)
             noise_batches, noise_mbs = measured, micro_batch_size
             interleave, halves = config.interleave_noise and k_total >= 2, False
-            if config.interleave_noise and k_total == 1 and len(measured) == 1:
+            # an MoE layer's experts see routed rows, not [s, b] halves: MoE models keep whole micro-batches
+            moe = bool(routing.routers(chunks))
+            if config.interleave_noise and k_total == 1 and len(measured) == 1 and not moe:
                 cut = _halves(measured, micro_batch_size)
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
@@ -300,15 +310,17 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
         run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, loss_factor=loss_factor)
         snap = _rng_snapshot()
         try:
-            with measurement_mode(chunks, linears, mconfig):
-                # 1. the BF16 statistics pass
+            with measurement_mode(chunks, linears, mconfig), mtp_log_untouched(), \
+                    routing.frozen_routing(chunks) as routes:
+                # 1. the BF16 statistics pass (MoE routers record their choices; the noise passes replay them)
+                routes.record()
                 clean = collector.begin("clean")
                 losses = _run_pass(chunks, forward_step_func, measured, **run) if measured else []
                 for probe in collector.probes:  # a replica that measured nothing still has weights
                     probe.weight_stats()
                 collector.end()
                 _rng_restore(snap)
-                adam.adam_statistics(optimizer, {k: m.weight for k, m in linears},
+                adam.adam_statistics(optimizer, [(k, m.weight) for k, m in linears],
                                      add=lambda key, f, v: clean.add(clean.row(key), clean.col(f), v))
                 if ps.is_pipeline_last_stage(ignore_virtual=True):
                     g = len(layout.keys)
@@ -322,6 +334,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 collector.set_scales(reduced, config.noise_frac, config.bwd_noise_frac)
                 # 2. forward noise into every layer output at once; 3. backward noise into every input
                 # gradient (zero loss gradient): one pass on alternate micro-batches, or two passes
+                routes.replay()
                 if interleave:
                     noisy = collector.begin("noise")
                     _run_pass(chunks, forward_step_func, noise_batches, seq_length=seq_length,
@@ -333,6 +346,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                         _run_pass(chunks, forward_step_func, measured, **run)
                         _rng_restore(snap)
                     collector.begin("bwd_noise", acc=noisy)
+                    routes.replay()
                     if measured:
                         _run_pass(chunks, forward_step_func, measured, zero_loss=True, **run)
                 collector.end()

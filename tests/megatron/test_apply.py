@@ -127,6 +127,31 @@ def test_lookup_refusals_and_untouched_model_on_bad_plans(megatron_single):
     assert current_plan(model) == Plan.uniform(n, "fp8")
 
 
+def test_one_plan_entry_switches_every_expert_of_an_moe_unit(megatron_single):
+    """An MoE layer's SequentialMLP experts (the local spec) are one unit: one precision in the plan
+    sets them all, build time (quant_recipe) and step k (apply_plan) alike, and the change is one."""
+    from snip_megatron.megatron.apply import apply_plan, current_plan, list_planned_linears
+    from snip_megatron.megatron.model import build_model_chunks, make_transformer_config
+    from snip_megatron.megatron.quant_recipe import build_recipe
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape
+    from snip_megatron.models import gpt
+
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1, 0, 1])
+    inv = gpt.of_config(make_transformer_config(shape, **moe))
+    first = Plan({k: Precision.FP4 if k.name == "expert_fc1" else Precision.BF16 for k in inv.keys()})
+    config = make_transformer_config(shape, quant_recipe=build_recipe(first, num_layers=inv), **moe)
+    chunks = build_model_chunks(shape, config=config, backend="emulated")
+    experts = {pl.module_path: pl.module.precision for pl in list_planned_linears(chunks) if pl.entry.experts}
+    assert len(experts) == 2 * 2 * 4  # two MoE layers, fc1 and fc2, four experts
+    assert all((p is Precision.FP4) == path.endswith("linear_fc1") for path, p in experts.items())
+    second = first.replace({LayerKey(4, "expert_fc2"): Precision.FP8, LayerKey(2, "expert_fc1"): Precision.BF16})
+    changes = apply_plan(chunks, second)
+    assert sorted(str(c.key) for c in changes) == ["2.expert_fc1", "4.expert_fc2"]
+    assert current_plan(chunks) == second
+    layer4 = [pl.module for pl in list_planned_linears(chunks) if pl.key == LayerKey(4, "expert_fc2")]
+    assert len(layer4) == 4 and all(m.precision is Precision.FP8 for m in layer4)
+
+
 def test_plain_linears_are_refused(megatron_single):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 

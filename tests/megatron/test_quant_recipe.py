@@ -29,7 +29,9 @@ def striped(num_layers: int) -> Plan:
     ("decoder.layers.3.mlp", None),
     ("output_layer", None),
     ("mtp.layers.0.transformer_layer.mlp.linear_fc1", None),  # MTP: not planned
-    ("decoder.layers.1.mlp.experts.linear_fc1", None),         # MoE experts: not planned
+    ("decoder.layers.1.mlp.experts.linear_fc1", (1, "expert_fc1")),  # MoE experts: one unit per layer,
+    ("decoder.layers.1.mlp.experts.local_experts.2.linear_fc2", (1, "expert_fc2")),  # whichever path
+    ("decoder.layers.1.mlp.router", None),
     ("decoder.layers.1.mlp.linear_fc1.weight", None),
 ])
 def test_planned_paths(path, parsed):

@@ -30,7 +30,7 @@ def test_the_70b_layout_enumerates_without_weights_in_milliseconds():
 def test_paths_and_keys_translate_both_ways():
     assert gpt.key_for_path("decoder.layers.2.mlp.linear_fc1", 10) == LayerKey(13, "linear_fc1")
     assert gpt.key_for_path("module.decoder.layers.0.self_attention.linear_qkv") == LayerKey(1, "linear_qkv")
-    assert gpt.key_for_path("decoder.layers.0.mlp.experts.linear_fc1") is None
+    assert gpt.key_for_path("decoder.layers.0.mlp.router") is None
     # multi-token prediction: keys of their own, by depth, whatever the chunk's offset (0.16 and 0.19 names)
     assert gpt.key_for_path("mtp.layers.0.transformer_layer.mlp.linear_fc1", 10) == LayerKey(1, "mtp.linear_fc1")
     assert gpt.key_for_path("module.mtp.layers.1.mtp_model_layer.self_attention.linear_qkv") == \
@@ -149,3 +149,85 @@ def test_multi_token_prediction_keys_live_apart_from_the_decoder():
     first = Inventory("gpt", [e for e in inv if e.layer == 1 and not gpt.is_mtp(e.key)])
     last = Inventory("gpt", [e for e in inv if e.layer > 1 or gpt.is_mtp(e.key)])
     assert merge([last, first]) == inv
+
+
+# -- MoE ------------------------------------------------------------------------------------------
+
+MOE = gpt.MoEDims(num_experts=8, topk=2, ffn_hidden_size=96, shared_ffn_hidden_size=64, shared_gate=True,
+                  layer_freq=(0, 1, 1, 0))
+
+
+def test_moe_layers_hold_one_unit_per_expert_linear_and_their_flops_count_routed_tokens():
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape
+
+    inv = gpt.inventory(shape, moe=MOE)
+    names = inv.names_by_layer()
+    dense, moe = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), \
+        ("linear_qkv", "linear_proj", "expert_fc1", "expert_fc2", "shared_expert_fc1", "shared_expert_fc2")
+    assert [names[layer] for layer in (1, 2, 3, 4)] == [dense, moe, moe, dense]
+    fc1 = inv.entry("2.expert_fc1")
+    assert fc1.shape == (2 * 96, shape.hidden_size) and fc1.experts == 8 and fc1.topk == 2
+    assert fc1.suffix == "mlp.experts.linear_fc1"
+    assert inv.entry("2.shared_expert_fc2").experts == 0 and inv.entry("2.shared_expert_fc2").shape == (shape.hidden_size, 64)
+    # Megatron-LM's routed count: 4 * T * h * moe_ffn * topk * 3/2 (SwiGLU) forward, x3 for the backward
+    tokens = 1000
+    flops = inv.flop_table(tokens)
+    megatron_routed_fwd = 4 * tokens * shape.hidden_size * 96 * 2 * 1.5
+    assert flops[LayerKey(2, "expert_fc1")] + flops[LayerKey(2, "expert_fc2")] == 3 * megatron_routed_fwd
+    # so an FP4 budget is the same fraction of linear FLOPs as on a dense model: the routed experts
+    # weigh top-k experts' worth, not all eight
+    assert flops[LayerKey(2, "expert_fc2")] == 2 * 6 * tokens * shape.hidden_size * 96
+    # the router and the shared-expert gate are never planned, and say so
+    paths = {u.path for u in inv.unplanned}
+    assert {"decoder.layers.*.mlp.router", "decoder.layers.*.mlp.shared_experts.gate_weight"} <= paths
+    assert "decoder.layers.*.mlp.router" not in {u.path for u in gpt.inventory(shape).unplanned}
+
+
+def test_moe_layer_freq_as_megatron_reads_it():
+    every_other = gpt.MoEDims(num_experts=4, topk=1, ffn_hidden_size=8, layer_freq=2)
+    assert [every_other.is_moe_layer(layer, 4) for layer in (1, 2, 3, 4)] == [True, False, True, False]
+    with pytest.raises(ValueError, match="moe_layer_freq lists 4 layers, the model has 6"):
+        MOE.is_moe_layer(1, 6)
+
+
+def test_local_expert_paths_are_their_units():
+    path = "module.decoder.layers.1.mlp.experts.local_experts.3.linear_fc2"
+    assert gpt.key_for_path(path, 4) == LayerKey(6, "expert_fc2") and gpt.expert_index(path) == 3
+    assert gpt.key_for_path("decoder.layers.0.mlp.experts.linear_fc1") == LayerKey(1, "expert_fc1")
+    assert gpt.expert_index("decoder.layers.0.mlp.experts.linear_fc1") is None
+    assert gpt.key_for_path("decoder.layers.0.mlp.shared_experts.linear_fc1") == LayerKey(1, "shared_expert_fc1")
+    assert gpt.key_for_path("decoder.layers.0.mlp.router") is None
+    assert gpt.layer_path(path) == "module.decoder.layers.1"
+    assert gpt.module_path(LayerKey(6, "expert_fc1"), 4) == "decoder.layers.1.mlp.experts.linear_fc1"
+
+
+def test_moe_inventory_discovered_from_the_emulated_model_equals_the_configs(megatron_single):
+    from snip_megatron.megatron.model import build_model_chunks
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape
+
+    chunks = build_model_chunks(shape, backend="emulated", num_moe_experts=4, moe_router_topk=2,
+                                moe_ffn_hidden_size=32, moe_layer_freq=[1, 0, 0, 1],
+                                moe_shared_expert_intermediate_size=32)
+    found = gpt.discover(chunks)
+    assert found == gpt.of_config(chunks[0].config)
+    assert [e.key.name for e in found if e.layer == 4][2:] == ["expert_fc1", "expert_fc2", "shared_expert_fc1",
+                                                            "shared_expert_fc2"]
+    assert "decoder.layers.*.mlp.router" in {u.path for u in found.unplanned}
+    # every local expert is SNIP's emulated linear
+    experts = [m for n, m in chunks[0].named_modules() if ".local_experts." in n and n.endswith("linear_fc1")]
+    assert len(experts) == 8 and all(callable(getattr(m, "set_precision", None)) for m in experts)
+
+
+def test_an_expert_units_paths_and_glob_cover_the_grouped_module_and_every_local_expert():
+    import fnmatch
+
+    key = LayerKey(3, "expert_fc2")
+    assert gpt.module_paths(key, 2) == ("decoder.layers.0.mlp.experts.linear_fc2",
+                                        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2")
+    glob = gpt.module_pattern(key, 2)
+    for path in ("decoder.layers.0.mlp.experts.linear_fc2", "decoder.layers.0.mlp.experts.local_experts.7.linear_fc2"):
+        assert fnmatch.fnmatch(path, glob)
+    for path in ("decoder.layers.0.mlp.experts.local_experts.7.linear_fc1", "decoder.layers.0.mlp.shared_experts.linear_fc2",
+                 "decoder.layers.10.mlp.experts.linear_fc2"):
+        assert not fnmatch.fnmatch(path, glob)
+    assert gpt.module_pattern(LayerKey(3, "linear_fc2"), 2) == "decoder.layers.0.mlp.linear_fc2"

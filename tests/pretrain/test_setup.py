@@ -25,12 +25,19 @@ def megatron_args(*argv):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--num-experts", "4"], "--num-experts (MoE)"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1"),
+    (["--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm"),
+    (["--num-experts", "4", "--transformer-impl", "transformer_engine", "--snip-backend", "te"],
+     "--num-experts with --transformer-impl transformer_engine"),
+    (["--num-experts", "4", "--moe-router-fusion"], "--moe-router-fusion"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"],
+     "--moe-router-load-balancing-type sinkhorn"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
+    (["--num-experts", "4", "--mtp-num-layers", "1"], "--mtp-num-layers with --num-experts"),
+    (["--use-transformer-engine-op-fuser"], "--use-transformer-engine-op-fuser"),
     (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
     (["--multi-latent-attention", "--tensor-model-parallel-size", "2"],
      "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel"),
-    (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"],
-     "--mtp-num-layers with --pipeline-model-parallel-size > 1"),
     (["--hybrid-layer-pattern", "*-"], "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does "
                                        "not: run snip-pretrain-hybrid"),
     (["--fp8-format", "e4m3"], "--fp8-format e4m3"),
@@ -88,10 +95,20 @@ def test_a_model_that_is_not_the_one_planned_is_refused_before_the_first_step(me
         run.check_inventory([model])
 
 
+def test_moe_on_the_local_spec_at_one_process_is_planned_not_refused():
+    args = megatron_args("--snip", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]",
+                         "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
+                         "--moe-router-score-function", "sigmoid")
+    assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == []
+    args.world_size = 2  # any parallelism: expert statistics are not reduced over ranks yet
+    assert [line.split(":")[0] for line in refusals(args, snip_config_from_args(args), resolve_backend(args))] == \
+        ["--num-experts on 2 processes"]
+
+
 def test_multi_latent_attention_and_multi_token_prediction_are_planned_not_refused():
     for argv in (["--multi-latent-attention"], ["--multi-latent-attention", "--q-lora-rank", "32"],
                  ["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                 ["--mtp-num-layers", "1"]):
+                 ["--mtp-num-layers", "1"], ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"]):
         args = megatron_args("--snip", *argv)
         assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv
 

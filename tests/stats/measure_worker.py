@@ -53,6 +53,12 @@ MLA_NO_Q_LORA = MLADims(q_lora_rank=None, kv_lora_rank=48, qk_head_dim=16, qk_po
 for _prefix, _dims in (("mla", MLA), ("mlaq", MLA_NO_Q_LORA)):
     LAYOUTS.update({f"{_prefix}_single": (1, 1, True, dict(mla=_dims), None),
                     f"{_prefix}_tp2_sp": (2, 1, True, dict(mla=_dims, sequence_parallel=True), None)})
+# multi-token prediction: one MTP layer (Megatron builds it on the last pipeline stage) after an MLA
+# decoder at TP=2 with SP (mtpmla_*), after a dense one at PP=2 (mtp_*)
+MTP = dict(mtp_num_layers=1)
+LAYOUTS.update({"mtpmla_single": (1, 1, True, dict(mla=MLA, **MTP), None),
+                "mtpmla_tp2_sp": (2, 1, True, dict(mla=MLA, sequence_parallel=True, **MTP), None),
+                "mtp_single": (1, 1, False, MTP, None), "mtp_pp2": (1, 2, False, MTP, None)})
 DP2_STEP = 4
 """Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
 micro-batches r, r + 2, ...)."""
@@ -99,9 +105,10 @@ def build(tp=1, pp=1, seed=1234, reinit=True, **overrides):
         chunks = build_model_chunks(SHAPE, backend="local", **overrides)
     if tp == 1 and reinit:
         # Pipeline stages initialise their layers from different RNG states: give every matrix
-        # weights that depend only on its global name, as a single process would have.
+        # weights that depend only on its global name, as a single process would have (an MTP
+        # layer's name is the same on the last stage as in one process).
         for chunk in chunks:
-            named = [(n, p) for n, p in chunk.named_parameters() if "layers" not in n]
+            named = [(n, p) for n, p in chunk.named_parameters() if not n.startswith("decoder.layers")]
             for layer in chunk.decoder.layers:
                 named += [(f"{layer.layer_number}.{n}", p) for n, p in layer.named_parameters()]
             for name, p in named:

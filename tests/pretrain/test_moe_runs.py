@@ -1,0 +1,38 @@
+"""Megatron-LM's loop trains an MoE GPT with SNIP on the CPU (prod lane): `--num-experts 4
+--moe-router-topk 2` on Megatron's local spec, layer 1 MoE (SequentialMLP experts, SNIP's emulated
+linears) and layer 2 dense (`--moe-layer-freq`), at one process. Each layer's routed experts are one
+planned unit per linear (expert_fc1/expert_fc2), measured (routing frozen, router state untouched:
+tests/stats/test_measure_moe.py), re-planned, saved and resumed with the checkpoint's plan."""
+
+import re
+
+from snip_megatron.plan import Plan
+from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of, train
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,0]",
+       "--moe-aux-loss-coeff", "1e-2"]
+SNIP = ["--mock-data", "--vocab-size", "256", "--eval-interval", "100", "--snip", "--snip-warmup", "1",
+        "--snip-interval", "2", "--snip-lag", "0", "--snip-fp4-budget", "0.5"]
+
+
+def replans(out: str) -> list[str]:
+    return [line for line in snip_lines(out) if re.match(r"\[snip\] step [1-9]\d*: plan .* measurement", line)]
+
+
+@needs_training
+def test_one_process_moe_measures_replans_and_resumes_the_checkpoint_plan(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = [*MOE, *SNIP, "--train-iters", "4", "--save-interval", "2", "--save", str(ckpt)]
+    out = train(tmp_path, *common, "--exit-interval", "2")
+    assert any(line.startswith("[snip] MoE: 2 routed-expert units planned") and "decoder.layers.*.mlp.router" in line
+               for line in snip_lines(out)), snip_lines(out)
+    assert "[snip] rank 0 runs the plan on its 8 planned linears: {'bf16': 0, 'fp8': 8, 'fp4': 0}" in snip_lines(out)
+    assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2]
+    assert "load_balancing_loss" in out  # Megatron's aux loss still trains and logs
+    plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
+    assert [str(k) for k in plan.keys()] == ["1.linear_qkv", "1.linear_proj", "1.expert_fc1", "1.expert_fc2",
+                                             "2.linear_qkv", "2.linear_proj", "2.linear_fc1", "2.linear_fc2"]
+    assert plan.counts()["fp4"] > 0
+    out = train(tmp_path, *common, "--load", str(ckpt))
+    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
+    assert sorted(losses(out)) == [3, 4] and len(replans(out)) == 1
