@@ -2,9 +2,9 @@
 on the CPU (prod lane). MLA: every MLA linear planned (linear_q_proj, or the q down/up-projections;
 the kv down/up-projections; linear_proj), measured and re-planned at one process with an MTP layer
 (and resumed with the checkpoint's plan), at TP=2 with sequence parallelism (Megatron's TE spec over
-the TE double), and at PP=2 with a budget per stage (without q_lora_rank, with an MTP layer, resumed).
+the TE double; resumed), and at PP=2 with a budget per stage (without q_lora_rank, with an MTP layer, resumed).
 MTP (--mtp-num-layers 1): its eh_proj and inner layer's linears keyed "mtp.<name>" by depth, never
-FP4 (as Megatron), measured and re-planned at one process and at PP=2 (with MLA) and at TP=2.
+FP4 (as Megatron), measured, re-planned and resumed at one process and at PP=2 (with MLA) and at TP=2.
 (Statistics at TP=2+SP and PP=2 equal one process's: tests/stats/test_measure_mla.py.)"""
 
 import json
@@ -81,19 +81,30 @@ def test_one_process_measures_replans_and_resumes_the_checkpoint_plan(tmp_path):
 
 
 @needs_training
-def test_tp2_sp_over_the_te_double_measures_and_replans(tmp_path):
+def test_tp2_sp_over_the_te_double_measures_replans_and_resumes(tmp_path):
     """Megatron's TE spec: the down-projections are TELinear(parallel_mode="duplicated"), measured
-    through their unfused GEMM on this rank's tokens (the CPU's torch norms refuse SP; TE's do not)."""
+    through their unfused GEMM on this rank's tokens (the CPU's torch norms refuse SP; TE's do not);
+    the resumed run builds every rank's TE linears, duplicated ones included, with the checkpoint's plan."""
     from tests.pretrain.test_te_runs import DATA, TE, WORKER, te_env
 
-    probe = tmp_path / "probe"
-    out = run_distributed([str(WORKER), str(probe), *MODEL, *TE, *MLA, *Q_LORA, *DATA, *SNIP[5:],
-                           "--tensor-model-parallel-size", "2", "--sequence-parallel", "--train-iters", "3"],
+    ckpt = tmp_path / "ckpt"
+    common = [*MODEL, *TE, *MLA, *Q_LORA, *DATA, *SNIP[5:], "--tensor-model-parallel-size", "2",
+              "--sequence-parallel", "--train-iters", "3", "--save", str(ckpt), "--save-interval", "2"]
+    out = run_distributed([str(WORKER), str(tmp_path / "p"), *common, "--exit-interval", "2"],
                           nproc=2, timeout=600, env=te_env(100)).stdout
-    planned = json.loads((probe / "rank0.json").read_text())["planned"]
+    planned = json.loads((tmp_path / "p" / "rank0.json").read_text())["planned"]
     assert sorted(planned) == sorted(f"{layer}.{n}" for layer in (1, 2) for n in PER_LAYER["q_lora"])
     assert {planned[f"1.{n}"] for n in ("linear_q_down_proj", "linear_kv_down_proj")} == {"TELinear"}
-    assert len(replans(out)) == 2 and sorted(losses(out)) == [1, 2, 3]  # measured at steps 1 and 3
+    assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2]  # measured at step 1
+    plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
+    assert plan.counts()["fp4"] > 0
+    out = run_distributed([str(WORKER), str(tmp_path / "q"), *common, "--load", str(ckpt)],
+                          nproc=2, timeout=600, env=te_env(100)).stdout
+    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
+    for rank in (0, 1):
+        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
+        assert {k: v[0] for k, v in built.items()} == {str(k): p.value for k, p in plan.items()}
+    assert sorted(losses(out)) == [3] and len(replans(out)) == 1  # measured at step 3
 
 
 @needs_training
@@ -126,14 +137,18 @@ def test_pp2_with_mtp_measures_replans_per_stage_and_resumes(tmp_path):
 
 
 @needs_training
-def test_mtp_at_tp2_measures_and_replans(tmp_path):
-    out = test_runs.train(tmp_path, *SNIP, "--mtp-num-layers", "1", "--tensor-model-parallel-size", "2",
-                          "--train-iters", "3",
-                          "--save", str(tmp_path / "ckpt"), "--save-interval", "3", nproc=2)
+def test_mtp_at_tp2_measures_replans_and_resumes(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = [*SNIP, "--mtp-num-layers", "1", "--tensor-model-parallel-size", "2", "--train-iters", "3",
+              "--save", str(ckpt), "--save-interval", "2"]
+    out = test_runs.train(tmp_path, *common, "--exit-interval", "2", nproc=2)
     assert "[snip] 5 multi-token-prediction linears planned in BF16/FP8, never FP4" in out
-    assert len(replans(out)) == 2 and sorted(losses(out)) == [1, 2, 3]
-    assert sorted(mtp_losses(out)) == [1, 2, 3] and all(2.0 < x < 7.0 for x in mtp_losses(out).values())
-    plan = Plan.from_dict(state_of(tmp_path / "ckpt", 3)["plan"])
+    assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2]  # measured at step 1
+    assert sorted(mtp_losses(out)) == [1, 2] and all(2.0 < x < 7.0 for x in mtp_losses(out).values())
+    plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
     assert sorted(k.name for k in plan.keys() if k.layer == 1 and k.name.startswith("mtp.")) == \
         sorted(["mtp.eh_proj", "mtp.linear_qkv", "mtp.linear_proj", "mtp.linear_fc1", "mtp.linear_fc2"])
     assert plan.counts()["fp4"] > 0 and {p.value for k, p in plan.items() if k.name.startswith("mtp.")} <= {"bf16", "fp8"}
+    out = test_runs.train(tmp_path, *common, "--load", str(ckpt), nproc=2)
+    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
+    assert sorted(losses(out)) == [3] and sorted(mtp_losses(out)) == [3] and len(replans(out)) == 1  # measured at 3

@@ -17,7 +17,8 @@ The double stands in for an H100 (SM90: BF16/FP8 plans on TE's FP8 kernels, `--s
 an FP8 share of the linear FLOPs) or a B200 (SM100: FP8/FP4 plans on TE's NVFP4 kernels); SNIP reads
 that generation from the double (pretrain_worker.py). Subprocesses only: this process keeps TE
 absent. Runs: one process with a save and a resume (the resumed model built without a recipe gets
-the plan at step 1 and its TE weight cache turned off), TP=2, PP=2 with virtual pipelining, the
+the plan at step 1 and its TE weight cache turned off), TP=2 and PP=2 with virtual pipelining,
+each with a save and a resume, the
 patched Megatron-LM main, TE 2.16, a linear TE cannot quantize for its shape; start-up refusals
 (each a process that exits at start-up, run beside a training run or each other to keep the file
 short on two cores).
@@ -211,9 +212,11 @@ def test_hopper_one_process_measures_replans_saves_and_resumes(tmp_path):
 
 
 @needs_training
-def test_blackwell_tp2_measures_and_replans_every_te_linear(tmp_path):
-    out = probed(tmp_path, tmp_path / "p", "--tensor-model-parallel-size", "2", *DATA, "--train-iters", "4",
-                 *BLACKWELL_SNIP, sm=100, nproc=2)
+def test_blackwell_tp2_measures_replans_and_resumes_every_te_linear(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ["--tensor-model-parallel-size", "2", *DATA, "--train-iters", "6", "--save", str(ckpt),
+              "--save-interval", "4", *BLACKWELL_SNIP]
+    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "4", sm=100, nproc=2)
     lines = snip_lines(out)
     assert any(line.startswith("[snip] SM100 (Blackwell): FP8 blockwise (e4m3, pow2 scales) on TE kernels via "
                                "MXFP8 GEMMs; FP4 nvfp4 (stochastic gradient rounding) on TE's NVFP4 kernels")
@@ -226,21 +229,54 @@ def test_blackwell_tp2_measures_and_replans_every_te_linear(tmp_path):
         check_runtime(rows)
         assert len(rows[-1]["linears"]) == 8  # TP shards every planned linear
     assert te_rows(tmp_path / "p", 0)[-1]["plan"] == te_rows(tmp_path / "p", 1)[-1]["plan"]
+    saved = Plan.from_dict(state_of(ckpt, 4)["plan"])
+    plan = {str(k): p.value for k, p in saved.items()}
+    assert plan == te_rows(tmp_path / "p", 0)[-1]["plan"]
+
+    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=100, nproc=2)
+    lines = snip_lines(out)
+    assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in lines), lines
+    assert any(line.startswith("[snip] step 6: plan") for line in lines), lines  # measured at 5
+    for rank in (0, 1):  # both TP ranks build their shards with the checkpoint's plan
+        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
+        assert {k: v[0] for k, v in built.items()} == plan
+        rows = te_rows(tmp_path / "q", rank)
+        assert [r["step"] for r in rows] == [5, 6] and rows[0]["plan"] == plan
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
 
 
 @needs_training
-def test_hopper_pp2_with_virtual_pipelining_replans_both_chunks(tmp_path):
+def test_hopper_pp2_with_virtual_pipelining_replans_both_chunks_and_resumes(tmp_path):
     """Two forwards before the first backward (1F1B warm-up, interleaved chunks) with fused wgrad
     accumulation on SM90: every planned weight of both chunks trains and reads its step's weights
     (issue 31 failure 3: before, Hopper's FP4 ran TE's reference NVFP4 tensor, which the first
-    forward's save-for-backward emptied, so the second forward crashed; and failure 1's dropped dW)."""
-    out = probed(tmp_path, tmp_path / "p", "--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                 "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8", *DATA,
-                 "--train-iters", "4", *HOPPER_SNIP, sm=90, nproc=2)
+    forward's save-for-backward emptied, so the second forward crashed; and failure 1's dropped dW).
+    The resumed run builds each stage's two chunks with the checkpoint's plan at their layers."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+              "1", "--global-batch-size", "8", *DATA, "--train-iters", "6", "--save", str(ckpt),
+              "--save-interval", "4", *HOPPER_SNIP]
+    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "4", sm=90, nproc=2)
     assert any(line.startswith("[snip] step 3: plan") for line in snip_lines(out))
-    held = {rank: sorted({int(k.split(".")[0]) for k in keys})
-            for rank, keys in check_two_pipeline_stages(tmp_path / "p").items()}
-    assert held == {0: [1, 3], 1: [2, 4]}  # Megatron's interleaved chunks, keyed by global layer
+    held = check_two_pipeline_stages(tmp_path / "p")
+    assert {rank: sorted({int(k.split(".")[0]) for k in keys}) for rank, keys in held.items()} == \
+        {0: [1, 3], 1: [2, 4]}  # Megatron's interleaved chunks, keyed by global layer
+    saved = Plan.from_dict(state_of(ckpt, 4)["plan"])
+    plan = {str(k): p.value for k, p in saved.items()}
+    assert plan == te_rows(tmp_path / "p", 0)[-1]["plan"]
+
+    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=90, nproc=2)
+    lines = snip_lines(out)
+    assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in lines), lines
+    assert any(line.startswith("[snip] step 6: plan") for line in lines), lines  # measured at 5
+    for rank in (0, 1):
+        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
+        assert {k: v[0] for k, v in built.items()} == {k: plan[k] for k in held[rank]}  # at each chunk's layers
+        rows = te_rows(tmp_path / "q", rank)
+        assert [r["step"] for r in rows] == [5, 6] and rows[0]["plan"] == plan
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
 
 
 def check_two_pipeline_stages(probe: Path) -> dict[int, list[str]]:

@@ -53,6 +53,9 @@ MLA_NO_Q_LORA = MLADims(q_lora_rank=None, kv_lora_rank=48, qk_head_dim=16, qk_po
 for _prefix, _dims in (("mla", MLA), ("mlaq", MLA_NO_Q_LORA)):
     LAYOUTS.update({f"{_prefix}_single": (1, 1, True, dict(mla=_dims), None),
                     f"{_prefix}_tp2_sp": (2, 1, True, dict(mla=_dims, sequence_parallel=True), None)})
+# MLA at PP=2 and its reference: every matrix re-drawn from its global name (stages draw from
+# different RNG states)
+LAYOUTS.update({"mla_name": (1, 1, False, dict(mla=MLA), None), "mla_pp2": (1, 2, False, dict(mla=MLA), None)})
 # multi-token prediction: one MTP layer (Megatron builds it on the last pipeline stage) after an MLA
 # decoder at TP=2 with SP (mtpmla_*), after a dense one at PP=2 (mtp_*)
 MTP = dict(mtp_num_layers=1)

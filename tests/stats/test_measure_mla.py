@@ -1,7 +1,8 @@
 """Statistics of a multi-latent-attention GPT (down-projections duplicated over TP, as Megatron's
 TE spec builds them), with and without q_lora_rank, and with q_lora_rank and a multi-token-prediction
-layer (mtpmla: its eh_proj and inner MLA layer's linears), at TP=2 with sequence parallelism equal one
-process's (1e-5), on every planned linear the GPT adapter lists for it. (Megatron's MLA trains
+layer (mtpmla: its eh_proj and inner MLA layer's linears), at TP=2 with sequence parallelism, and with
+q_lora_rank at PP=2 (mla_pp2), equal one process's (1e-5), on every planned linear the GPT adapter
+lists for it. (Megatron's MLA trains
 another model at TP=2 without SP: megatron/mla.py. MTP at PP=2: tests/stats/test_measure_parallel.py.)"""
 
 from pathlib import Path
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.skipif(
            "(isinstance(linear_proj, TELinear) with TELinear None)")
 
 WORKER = str(Path(__file__).with_name("measure_worker.py"))
-DISTRIBUTED = ["mla_tp2_sp", "mlaq_tp2_sp", "mtpmla_tp2_sp"]
+DISTRIBUTED = ["mla_tp2_sp", "mlaq_tp2_sp", "mtpmla_tp2_sp", "mla_pp2"]
+REFERENCE = {"mla_pp2": "mla_name"}  # the same weights, each drawn from its global name
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +37,14 @@ def tables(tmp_path_factory):
             "mtpmla": list(gpt.inventory(SHAPE, mla=MLA, mtp_num_layers=1).keys())}
     out = {p.stem: StatsTable.from_array(keys[p.stem.split("_")[0]], np.load(p)) for p in d.glob("*.npy")}
     runtime.init_process_group()
-    for name in ("mla_single", "mlaq_single", "mtpmla_single"):
+    for name in ("mla_single", "mlaq_single", "mtpmla_single", "mla_name"):
         out[name] = measure_layout(name)
     return out
 
 
 @pytest.mark.parametrize("layout", DISTRIBUTED)
 def test_mla_statistics_equal_single_process(tables, layout):
-    reference = tables[layout.split("_")[0] + "_single"]
+    reference = tables[REFERENCE.get(layout, layout.split("_")[0] + "_single")]
     assert [str(k) for k in reference.keys] == [str(k) for k in tables[layout].keys]
     names = {k.name for k in reference.keys}
     assert {"linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"} <= names
