@@ -1,0 +1,87 @@
+"""The compiled CPU quantizer (csrc/quantize_cpu.cpp): built once, on first use, into torch's
+extension cache.
+
+`kernel()` returns the loaded module, or None where it cannot be built (no compiler, no ninja,
+SNIP_CPU_KERNEL=0); then `fused.py` runs its eager path, bit for bit the same, and says so once.
+The first build on a machine costs a compile (about 30-60 s on 2 cores, logged once); later
+processes load the cached library (well under a second). torch.utils.cpp_extension.load keys the
+cache on the source and flags and serializes concurrent builds with a lock file in the build
+directory, so two processes starting at once build it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+_SOURCE = Path(__file__).with_name("csrc") / "quantize_cpu.cpp"
+_LOG = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+# Exactness needs IEEE float32 in the source's order: no fast-math, no FMA contraction.
+_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"]
+
+
+def _arch_flags() -> tuple[list[str], str]:
+    """AVX2 code where the CPU has it (wider vectors), else the compiler's baseline. Part of the
+    extension's name, so a cache shared between machines never loads code a CPU cannot run."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        flags = []
+    if {"avx2", "fma"} <= set(flags):
+        return ["-mavx2", "-mfma"], "avx2"
+    return [], "base"
+
+
+def _enabled() -> bool:
+    return os.environ.get("SNIP_CPU_KERNEL", "1") not in ("0", "false", "no")
+
+
+def kernel():
+    """The compiled module, building it on first use; None if unavailable (reason logged once)."""
+    if "module" in _STATE:
+        return _STATE["module"]
+    with _LOCK:
+        if "module" not in _STATE:
+            _STATE["module"] = _build()
+    return _STATE["module"]
+
+
+def unavailable_reason() -> str | None:
+    kernel()
+    return _STATE.get("reason")
+
+
+def _build():
+    if not _enabled():
+        _STATE["reason"] = "SNIP_CPU_KERNEL=0"
+        _LOG.warning("snip: CPU quantization kernel disabled (SNIP_CPU_KERNEL=0): eager fused path")
+        return None
+    arch, tag = _arch_flags()
+    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_FLAGS + arch).encode()).hexdigest()[:10]
+    name = f"snip_quantize_cpu_{tag}_{digest}"
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS + arch,
+                      extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # noqa: BLE001 - any build failure means: use the eager path
+        lines = str(error).strip().splitlines() or [""]
+        detail = next((line for line in lines if "error" in line.lower()), lines[-1])
+        reason = f"{type(error).__name__}: {detail.strip()}"
+        _STATE["reason"] = reason
+        _LOG.warning("snip: CPU quantization kernel could not be built (%s); using the eager fused "
+                     "path (same bits, slower)", reason)
+        return None
+    seconds = time.perf_counter() - start
+    if seconds > 2.0:  # a build, not a cache hit
+        _LOG.warning("snip: built the CPU quantization kernel %s in %.1f s (once per machine, "
+                     "cached in torch's extension dir)", name, seconds)
+    return module
