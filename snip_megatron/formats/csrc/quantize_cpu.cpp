@@ -91,50 +91,68 @@ inline float round_stochastic(float y, float u, Grid g) {
 
 // ---- Block scales: one function per scale family, the reference's formulas (quantize.py). ----
 
-struct BlockScale { float enc; float dec; };  // multiply by enc, round, multiply by dec
+// Each takes the amaxes of n blocks and writes their encode and decode factors (multiply by enc,
+// round, multiply by dec; dec NaN where the block or tensor is not finite) and the stored scales.
+// Branch-free loops over the blocks, so that gcc vectorizes them (a block of 16 elements would
+// otherwise spend more time on its scale than on its elements).
+
+// 2**k for an integer k in [-127, 127], exact (2**-127 is the float32 subnormal 1 << 22).
+inline float pow2(int32_t k) { return float_of(k >= -126 ? static_cast<uint32_t>(k + 127) << 23 : 1u << 22); }
 
 // FP32 (and pow2) scales, TE's compute_scale_from_amax: max / amax as torch computes a Python
 // scalar over a tensor (the reciprocal, then times the scalar), 1 for an all-zero block, capped
 // at the largest float32; pow2 keeps only sign and exponent. Decode 1 / scale (the stored scale).
-inline BlockScale fp32_scale(float amax, float elem_max, bool pow2, float* stored) {
-  float enc = (1.0f / amax) * elem_max;
-  enc = amax == 0.0f ? 1.0f : enc;
-  enc = enc > FLT_MAX ? FLT_MAX : enc;  // NaN stays NaN
-  if (pow2) enc = float_of(bits_of(enc) & 0xFF800000u);
-  float dec = 1.0f / enc;
-  *stored = dec;
-  return {enc, is_finite(amax) ? dec : NAN};
+void fp32_scales(const float* amax, int64_t n, float elem_max, bool pow2_scales, float* enc,
+                 float* dec, float* stored) {
+  const uint32_t keep = pow2_scales ? 0xFF800000u : 0xFFFFFFFFu;
+  for (int64_t k = 0; k < n; ++k) {
+    float e = (1.0f / amax[k]) * elem_max;
+    e = amax[k] == 0.0f ? 1.0f : e;
+    e = e > FLT_MAX ? FLT_MAX : e;  // NaN stays NaN
+    e = float_of(bits_of(e) & keep);
+    const float d = 1.0f / e;
+    enc[k] = e;
+    stored[k] = d;
+    dec[k] = is_finite(amax[k]) ? d : NAN;
+  }
 }
 
 // MX scales, RCEIL (e8m0_round_up): the smallest power of two >= amax / max, from the bits;
 // encode 2**(127 - e) (1 for code 0, as TE's exp2f_rcp), decode 2**(e - 127); code 255 = NaN.
-inline BlockScale e8m0_scale(float amax, float elem_max, uint8_t* stored) {
-  uint32_t b = bits_of(amax / elem_max);
-  int32_t exp = static_cast<int32_t>((b >> 23) & 0xFF);
-  uint32_t mant = b & 0x7FFFFFu;
-  int32_t e = exp == 0 ? (mant > (1u << 22) ? 1 : 0) : exp + (mant != 0 ? 1 : 0);
-  e = e > 254 ? 254 : e;
-  bool finite = is_finite(amax);
-  *stored = static_cast<uint8_t>(finite ? e : 255);
-  float enc = e == 0 ? 1.0f : std::ldexp(1.0f, 127 - e);
-  float dec = std::ldexp(1.0f, e - 127);
-  return {enc, finite ? dec : NAN};
+void e8m0_scales(const float* amax, int64_t n, float elem_max, float* enc, float* dec,
+                 uint8_t* stored) {
+  for (int64_t k = 0; k < n; ++k) {
+    const uint32_t b = bits_of(amax[k] / elem_max);
+    const int32_t exp = static_cast<int32_t>((b >> 23) & 0xFF);
+    const uint32_t mant = b & 0x7FFFFFu;
+    // Subnormal: above 2**-127 rounds up to 2**-126 (code 1), else code 0.
+    const int32_t subnormal = static_cast<int32_t>(mant > (1u << 22));
+    int32_t e = exp == 0 ? subnormal : exp + static_cast<int32_t>(mant != 0);
+    e = e > 254 ? 254 : e;
+    const bool finite = is_finite(amax[k]);
+    stored[k] = static_cast<uint8_t>(finite ? e : 255);
+    enc[k] = e == 0 ? 1.0f : pow2(127 - e);
+    dec[k] = finite ? pow2(e - 127) : NAN;
+  }
 }
 
 // NVFP4: an E4M3 block scale on the FP32 per-tensor scale (torchao's nvfp4_quantize):
 // (amax / 6) / global, clamped to [2**-6, 448], rounded to E4M3; encode (1 / global) / scale,
 // decode global * scale (NaN where the tensor or the block is not finite).
-inline BlockScale nvfp4_scale(float amax, float elem_max, float global, float inv_global,
-                              bool tensor_finite, uint8_t* stored) {
-  float s = (amax / elem_max) / global;
-  s = s < 0.015625f ? 0.015625f : s;  // NaN stays NaN
-  s = s > 448.0f ? 448.0f : s;
-  s = round_nearest(s, grid_of(E4M3));  // a positive normal E4M3 value (or NaN)
-  uint32_t b = bits_of(s);
-  *stored = (s != s) ? static_cast<uint8_t>(0x7F)
-                     : static_cast<uint8_t>(((((b >> 23) & 0xFF) - 120) << 3) | ((b >> 20) & 7));
-  float dec = tensor_finite ? global * s : NAN;
-  return {inv_global / s, is_finite(amax) ? dec : NAN};
+void nvfp4_scales(const float* amax, int64_t n, float elem_max, float global, float inv_global,
+                  bool tensor_finite, float* enc, float* dec, uint8_t* stored) {
+  const Grid e4m3 = grid_of(E4M3);
+  for (int64_t k = 0; k < n; ++k) {
+    float s = (amax[k] / elem_max) / global;
+    s = s < 0.015625f ? 0.015625f : s;  // NaN stays NaN
+    s = s > 448.0f ? 448.0f : s;
+    s = round_nearest(s, e4m3);  // a positive normal E4M3 value (or NaN)
+    const uint32_t b = bits_of(s);
+    const uint32_t code = ((((b >> 23) & 0xFF) - 120) << 3) | ((b >> 20) & 7);
+    stored[k] = static_cast<uint8_t>(s != s ? 0x7Fu : code);
+    enc[k] = inv_global / s;
+    dec[k] = (tensor_finite && is_finite(amax[k])) ? global * s : NAN;
+  }
 }
 
 struct Params {
@@ -144,62 +162,90 @@ struct Params {
   bool tensor_finite;
 };
 
-// One block row: per-column amax over its br rows, per-block scales spread to per-column
-// encode/decode vectors, then the elementwise cast (a loop gcc vectorizes: no division by bc
-// inside it).
+// Per-thread buffers for one block row: column amaxes, block amaxes, block encode/decode.
+struct RowScratch {
+  std::vector<uint32_t> colmax;
+  std::vector<float> amax, enc, dec;
+  explicit RowScratch(int64_t cols) : colmax(cols), amax(cols), enc(cols), dec(cols) {}
+};
+
+// The cast of one row: y = x * enc, rounded, times dec, with enc/dec per block of bc elements
+// (bc = 1: per column). The inner loops carry no division by bc, so gcc vectorizes them.
+template <typename In, typename Out, bool Stochastic>
+void cast_row(const In* x, Out* out, float* q, const float* u, const float* enc,
+              const float* dec, int64_t cols, int64_t bc, Grid g) {
+  if (bc == 1) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const float y = load(x[j]) * enc[j];
+      const float v = Stochastic ? round_stochastic(y, u[j], g) : round_nearest(y, g);
+      if (q) q[j] = v;
+      store(out + j, v * dec[j]);
+    }
+    return;
+  }
+  for (int64_t k = 0, j0 = 0; j0 < cols; ++k, j0 += bc) {
+    const float e = enc[k], d = dec[k];
+    for (int64_t j = j0; j < j0 + bc; ++j) {
+      const float y = load(x[j]) * e;
+      const float v = Stochastic ? round_stochastic(y, u[j], g) : round_nearest(y, g);
+      if (q) q[j] = v;
+      store(out + j, v * d);
+    }
+  }
+}
+
+// One block row: per-column amax over its br rows (bits: |x|'s bits order as the floats do, NaN
+// above Inf, so the largest bits are the amax, NaN if any), per-block amax and scales, then the
+// cast of each row while the block row is still in cache.
 template <typename In, typename Out, bool Stochastic>
 void quantize_block_row(const Params& p, int64_t blk, const In* x, Out* out, float* q,
-                        const float* u, void* scales, uint32_t* colmax, float* enc, float* dec) {
-  const int64_t cols = p.cols, nc = cols / p.bc;
-  const int64_t r0 = blk * p.br;
-  if (p.scale != TENSOR) {
+                        const float* u, void* scales, RowScratch& s) {
+  const int64_t cols = p.cols, bc = p.bc, nc = cols / bc, r0 = blk * p.br;
+  float* enc = s.enc.data();
+  float* dec = s.dec.data();
+  if (p.scale == TENSOR) {
+    enc[0] = p.enc;
+    dec[0] = p.dec;
+  } else {
+    uint32_t* colmax = s.colmax.data();
     const In* row = x + r0 * cols;
     for (int64_t j = 0; j < cols; ++j) colmax[j] = abs_bits(row[j]);
     for (int64_t r = 1; r < p.br; ++r) {
       row = x + (r0 + r) * cols;
       for (int64_t j = 0; j < cols; ++j) {
-        uint32_t a = abs_bits(row[j]);
+        const uint32_t a = abs_bits(row[j]);
         colmax[j] = a > colmax[j] ? a : colmax[j];
       }
     }
-    // |x|'s bits order as the floats do, NaN above Inf: the max bits are the amax (NaN if any).
+    float* amax = s.amax.data();
     for (int64_t k = 0; k < nc; ++k) {
       uint32_t m = 0;
-      for (int64_t j = k * p.bc; j < (k + 1) * p.bc; ++j) m = colmax[j] > m ? colmax[j] : m;
-      const float amax = float_of(m);
-      BlockScale s;
-      const int64_t at = blk * nc + k;
-      switch (p.scale) {
-        case FP32: s = fp32_scale(amax, p.elem_max, false, static_cast<float*>(scales) + at); break;
-        case POW2: s = fp32_scale(amax, p.elem_max, true, static_cast<float*>(scales) + at); break;
-        case E8M0: s = e8m0_scale(amax, p.elem_max, static_cast<uint8_t*>(scales) + at); break;
-        default:
-          s = nvfp4_scale(amax, p.elem_max, p.global, p.inv_global, p.tensor_finite,
-                          static_cast<uint8_t*>(scales) + at);
-      }
-      for (int64_t j = k * p.bc; j < (k + 1) * p.bc; ++j) { enc[j] = s.enc; dec[j] = s.dec; }
+      for (int64_t j = k * bc; j < (k + 1) * bc; ++j) m = colmax[j] > m ? colmax[j] : m;
+      amax[k] = float_of(m);
+    }
+    const int64_t at = blk * nc;
+    switch (p.scale) {
+      case FP32:
+      case POW2:
+        fp32_scales(amax, nc, p.elem_max, p.scale == POW2, enc, dec, static_cast<float*>(scales) + at);
+        break;
+      case E8M0:
+        e8m0_scales(amax, nc, p.elem_max, enc, dec, static_cast<uint8_t*>(scales) + at);
+        break;
+      default:
+        nvfp4_scales(amax, nc, p.elem_max, p.global, p.inv_global, p.tensor_finite, enc, dec,
+                     static_cast<uint8_t*>(scales) + at);
     }
   }
   const Grid g = grid_of(p.element);
   for (int64_t r = r0; r < r0 + p.br; ++r) {
-    const In* xr = x + r * cols;
-    Out* orow = out + r * cols;
-    float* qr = q ? q + r * cols : nullptr;
-    const float* ur = Stochastic ? u + r * cols : nullptr;
-    if (qr) {
-      for (int64_t j = 0; j < cols; ++j) {
-        const float y = load(xr[j]) * enc[j];
-        const float v = Stochastic ? round_stochastic(y, ur[j], g) : round_nearest(y, g);
-        qr[j] = v;
-        store(orow + j, v * dec[j]);
-      }
-    } else {
-      for (int64_t j = 0; j < cols; ++j) {
-        const float y = load(xr[j]) * enc[j];
-        const float v = Stochastic ? round_stochastic(y, ur[j], g) : round_nearest(y, g);
-        store(orow + j, v * dec[j]);
-      }
-    }
+    const int64_t o = r * cols;
+    if (q)
+      cast_row<In, Out, Stochastic>(x + o, out + o, q + o, Stochastic ? u + o : nullptr, enc,
+                                    dec, cols, bc, g);
+    else
+      cast_row<In, Out, Stochastic>(x + o, out + o, static_cast<float*>(nullptr),
+                                    Stochastic ? u + o : nullptr, enc, dec, cols, bc, g);
   }
 }
 
@@ -208,13 +254,10 @@ void quantize_all(const Params& p, const In* x, Out* out, float* q, const float*
   const int64_t nblk = p.rows / p.br;
 #pragma omp parallel
   {
-    // Per thread: the column amaxes and the per-column encode/decode of the current block row.
-    std::vector<uint32_t> colmax(p.cols);
-    std::vector<float> enc(p.cols, p.enc), dec(p.cols, p.dec);
+    RowScratch scratch(p.cols);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblk; ++blk)
-      quantize_block_row<In, Out, Stochastic>(p, blk, x, out, q, u, scales, colmax.data(),
-                                              enc.data(), dec.data());
+      quantize_block_row<In, Out, Stochastic>(p, blk, x, out, q, u, scales, scratch);
   }
 }
 
