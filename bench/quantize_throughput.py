@@ -43,11 +43,8 @@ def our_methods():
 
 
 def _eager(x, cast):
-    previous, fused.USE_CPU_KERNEL = fused.USE_CPU_KERNEL, False
-    try:
+    with fused.eager_cpu_path():
         return quantize(x, cast)
-    finally:
-        fused.USE_CPU_KERNEL = previous
 
 
 def torchao_methods():

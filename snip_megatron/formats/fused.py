@@ -29,6 +29,7 @@ dequantized values are NaN in both, its E8M0 scale is 255 in both).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -211,6 +212,17 @@ _SCALE_CODES = {ScaleFormat.FP32: 1, ScaleFormat.POW2: 2, ScaleFormat.E8M0: 3}  
 USE_CPU_KERNEL = True
 """Whether CPU tensors go through the compiled kernel (formats/cpu_kernel.py) when it builds;
 False runs this module's eager path (tests compare both to the reference)."""
+
+
+@contextlib.contextmanager
+def eager_cpu_path():
+    """Within: CPU tensors take the eager path, not the kernel (benchmarks time both side by side)."""
+    global USE_CPU_KERNEL
+    previous, USE_CPU_KERNEL = USE_CPU_KERNEL, False
+    try:
+        yield
+    finally:
+        USE_CPU_KERNEL = previous
 
 
 def use_cpu_kernel() -> bool:
