@@ -64,15 +64,23 @@ def _build():
         _STATE["reason"] = "SNIP_CPU_KERNEL=0"
         _LOG.warning("snip: CPU quantization kernel disabled (SNIP_CPU_KERNEL=0): eager fused path")
         return None
+    import torch
+
     arch, tag = _arch_flags()
-    digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(_FLAGS + arch).encode()).hexdigest()[:10]
-    name = f"snip_quantize_cpu_{tag}_{digest}"
+    # The name carries everything the binary depends on: a cache shared by two torch versions
+    # (prod and compat lanes) or two CPUs never loads the other's build.
+    key = _SOURCE.read_bytes() + " ".join(_FLAGS + arch + [torch.__version__]).encode()
+    name = f"snip_quantize_cpu_{tag}_{hashlib.sha1(key).hexdigest()[:10]}"
     start = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load
-
-        module = load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS + arch,
-                      extra_ldflags=["-fopenmp"], verbose=False)
+        cpp_extension = _import_cpp_extension()
+        module = _cached(cpp_extension, name)
+        if module is None:
+            module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS + arch,
+                                        extra_ldflags=["-fopenmp"], verbose=False)
+            _LOG.warning("snip: built the CPU quantization kernel %s in %.1f s (once per machine and "
+                         "torch version, cached in torch's extension dir)", name,
+                         time.perf_counter() - start)
     except Exception as error:  # noqa: BLE001 - any build failure means: use the eager path
         lines = str(error).strip().splitlines() or [""]
         detail = next((line for line in lines if "error" in line.lower()), lines[-1])
@@ -81,8 +89,29 @@ def _build():
         _LOG.warning("snip: CPU quantization kernel could not be built (%s); using the eager fused "
                      "path (same bits, slower)", reason)
         return None
-    seconds = time.perf_counter() - start
-    if seconds > 2.0:  # a build, not a cache hit
-        _LOG.warning("snip: built the CPU quantization kernel %s in %.1f s (once per machine, "
-                     "cached in torch's extension dir)", name, seconds)
     return module
+
+
+def _import_cpp_extension():
+    # Importing it logs "No CUDA runtime is found" on every CPU machine: not news here.
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        cpp_logger.setLevel(level)
+    return cpp_extension
+
+
+def _cached(cpp_extension, name: str):
+    """The built module if the cache holds it and no build is in progress (its lock file), loaded
+    directly: `load` would run ninja and take its lock on every process start (about a second)."""
+    try:
+        build_dir = cpp_extension._get_build_directory(name, False)
+        library = os.path.join(build_dir, name + ".so")
+        if not os.path.exists(library) or os.path.exists(os.path.join(build_dir, "lock")):
+            return None
+        return cpp_extension._import_module_from_library(name, build_dir, True)
+    except Exception:  # noqa: BLE001 - torch internals moved, or a bad file: build through load
+        return None
