@@ -4,13 +4,14 @@ extension cache.
 `kernel()` returns the loaded module, or None where it cannot be built (no compiler, no ninja,
 SNIP_CPU_KERNEL=0); then `fused.py` runs its eager path, bit for bit the same, and says so once.
 The first build on a machine costs a compile (about 30-60 s on 2 cores, logged once); later
-processes load the cached library (well under a second). torch.utils.cpp_extension.load keys the
-cache on the source and flags and serializes concurrent builds with a lock file in the build
-directory, so two processes starting at once build it once.
+processes load the cached library (milliseconds). The library's name carries a hash of the source,
+the flags and the torch version; a lock (flock) in its build directory lets one process build while
+others wait, so two processes starting at once build it once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -74,13 +75,19 @@ def _build():
     start = time.perf_counter()
     try:
         cpp_extension = _import_cpp_extension()
-        module = _cached(cpp_extension, name)
-        if module is None:
-            module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=_FLAGS + arch,
-                                        extra_ldflags=["-fopenmp"], verbose=False)
-            _LOG.warning("snip: built the CPU quantization kernel %s in %.1f s (once per machine and "
-                         "torch version, cached in torch's extension dir)", name,
-                         time.perf_counter() - start)
+        build_dir = cpp_extension._get_build_directory(name, False)
+        # One builder at a time (an flock: released by the kernel if its holder dies); whoever
+        # comes next finds the library and loads it without running ninja (about a second).
+        with open(os.path.join(build_dir, "snip.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            module = _cached(cpp_extension, name, build_dir)
+            if module is None:
+                module = cpp_extension.load(name=name, sources=[str(_SOURCE)],
+                                            extra_cflags=_FLAGS + arch,
+                                            extra_ldflags=["-fopenmp"], verbose=False)
+                _LOG.warning("snip: built the CPU quantization kernel %s in %.1f s (once per "
+                             "machine and torch version, cached in torch's extension dir)", name,
+                             time.perf_counter() - start)
     except Exception as error:  # noqa: BLE001 - any build failure means: use the eager path
         lines = str(error).strip().splitlines() or [""]
         detail = next((line for line in lines if "error" in line.lower()), lines[-1])
@@ -104,14 +111,11 @@ def _import_cpp_extension():
     return cpp_extension
 
 
-def _cached(cpp_extension, name: str):
-    """The built module if the cache holds it and no build is in progress (its lock file), loaded
-    directly: `load` would run ninja and take its lock on every process start (about a second)."""
+def _cached(cpp_extension, name: str, build_dir: str):
+    """The module from the cache, None if it holds no build (or one that does not load)."""
+    if not os.path.exists(os.path.join(build_dir, name + ".so")):
+        return None
     try:
-        build_dir = cpp_extension._get_build_directory(name, False)
-        library = os.path.join(build_dir, name + ".so")
-        if not os.path.exists(library) or os.path.exists(os.path.join(build_dir, "lock")):
-            return None
         return cpp_extension._import_module_from_library(name, build_dir, True)
-    except Exception:  # noqa: BLE001 - torch internals moved, or a bad file: build through load
+    except Exception:  # noqa: BLE001 - a partial file from a killed build: rebuild through load
         return None
