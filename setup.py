@@ -7,6 +7,8 @@ setup(
     version="0.1.0",
     description="SNIP: per-layer FP8/FP4 precision plans for Megatron-Core pretraining",
     packages=find_packages(include=["snip_megatron", "snip_megatron.*"]),
+    # The CPU quantizer's C++ source, compiled on first use (snip_megatron/formats/cpu_kernel.py).
+    package_data={"snip_megatron.formats": ["csrc/*.cpp"]},
     python_requires=">=3.11",
     install_requires=[
         # Tested: 2.13.0 and 2.14.1. Written with "a0" so NGC's pre-release builds

@@ -79,8 +79,11 @@ def estimate_and_solve_70b(repeats: int = 3) -> tuple[float, object]:
 
 
 def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None,
-                 grad_error_token_stride: int | None = None) -> dict:
+                 grad_error_token_stride: int | None = None, with_eager: bool = False,
+                 clock=time.perf_counter) -> dict:
     import dataclasses
+
+    from snip_megatron.formats.fused import eager_cpu_path
 
     from snip_megatron.config import SnipConfig
     from snip_megatron.plan import Plan
@@ -100,21 +103,30 @@ def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None,
     plans = {"bf16": Plan.uniform(n, "bf16"), "initial": Plan.uniform(n, snip.initial_precision)}
     ratios = {name: [] for name in plans}
     times = {"measure": [], **{name: [] for name in plans}}
+    if with_eager:
+        ratios["bf16_eager"], times["measure_eager"] = [], []
 
     def timed_step(plan):
         tr.set_plan(plan)
-        start = time.perf_counter()
+        start = clock()
         tr.train_step()
-        return time.perf_counter() - start
+        return clock() - start
 
     timed_step(plans["bf16"])  # warm-up
     for _ in range(pairs):
         step_t = {name: timed_step(plan) for name, plan in plans.items()}
         tr.set_plan(plans["initial"])
         tr.current_batch = tr.reader.take(tr.num_microbatches)
-        start = time.perf_counter()
+        start = clock()
         measure_step(tr, config)
-        m = time.perf_counter() - start
+        m = clock() - start
+        if with_eager:  # the same measurement on the eager quantizer path, same batch
+            start = clock()
+            with eager_cpu_path():
+                measure_step(tr, config)
+            m_eager = clock() - start
+            times["measure_eager"].append(m_eager)
+            ratios["bf16_eager"].append(m_eager / step_t["bf16"])
         tr.current_batch = None
         times["measure"].append(m)
         for name in plans:
@@ -132,16 +144,26 @@ def main(argv=None) -> None:
     ap.add_argument("--no-loop", action="store_true", help="skip the whole-loop overhead runs")
     ap.add_argument("--error-token-stride", type=int, default=None,
                     help="measure the errors on every n-th token chunk (default: the controller's)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time steps and measurements in process CPU time (set "
+                         "OMP_WAIT_POLICY=passive), less disturbed by other jobs on the machine")
+    ap.add_argument("--with-eager", action="store_true",
+                    help="also time the measurement on the eager quantizer path, side by side")
     ap.add_argument("--grad-error-token-stride", type=int, default=None,
                     help="the same for the backward-GEMM roles (default: the controller's)")
     args = ap.parse_args(argv)
 
-    cost = measure_cost(args.pairs, args.mbs, args.error_token_stride, args.grad_error_token_stride)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    cost = measure_cost(args.pairs, args.mbs, args.error_token_stride, args.grad_error_token_stride,
+                        args.with_eager, clock)
     print(f"llama_tiny, micro-batch {args.mbs}: median measurement {cost['median_s']['measure']:.3f}s; "
           f"BF16 step {cost['median_s']['bf16']:.3f}s; initial-plan (emulated FP8) step "
           f"{cost['median_s']['initial']:.3f}s")
     print(f"measurement = {cost['ratio']['bf16']:.2f} BF16 steps = {cost['ratio']['initial']:.2f} "
           f"initial-plan steps")
+    if args.with_eager:
+        print(f"eager quantizer path: median measurement {cost['median_s']['measure_eager']:.3f}s "
+              f"= {cost['ratio']['bf16_eager']:.2f} BF16 steps")
     cpu_s, result = estimate_and_solve_70b()
     print(f"70B layout (320 linears, PP=8 per-stage budgets, rho=0.75): estimate + solve "
           f"{cpu_s:.3f}s median of 3; solver {getattr(result, 'solver', '?')}")

@@ -8,9 +8,9 @@ NVFP4Tensor.to_nvfp4 -> dequantize; MXTensor.to_mx(RCEIL) -> dequantize). Ceilin
 Runs 4096x4096 FP32 and BF16 on CPU, and on CUDA when present. Every method is timed in
 round-robin (so load changes hit all alike) and the median is kept. The last line is
 
-    RESULT nvfp4_vs_torchao=<r> mxfp4_vs_torchao=<r> nvfp4_vs_copy=<r>
+    RESULT nvfp4_vs_torchao=<r> mxfp4_vs_torchao=<r> nvfp4_vs_copy=<r> eager_nvfp4_vs_copy=<r>
 
-ours / theirs, higher is better, each the geometric mean over the (device, dtype) cases.
+ours / theirs (ours: the compiled CPU kernel where it runs; eager_*: the eager fused path), higher is better, each the geometric mean over the (device, dtype) cases.
 
     python bench/quantize_throughput.py [--size 4096] [--repeats 5] [--devices cpu,cuda]
 """
@@ -25,6 +25,7 @@ import warnings
 
 import torch
 
+import snip_megatron.formats.fused as fused
 from snip_megatron.formats import FormatSpec, quantize
 
 warnings.filterwarnings("ignore")
@@ -34,11 +35,16 @@ def our_methods():
     nvfp4 = FormatSpec.for_precision("fp4").fprop_input
     mxfp4 = FormatSpec.for_precision("fp4", fp4_recipe="mxfp4").fprop_input
     fp8 = FormatSpec.for_precision("fp8").fprop_input
-    return {
-        "ours_nvfp4": lambda x: quantize(x, nvfp4),
-        "ours_mxfp4": lambda x: quantize(x, mxfp4),
-        "ours_fp8_blockwise": lambda x: quantize(x, fp8),
-    }
+    casts = {"nvfp4": nvfp4, "mxfp4": mxfp4, "fp8_blockwise": fp8}
+    methods = {f"ours_{name}": (lambda x, c=cast: quantize(x, c)) for name, cast in casts.items()}
+    # The eager fused path (what runs without the compiled CPU kernel), side by side.
+    methods.update({f"eager_{name}": (lambda x, c=cast: _eager(x, c)) for name, cast in casts.items()})
+    return methods
+
+
+def _eager(x, cast):
+    with fused.eager_cpu_path():
+        return quantize(x, cast)
 
 
 def torchao_methods():
@@ -84,7 +90,8 @@ def main() -> None:
     args = parser.parse_args()
 
     methods = {"copy": torch.clone, **our_methods(), **torchao_methods()}
-    ratios = {"nvfp4_vs_torchao": [], "mxfp4_vs_torchao": [], "nvfp4_vs_copy": []}
+    ratios = {"nvfp4_vs_torchao": [], "mxfp4_vs_torchao": [], "nvfp4_vs_copy": [],
+              "eager_nvfp4_vs_copy": []}
     print(f"threads={torch.get_num_threads()} size={args.size}x{args.size} repeats={args.repeats}")
     print(f"{'case':14s} " + " ".join(f"{name:>19s}" for name in methods) + "   (GB/s of input read)")
     for device in args.devices.split(","):
@@ -100,6 +107,7 @@ def main() -> None:
             ratios["nvfp4_vs_torchao"].append(gbps["ours_nvfp4"] / gbps["torchao_nvfp4"])
             ratios["mxfp4_vs_torchao"].append(gbps["ours_mxfp4"] / gbps["torchao_mxfp4"])
             ratios["nvfp4_vs_copy"].append(gbps["ours_nvfp4"] / gbps["copy"])
+            ratios["eager_nvfp4_vs_copy"].append(gbps["eager_nvfp4"] / gbps["copy"])
     geo = {k: math.exp(sum(math.log(r) for r in v) / len(v)) for k, v in ratios.items()}
     print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in geo.items()))
 

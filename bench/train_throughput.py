@@ -8,16 +8,20 @@
 One Trainer, one model: the precisions take turns in rounds (each round times `steps-per-round`
 optimizer steps per precision after a warm-up step), so a busy machine slows all three alike. The
 ratios are the emulation slowdown (tokens/s relative to BF16; below 1 is slower). No target yet:
-record it. Last line: `RESULT fp8_vs_bf16=<ratio> fp4_vs_bf16=<ratio>`.
+record it. Last line: `RESULT fp8_vs_bf16=<ratio> fp4_vs_bf16=<ratio>`. With --with-eager, FP8 and FP4
+also take turns on the eager quantizer path (what runs without the compiled CPU kernel), and the
+line adds fp8_eager_vs_bf16 and fp4_eager_vs_bf16.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
+from snip_megatron.formats.fused import eager_cpu_path
 from snip_megatron.plan import Plan
 from snip_megatron.shapes import get_shape
 from snip_megatron.train.config import TrainConfig
@@ -37,7 +41,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps-per-round", type=int, default=5)
     p.add_argument("--data-cache", default=DEFAULT_CACHE_DIR)
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus cap (stdlib sources)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: time steps in process CPU time (set OMP_WAIT_POLICY=passive), a "
+                        "figure a machine shared with other jobs disturbs less than wall time")
+    p.add_argument("--with-eager", action="store_true",
+                   help="also time FP8/FP4 on the eager quantizer path, side by side")
     args = p.parse_args(argv)
+    precisions = PRECISIONS + (("fp8_eager", "fp4_eager") if args.with_eager else ())
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     shape = get_shape(args.model)
     overrides = {"num_layers": args.num_layers, "vocab_size": args.vocab_size, "seq_length": args.seq_length}
@@ -45,32 +56,34 @@ def main(argv: list[str] | None = None) -> None:
     if overrides:
         shape = shape.with_(**overrides)
     per_precision = args.rounds * (args.steps_per_round + 1)
-    config = TrainConfig(model=shape, steps=per_precision * len(PRECISIONS),
+    config = TrainConfig(model=shape, steps=per_precision * len(precisions),
                          micro_batch_size=args.micro_batch_size, eval_interval=None, progress=False,
                          data=DataConfig(vocab_size=shape.vocab_size, cache_dir=args.data_cache,
                                          max_bytes=args.max_bytes))
     trainer = Trainer(config)
     tokens_per_step = trainer.global_batch_size * config.seq_len
-    times = {p: [] for p in PRECISIONS}
+    times = {p: [] for p in precisions}
     for _ in range(args.rounds):
-        for precision in PRECISIONS:
-            trainer.set_plan(Plan.uniform(shape.num_layers, precision))
-            trainer.train_step()  # warm-up: first step after a switch builds new quantizer state
-            for _ in range(args.steps_per_round):
-                start = time.perf_counter()
-                trainer.train_step()
-                times[precision].append(time.perf_counter() - start)
+        for precision in precisions:
+            eager = precision.endswith("_eager")
+            trainer.set_plan(Plan.uniform(shape.num_layers, precision.removesuffix("_eager")))
+            with eager_cpu_path() if eager else contextlib.nullcontext():
+                trainer.train_step()  # warm-up: first step after a switch builds new quantizer state
+                for _ in range(args.steps_per_round):
+                    start = clock()
+                    trainer.train_step()
+                    times[precision].append(clock() - start)
     trainer.close()
 
     if trainer.is_reporter:
         print(f"{args.model}: {shape.num_layers} layers, hidden {shape.hidden_size}, "
               f"{tokens_per_step} tokens/step, {args.rounds} x {args.steps_per_round} timed steps each")
         tps = {}
-        for precision in PRECISIONS:
+        for precision in precisions:
             step = statistics.median(times[precision])
             tps[precision] = tokens_per_step / step
-            print(f"  {precision:5s} {tps[precision]:10.0f} tokens/s  {step * 1e3:8.1f} ms/step (median)")
-        print(f"RESULT fp8_vs_bf16={tps['fp8'] / tps['bf16']:.3f} fp4_vs_bf16={tps['fp4'] / tps['bf16']:.3f}")
+            print(f"  {precision:9s} {tps[precision]:10.0f} tokens/s  {step * 1e3:8.1f} ms/step (median)")
+        print("RESULT " + " ".join(f"{p}_vs_bf16={tps[p] / tps['bf16']:.3f}" for p in precisions[1:]))
 
 
 if __name__ == "__main__":

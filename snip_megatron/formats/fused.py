@@ -29,6 +29,7 @@ dequantized values are NaN in both, its E8M0 scale is 255 in both).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -143,6 +144,8 @@ def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_code
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()  # float64: rounded to float32 first, as the reference
     x = x.contiguous()
+    if x.device.type == "cpu" and use_cpu_kernel():
+        return _quantize_2d_kernel(x, cast, block, u, out_dtype, amax_group, want_codes)
     rows, cols = x.shape
     br, bc = block if block is not None else (1, cols)
     c = _constants(x.device)
@@ -201,6 +204,82 @@ def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_code
         codes = e2m1_codes(q_all)
     else:
         codes = q_all.to(fp8_dtype(cast.element))  # exact: q_all is on the grid
+    return out, codes, scales, tensor_scale
+
+
+_ELEMENT_CODES = {ElementFormat.E2M1: 0, ElementFormat.E4M3: 1, ElementFormat.E5M2: 2}
+_SCALE_CODES = {ScaleFormat.FP32: 1, ScaleFormat.POW2: 2, ScaleFormat.E8M0: 3}  # else NVFP4: 4
+USE_CPU_KERNEL = True
+"""Whether CPU tensors go through the compiled kernel (formats/cpu_kernel.py) when it builds;
+False runs this module's eager path (tests compare both to the reference)."""
+
+
+@contextlib.contextmanager
+def eager_cpu_path():
+    """Within: CPU tensors take the eager path, not the kernel (benchmarks time both side by side)."""
+    global USE_CPU_KERNEL
+    previous, USE_CPU_KERNEL = USE_CPU_KERNEL, False
+    try:
+        yield
+    finally:
+        USE_CPU_KERNEL = previous
+
+
+def use_cpu_kernel() -> bool:
+    from snip_megatron.formats.cpu_kernel import kernel
+
+    return USE_CPU_KERNEL and kernel() is not None
+
+
+def _quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes):
+    """`_quantize_2d` on CPU by the compiled kernel: one pass per block row. The per-tensor
+    scales are this module's (0-dim torch ops on the kernel's amax); the kernel computes the
+    block scales with the same formulas and rounds as `_round_in_place`."""
+    from snip_megatron.formats.cpu_kernel import kernel
+
+    k = kernel()
+    if x.dtype == torch.float16:
+        x = x.float()
+    rows, cols = x.shape
+    enc = dec = global_scale = inv_global = 1.0
+    tensor_finite = True
+    per_tensor_scale = None
+    if block is None or cast.tensor_scale:
+        amax = _reduce_amax(k.abs_max(x), amax_group)
+        tensor_finite = bool(torch.isfinite(amax))
+        if block is None:
+            enc_t = _fp32_encode_scale(amax, cast.element.max)
+            dec_t = _nan_where_not_finite(enc_t.reciprocal(), amax)
+            enc, dec, per_tensor_scale = float(enc_t), float(dec_t), dec_t.reshape(1, 1)
+        else:
+            g = amax / NVFP4_GLOBAL_DIVISOR
+            g = torch.where(g >= F32_MIN_NORMAL, g, torch.ones_like(g))
+            global_scale, inv_global, per_tensor_scale = float(g), float(1.0 / g), g
+    kernel_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+    out = torch.empty((rows, cols), dtype=kernel_dtype)
+    q = torch.empty((rows, cols), dtype=torch.float32) if want_codes else None
+    if block is None:
+        br, bc, scale_code, scales = 1, cols, 0, None
+    else:
+        br, bc = block
+        scale_code = _SCALE_CODES.get(cast.scale, 4)
+        scale_dtype = torch.float32 if scale_code in (1, 2) else torch.uint8
+        scales = torch.empty((rows // br, cols // bc), dtype=scale_dtype)
+    k.quantize_blocks(x, out, q, None if u is None else u.float().contiguous(), scales, br, bc,
+                      _ELEMENT_CODES[cast.element], scale_code, cast.element.max, enc, dec,
+                      global_scale, inv_global, tensor_finite)
+    out = out if out.dtype == out_dtype else out.to(out_dtype)
+    if not want_codes:
+        return out, None, None, None
+    tensor_scale = None
+    if block is None:
+        scales = per_tensor_scale
+    elif scale_code == 4:
+        scales, tensor_scale = scales.view(torch.float8_e4m3fn), per_tensor_scale
+    if cast.element is ElementFormat.E2M1:
+        codes = e2m1_codes(q)
+    else:
+        codes = q.to(fp8_dtype(cast.element))  # exact: q is on the grid
     return out, codes, scales, tensor_scale
 
 

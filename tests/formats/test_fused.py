@@ -11,6 +11,7 @@ block holding a NaN, are the platform's NaN arithmetic in the reference and are 
 (their dequantized values are NaN in both; E8M0 scales are compared everywhere)."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -125,10 +126,27 @@ def assert_same_quantization(x, cast, dim, **kwargs):
     return ref
 
 
-@pytest.fixture(params=["one_chunk", "many_chunks"])
+def _require_kernel() -> None:
+    # The kernel must build wherever the tests run (CI has gcc and ninja); only an explicit
+    # SNIP_CPU_KERNEL=0 (the eager path chosen) skips its cases.
+    from snip_megatron.formats.cpu_kernel import kernel, unavailable_reason
+
+    if os.environ.get("SNIP_CPU_KERNEL") == "0":
+        pytest.skip("SNIP_CPU_KERNEL=0: the eager path was chosen")
+    assert kernel() is not None, f"the CPU kernel did not build: {unavailable_reason()}"
+
+
+@pytest.fixture(params=["kernel", "eager_many_chunks"])
 def chunking(request, monkeypatch):
-    # Many chunks: a few rows each (at least one block row), so every chunk boundary is crossed.
-    if request.param == "many_chunks":
+    # kernel: the compiled CPU quantizer (formats/cpu_kernel.py). eager: the eager fused path (the
+    # CUDA path, there in one chunk, and the CPU fallback), in many chunks of a few rows each (at
+    # least one block row), so every chunk boundary is crossed; one chunk runs the same ops.
+    if request.param == "kernel":
+        _require_kernel()
+        monkeypatch.setattr(fused, "USE_CPU_KERNEL", True)
+    else:
+        monkeypatch.setattr(fused, "USE_CPU_KERNEL", False)
+    if request.param == "eager_many_chunks":
         monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 4096)
         monkeypatch.setattr(fused, "_KEPT", __import__("threading").local())
     return request.param
@@ -183,6 +201,32 @@ def test_element_rounding_equals_the_casts(element):
     scratch = fused._Scratch(y.numel(), y.device)
     fused._round_in_place(got, element, None, scratch, fused._constants(y.device))
     _assert_bits_equal(want, got, element.value)
+
+
+@pytest.mark.parametrize("element", list(ElementFormat))
+def test_kernel_element_rounding_equals_the_casts(element):
+    # The compiled kernel's rounding on the same probe: a per-tensor cast with scale 1, its grid
+    # values (q) against torch's float8 casts and the reference's E2M1 rounding.
+    from snip_megatron.formats.cpu_kernel import kernel
+
+    _require_kernel()
+    y = _grid_probe(-30, 17)
+    want = cast_fp8(y, element).float() if element is not ElementFormat.E2M1 else round_e2m1(y.clone())
+    x = y.view(1, -1)
+    out, q = torch.empty_like(x), torch.empty_like(x)
+    kernel().quantize_blocks(x, out, q, None, None, 1, x.shape[1], fused._ELEMENT_CODES[element],
+                             0, element.max, 1.0, 1.0, 1.0, 1.0, True)
+    _assert_bits_equal(want, q.view(-1), element.value)
+    _assert_bits_equal(want, out.view(-1), element.value)
+    if element is ElementFormat.E2M1:  # stochastic, on the finite probe values
+        finite = torch.isfinite(y)
+        yf = y[finite].view(1, -1)
+        g = torch.Generator().manual_seed(11)
+        for u in (torch.rand(yf.shape, generator=g), torch.full(yf.shape, 1 - 2.0**-24)):
+            out, q = torch.empty_like(yf), torch.empty_like(yf)
+            kernel().quantize_blocks(yf, out, q, u, None, 1, yf.shape[1], 0, 0, 6.0, 1.0, 1.0,
+                                     1.0, 1.0, True)
+            _assert_bits_equal(round_e2m1(yf.clone(), u), q, "e2m1 sr")
 
 
 def test_stochastic_rounding_equals_the_reference_bit_for_bit():

@@ -1,0 +1,342 @@
+// The CPU fake quantizer: `quantize_reference`'s casts, bit for bit, in one pass per block row.
+//
+// Called from snip_megatron/formats/fused.py (`_quantize_2d`), which has already put the operand
+// in the layout the blocks run in (2D, whole blocks, Hadamard applied) and computed the
+// per-tensor scales (tiny 0-dim torch ops, the reference's own). Per block row (br rows) this
+// reads the input, takes the block amaxes from the integer bits, computes each block's scale
+// with the reference's formulas operation for operation, rounds every element to the grid
+// (nearest-even, or stochastic with the caller's noise) and writes the dequantized values, and
+// optionally the grid values (for codes) and the scales. The block row stays in cache between
+// the amax read and the cast, so memory sees one read and one write.
+//
+// Exactness rests on float32 arithmetic in the reference's order: no -ffast-math and
+// -ffp-contract=off (an FMA would skip a rounding the reference performs). The loops are plain
+// element loops on bit patterns and float32 so that gcc vectorizes them (-O3).
+
+#include <torch/extension.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+// Must match fused.py (_ELEMENT_CODES, _SCALE_CODES).
+enum Element : int64_t { E2M1 = 0, E4M3 = 1, E5M2 = 2 };
+enum Scale : int64_t { TENSOR = 0, FP32 = 1, POW2 = 2, E8M0 = 3, NVFP4 = 4 };
+
+inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline bool is_finite(float f) { return (bits_of(f) & 0x7F800000u) != 0x7F800000u; }
+
+// Element loads and stores. bf16 -> float32 is exact; float32 -> bf16 is round-to-nearest-even
+// with NaN kept NaN, as torch's conversion.
+inline float load(float v) { return v; }
+inline float load(c10::BFloat16 v) { return float_of(static_cast<uint32_t>(v.x) << 16); }
+inline void store(float* p, float v) { *p = v; }
+inline void store(c10::BFloat16* p, float v) {
+  uint32_t u = bits_of(v);
+  uint16_t h = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  p->x = (v != v) ? static_cast<uint16_t>(0x7FC0) : h;
+}
+inline uint32_t abs_bits(float v) { return bits_of(v) & 0x7FFFFFFFu; }
+inline uint32_t abs_bits(c10::BFloat16 v) { return (static_cast<uint32_t>(v.x) << 16) & 0x7FFFFFFFu; }
+
+// An element grid: largest magnitude, float32 bits of 2**emin (the smallest normal exponent; below
+// it the grid step is the subnormal one), and (23 - mantissa bits) << 23.
+struct Grid { float top; uint32_t min_exp_bits; uint32_t magic_shift; };
+inline Grid grid_of(int64_t element) {
+  switch (element) {
+    case E2M1: return {6.0f, 127u << 23, 22u << 23};
+    case E4M3: return {448.0f, (127u - 6) << 23, 20u << 23};
+    default: return {57344.0f, (127u - 14) << 23, 21u << 23};
+  }
+}
+
+// Round-to-nearest-even to the grid, saturating, sign kept (-0 stays -0, NaN stays NaN): adding
+// 2**(e + 23 - mantissa bits) to |y| in [2**e, 2**(e+1)) leaves a float32 whose last bit is one
+// grid step, so the IEEE add rounds (ties to even) and the subtraction is exact. This is what
+// torch's float8 casts and round_e2m1 compute (fused.py's _round_in_place, same trick).
+inline float round_nearest(float y, Grid g) {
+  uint32_t sign = bits_of(y) & 0x80000000u;
+  float a = float_of(bits_of(y) ^ sign);
+  a = a > g.top ? g.top : a;  // NaN fails the compare and stays NaN
+  uint32_t e = bits_of(a) & 0x7F800000u;
+  e = e > g.min_exp_bits ? e : g.min_exp_bits;
+  float magic = float_of(e + g.magic_shift);
+  a = (a + magic) - magic;
+  return float_of(bits_of(a) | sign);
+}
+
+// Stochastic rounding (E2M1 only, CastConfig): floor(|y| / step + u) * step with step half the
+// power of two at or below max(|y|, 1), then saturate again (3 + u may round up to 4 in float32).
+// The operations of round_e2m1(y, noise), in its order.
+inline float round_stochastic(float y, float u, Grid g) {
+  uint32_t sign = bits_of(y) & 0x80000000u;
+  float a = float_of(bits_of(y) ^ sign);
+  a = a > g.top ? g.top : a;
+  uint32_t e = bits_of(a) & 0x7F800000u;
+  e = e > g.min_exp_bits ? e : g.min_exp_bits;
+  float step = float_of(e - (1u << 23));
+  a = std::floor(a / step + u) * step;
+  a = a > g.top ? g.top : a;
+  return float_of(bits_of(a) | sign);
+}
+
+// ---- Block scales: one function per scale family, the reference's formulas (quantize.py). ----
+
+// Each takes the amaxes of n blocks and writes their encode and decode factors (multiply by enc,
+// round, multiply by dec; dec NaN where the block or tensor is not finite) and the stored scales.
+// Branch-free loops over the blocks, so that gcc vectorizes them (a block of 16 elements would
+// otherwise spend more time on its scale than on its elements).
+
+// 2**k for an integer k in [-127, 127], exact (2**-127 is the float32 subnormal 1 << 22).
+inline float pow2(int32_t k) { return float_of(k >= -126 ? static_cast<uint32_t>(k + 127) << 23 : 1u << 22); }
+
+// FP32 (and pow2) scales, TE's compute_scale_from_amax: max / amax as torch computes a Python
+// scalar over a tensor (the reciprocal, then times the scalar), 1 for an all-zero block, capped
+// at the largest float32; pow2 keeps only sign and exponent. Decode 1 / scale (the stored scale).
+void fp32_scales(const float* amax, int64_t n, float elem_max, bool pow2_scales, float* enc,
+                 float* dec, float* stored) {
+  const uint32_t keep = pow2_scales ? 0xFF800000u : 0xFFFFFFFFu;
+  for (int64_t k = 0; k < n; ++k) {
+    float e = (1.0f / amax[k]) * elem_max;
+    e = amax[k] == 0.0f ? 1.0f : e;
+    e = e > FLT_MAX ? FLT_MAX : e;  // NaN stays NaN
+    e = float_of(bits_of(e) & keep);
+    const float d = 1.0f / e;
+    enc[k] = e;
+    stored[k] = d;
+    dec[k] = is_finite(amax[k]) ? d : NAN;
+  }
+}
+
+// MX scales, RCEIL (e8m0_round_up): the smallest power of two >= amax / max, from the bits;
+// encode 2**(127 - e) (1 for code 0, as TE's exp2f_rcp), decode 2**(e - 127); code 255 = NaN.
+void e8m0_scales(const float* amax, int64_t n, float elem_max, float* enc, float* dec,
+                 uint8_t* stored) {
+  for (int64_t k = 0; k < n; ++k) {
+    const uint32_t b = bits_of(amax[k] / elem_max);
+    const int32_t exp = static_cast<int32_t>((b >> 23) & 0xFF);
+    const uint32_t mant = b & 0x7FFFFFu;
+    // Subnormal: above 2**-127 rounds up to 2**-126 (code 1), else code 0.
+    const int32_t subnormal = static_cast<int32_t>(mant > (1u << 22));
+    int32_t e = exp == 0 ? subnormal : exp + static_cast<int32_t>(mant != 0);
+    e = e > 254 ? 254 : e;
+    const bool finite = is_finite(amax[k]);
+    stored[k] = static_cast<uint8_t>(finite ? e : 255);
+    enc[k] = e == 0 ? 1.0f : pow2(127 - e);
+    dec[k] = finite ? pow2(e - 127) : NAN;
+  }
+}
+
+// NVFP4: an E4M3 block scale on the FP32 per-tensor scale (torchao's nvfp4_quantize):
+// (amax / 6) / global, clamped to [2**-6, 448], rounded to E4M3; encode (1 / global) / scale,
+// decode global * scale (NaN where the tensor or the block is not finite).
+void nvfp4_scales(const float* amax, int64_t n, float elem_max, float global, float inv_global,
+                  bool tensor_finite, float* enc, float* dec, uint8_t* stored) {
+  const Grid e4m3 = grid_of(E4M3);
+  for (int64_t k = 0; k < n; ++k) {
+    float s = (amax[k] / elem_max) / global;
+    s = s < 0.015625f ? 0.015625f : s;  // NaN stays NaN
+    s = s > 448.0f ? 448.0f : s;
+    s = round_nearest(s, e4m3);  // a positive normal E4M3 value (or NaN)
+    const uint32_t b = bits_of(s);
+    const uint32_t code = ((((b >> 23) & 0xFF) - 120) << 3) | ((b >> 20) & 7);
+    stored[k] = static_cast<uint8_t>(s != s ? 0x7Fu : code);
+    enc[k] = inv_global / s;
+    dec[k] = (tensor_finite && is_finite(amax[k])) ? global * s : NAN;
+  }
+}
+
+struct Params {
+  int64_t rows, cols, br, bc;
+  int64_t element, scale;
+  float elem_max, enc, dec, global, inv_global;  // enc/dec: TENSOR; global: NVFP4
+  bool tensor_finite;
+};
+
+// Per-thread buffers for one block row: column amaxes, block amaxes, block encode/decode.
+struct RowScratch {
+  std::vector<uint32_t> colmax;
+  std::vector<float> amax, enc, dec;
+  explicit RowScratch(int64_t cols) : colmax(cols), amax(cols), enc(cols), dec(cols) {}
+};
+
+// The cast of one row: y = x * enc, rounded, times dec, with enc/dec per block of bc elements
+// (bc = 1: per column). The inner loops carry no division by bc, so gcc vectorizes them.
+template <typename In, typename Out, bool Stochastic>
+void cast_row(const In* x, Out* out, float* q, const float* u, const float* enc,
+              const float* dec, int64_t cols, int64_t bc, Grid g) {
+  if (bc == 1) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const float y = load(x[j]) * enc[j];
+      const float v = Stochastic ? round_stochastic(y, u[j], g) : round_nearest(y, g);
+      if (q) q[j] = v;
+      store(out + j, v * dec[j]);
+    }
+    return;
+  }
+  for (int64_t k = 0, j0 = 0; j0 < cols; ++k, j0 += bc) {
+    const float e = enc[k], d = dec[k];
+    for (int64_t j = j0; j < j0 + bc; ++j) {
+      const float y = load(x[j]) * e;
+      const float v = Stochastic ? round_stochastic(y, u[j], g) : round_nearest(y, g);
+      if (q) q[j] = v;
+      store(out + j, v * d);
+    }
+  }
+}
+
+// One block row: per-column amax over its br rows (bits: |x|'s bits order as the floats do, NaN
+// above Inf, so the largest bits are the amax, NaN if any), per-block amax and scales, then the
+// cast of each row while the block row is still in cache.
+template <typename In, typename Out, bool Stochastic>
+void quantize_block_row(const Params& p, int64_t blk, const In* x, Out* out, float* q,
+                        const float* u, void* scales, RowScratch& s) {
+  const int64_t cols = p.cols, bc = p.bc, nc = cols / bc, r0 = blk * p.br;
+  float* enc = s.enc.data();
+  float* dec = s.dec.data();
+  if (p.scale == TENSOR) {
+    enc[0] = p.enc;
+    dec[0] = p.dec;
+  } else {
+    uint32_t* colmax = s.colmax.data();
+    const In* row = x + r0 * cols;
+    for (int64_t j = 0; j < cols; ++j) colmax[j] = abs_bits(row[j]);
+    for (int64_t r = 1; r < p.br; ++r) {
+      row = x + (r0 + r) * cols;
+      for (int64_t j = 0; j < cols; ++j) {
+        const uint32_t a = abs_bits(row[j]);
+        colmax[j] = a > colmax[j] ? a : colmax[j];
+      }
+    }
+    float* amax = s.amax.data();
+    for (int64_t k = 0; k < nc; ++k) {
+      uint32_t m = 0;
+      for (int64_t j = k * bc; j < (k + 1) * bc; ++j) m = colmax[j] > m ? colmax[j] : m;
+      amax[k] = float_of(m);
+    }
+    const int64_t at = blk * nc;
+    switch (p.scale) {
+      case FP32:
+      case POW2:
+        fp32_scales(amax, nc, p.elem_max, p.scale == POW2, enc, dec, static_cast<float*>(scales) + at);
+        break;
+      case E8M0:
+        e8m0_scales(amax, nc, p.elem_max, enc, dec, static_cast<uint8_t*>(scales) + at);
+        break;
+      default:
+        nvfp4_scales(amax, nc, p.elem_max, p.global, p.inv_global, p.tensor_finite, enc, dec,
+                     static_cast<uint8_t*>(scales) + at);
+    }
+  }
+  const Grid g = grid_of(p.element);
+  for (int64_t r = r0; r < r0 + p.br; ++r) {
+    const int64_t o = r * cols;
+    if (q)
+      cast_row<In, Out, Stochastic>(x + o, out + o, q + o, Stochastic ? u + o : nullptr, enc,
+                                    dec, cols, bc, g);
+    else
+      cast_row<In, Out, Stochastic>(x + o, out + o, static_cast<float*>(nullptr),
+                                    Stochastic ? u + o : nullptr, enc, dec, cols, bc, g);
+  }
+}
+
+template <typename In, typename Out, bool Stochastic>
+void quantize_all(const Params& p, const In* x, Out* out, float* q, const float* u, void* scales) {
+  const int64_t nblk = p.rows / p.br;
+#pragma omp parallel
+  {
+    RowScratch scratch(p.cols);
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblk; ++blk)
+      quantize_block_row<In, Out, Stochastic>(p, blk, x, out, q, u, scales, scratch);
+  }
+}
+
+template <typename In, typename Out>
+void dispatch_rounding(const Params& p, const In* x, Out* out, float* q, const float* u,
+                       void* scales) {
+  if (u) quantize_all<In, Out, true>(p, x, out, q, u, scales);
+  else quantize_all<In, Out, false>(p, x, out, q, u, scales);
+}
+
+}  // namespace
+
+// x: (rows, cols) float32 or bfloat16, contiguous, whole blocks of (br, bc) (tensorwise: br = 1,
+// bc = cols). out: float32 or bfloat16 of x's shape. q (optional): float32 grid values (before
+// the decode scale), for codes. u (optional): float32 U[0, 1) noise of x's shape. scales: per
+// block, float32 (FP32/POW2) or uint8 (E8M0 codes; NVFP4 E4M3 bits); ignored for TENSOR.
+void quantize_blocks(torch::Tensor x, torch::Tensor out, c10::optional<torch::Tensor> q,
+                     c10::optional<torch::Tensor> u, c10::optional<torch::Tensor> scales,
+                     int64_t br, int64_t bc, int64_t element, int64_t scale, double elem_max,
+                     double enc, double dec, double global, double inv_global,
+                     bool tensor_finite) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && x.dim() == 2, "quantize_blocks: layout");
+  TORCH_CHECK(x.sizes() == out.sizes() && x.size(0) % br == 0 && x.size(1) % bc == 0,
+              "quantize_blocks: shapes");
+  Params p{x.size(0), x.size(1), br, bc, element, scale, static_cast<float>(elem_max),
+           static_cast<float>(enc), static_cast<float>(dec), static_cast<float>(global),
+           static_cast<float>(inv_global), tensor_finite};
+  float* qp = nullptr;
+  if (q.has_value()) {
+    TORCH_CHECK(q->is_contiguous() && q->scalar_type() == at::kFloat && q->sizes() == x.sizes());
+    qp = q->data_ptr<float>();
+  }
+  const float* up = nullptr;
+  if (u.has_value()) {
+    TORCH_CHECK(element == E2M1, "stochastic rounding is E2M1 only");
+    TORCH_CHECK(u->is_contiguous() && u->scalar_type() == at::kFloat && u->sizes() == x.sizes());
+    up = u->data_ptr<float>();
+  }
+  void* sp = nullptr;
+  if (scale != TENSOR) {
+    TORCH_CHECK(scales.has_value() && scales->is_contiguous() &&
+                scales->numel() == (p.rows / br) * (p.cols / bc), "quantize_blocks: scales");
+    sp = scales->data_ptr();
+  }
+  const bool in_bf16 = x.scalar_type() == at::kBFloat16, out_bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(in_bf16 || x.scalar_type() == at::kFloat, "quantize_blocks: x float32 or bfloat16");
+  TORCH_CHECK(out_bf16 || out.scalar_type() == at::kFloat, "quantize_blocks: out float32 or bfloat16");
+  if (in_bf16 && out_bf16)
+    dispatch_rounding(p, x.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), qp, up, sp);
+  else if (in_bf16)
+    dispatch_rounding(p, x.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), qp, up, sp);
+  else if (out_bf16)
+    dispatch_rounding(p, x.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), qp, up, sp);
+  else
+    dispatch_rounding(p, x.data_ptr<float>(), out.data_ptr<float>(), qp, up, sp);
+}
+
+// max |x| of a float32 or bfloat16 tensor as float32 (NaN if x holds one): the largest |x| bits.
+template <typename In>
+float abs_max_of(const In* x, int64_t n) {
+  uint32_t best = 0;
+#pragma omp parallel for reduction(max : best) schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t a = abs_bits(x[i]);
+    best = a > best ? a : best;
+  }
+  return float_of(best);
+}
+
+torch::Tensor abs_max(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous(), "abs_max: contiguous x");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "abs_max: float32 or bfloat16");
+  const float m = bf16 ? abs_max_of(x.data_ptr<c10::BFloat16>(), x.numel())
+                       : abs_max_of(x.data_ptr<float>(), x.numel());
+  return torch::full({}, m, torch::dtype(torch::kFloat));
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantize_blocks", &quantize_blocks, "fake-quantize a 2D tensor in whole blocks");
+  m.def("abs_max", &abs_max, "max |x| from the bits (NaN if any)");
+}
