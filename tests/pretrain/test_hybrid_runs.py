@@ -17,8 +17,8 @@ import pytest
 from snip_megatron.plan import Plan
 from tests.pretrain.test_runs import MODEL, PATCHED_MAIN, losses, needs_training, snip_lines, state_of
 from tests.pretrain.test_te_runs import (DATA, HOPPER_SNIP, TE, WORKER, check_linears_follow_the_plan,
-                                         check_runtime, check_two_pipeline_stages, replanned, run_te, te_env,
-                                         te_rows)
+                                         check_resumed_ranks, check_runtime, check_two_pipeline_stages, replanned,
+                                         run_te, te_built, te_env, te_rows)
 
 pytest.importorskip("megatron.core.models.hybrid.hybrid_model",
                     reason="megatron-core 0.16.1 (compat lane) has MambaModel, not HybridModel (0.18+)")
@@ -98,13 +98,7 @@ def test_tp2_hybrid_measures_replans_and_resumes_every_te_linear(tmp_path):
 
     out = probed(tmp_path, tmp_path / "q", "*-*-", *common, "--load", str(ckpt), nproc=2)
     assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in snip_lines(out))
-    for rank in (0, 1):  # both TP ranks build their shards with the checkpoint's plan
-        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
-        assert {k: v[0] for k, v in built.items()} == plan
-        rows = te_rows(tmp_path / "q", rank)
-        assert [r["step"] for r in rows] == [5, 6] and rows[0]["plan"] == plan
-        check_linears_follow_the_plan(rows)
-        check_runtime(rows)
+    check_resumed_ranks(tmp_path / "q", plan, [5, 6])
 
 
 # The main block of Megatron-LM's pretrain_hybrid.py (core_v0.19.0) with the patch's SNIP lines, on
@@ -147,8 +141,7 @@ def test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers_
     out = run_te(tmp_path, patched_main("q"), *common, "--load", str(tmp_path / "ckpt"), sm=90, nproc=2)
     assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in snip_lines(out))
     for rank, keys in ((0, KEYS[:4]), (1, KEYS[4:])):
-        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
-        assert {k: v[0] for k, v in built.items()} == {k: plan[k] for k in keys}  # at the stage's offset
+        assert te_built(tmp_path / "q", rank) == {k: plan[k] for k in keys}  # at the stage's offset
         rows = te_rows(tmp_path / "q", rank)
         assert [r["step"] for r in rows] == [5, 6]
         check_linears_follow_the_plan(rows)

@@ -86,7 +86,7 @@ def test_tp2_sp_over_the_te_double_measures_replans_and_resumes(tmp_path):
     """Megatron's TE spec: the down-projections are TELinear(parallel_mode="duplicated"), measured
     through their unfused GEMM on this rank's tokens (the CPU's torch norms refuse SP; TE's do not);
     the resumed run builds every rank's TE linears, duplicated ones included, with the checkpoint's plan."""
-    from tests.pretrain.test_te_runs import DATA, TE, WORKER, te_env
+    from tests.pretrain.test_te_runs import DATA, TE, WORKER, te_built, te_env
 
     ckpt = tmp_path / "ckpt"
     common = [*MODEL, *TE, *MLA, *Q_LORA, *DATA, *SNIP[5:], "--tensor-model-parallel-size", "2",
@@ -103,8 +103,7 @@ def test_tp2_sp_over_the_te_double_measures_replans_and_resumes(tmp_path):
                           nproc=2, timeout=600, env=te_env(100)).stdout
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     for rank in (0, 1):
-        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
-        assert {k: v[0] for k, v in built.items()} == {str(k): p.value for k, p in plan.items()}
+        assert te_built(tmp_path / "q", rank) == {str(k): p.value for k, p in plan.items()}
     assert sorted(losses(out)) == [3] and len(replans(out)) == 1  # measured at step 3
 
 
@@ -142,7 +141,7 @@ def test_mtp_at_tp2_measures_replans_and_resumes(tmp_path):
     """Megatron's TE spec over the TE double: the MTP block is built from the decoder's TE spec, so
     its eh_proj and inner layer's linears are TE linears; the resumed run builds every rank's TE
     linears, the MTP ones included, with the checkpoint's plan."""
-    from tests.pretrain.test_te_runs import DATA, TE, WORKER, te_env
+    from tests.pretrain.test_te_runs import DATA, TE, WORKER, te_built, te_env
 
     ckpt = tmp_path / "ckpt"
     common = [*test_runs.MODEL, *TE, *DATA, *SNIP[5:], "--mtp-num-layers", "1", "--tensor-model-parallel-size", "2",
@@ -163,6 +162,5 @@ def test_mtp_at_tp2_measures_replans_and_resumes(tmp_path):
                           nproc=2, timeout=600, env=te_env(100)).stdout
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     for rank in (0, 1):
-        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
-        assert {k: v[0] for k, v in built.items()} == {str(k): p.value for k, p in plan.items()}
+        assert te_built(tmp_path / "q", rank) == {str(k): p.value for k, p in plan.items()}
     assert sorted(losses(out)) == [3] and sorted(mtp_losses(out)) == [3] and len(replans(out)) == 1  # measured at 3

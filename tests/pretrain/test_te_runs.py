@@ -118,6 +118,36 @@ def te_rows(probe: Path, rank: int = 0) -> list[dict]:
     return [json.loads(line) for line in (probe / f"rank{rank}_te.jsonl").read_text().splitlines()]
 
 
+def te_built(probe: Path, rank: int) -> dict[str, str]:
+    """The precision each planned TE linear of `rank` was built with (the worker's probe)."""
+    built = json.loads((probe / f"rank{rank}.json").read_text())["te_built"]
+    return {k: v[0] for k, v in built.items()}
+
+
+def check_resumed_ranks(probe: Path, plan: dict[str, str], steps: list[int]) -> None:
+    """Both TP ranks of a resumed run build their shards with the checkpoint's `plan`, start the
+    resumed `steps` on it, and run every linear as planned."""
+    for rank in (0, 1):
+        assert te_built(probe, rank) == plan
+        rows = te_rows(probe, rank)
+        assert [r["step"] for r in rows] == steps and rows[0]["plan"] == plan
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
+
+
+def resume_saved_plan(tmp_path: Path, ckpt: Path, common: list[str], *, sm: int) -> dict[str, str]:
+    """The plan the run saved at step 4 (the one its last step ran), then a two-process resume from
+    it into probe `q` that starts with it and re-plans at step 6 (measured at 5)."""
+    saved = Plan.from_dict(state_of(ckpt, 4)["plan"])
+    plan = {str(k): p.value for k, p in saved.items()}
+    assert plan == te_rows(tmp_path / "p", 0)[-1]["plan"]
+    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=sm, nproc=2)
+    lines = snip_lines(out)
+    assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in lines), lines
+    assert any(line.startswith("[snip] step 6: plan") for line in lines), lines
+    return plan
+
+
 def check_linears_follow_the_plan(rows: list[dict], *, fp8: str = "blockwise", fp4_rounding: str = "sr") -> None:
     """After every step, each TE linear of this rank was told its planned precision and ran it:
     FP8 in `fp8` (blockwise with TE's power-of-two scales, its default; or tensorwise), FP4 on TE's
@@ -229,21 +259,8 @@ def test_blackwell_tp2_measures_replans_and_resumes_every_te_linear(tmp_path):
         check_runtime(rows)
         assert len(rows[-1]["linears"]) == 8  # TP shards every planned linear
     assert te_rows(tmp_path / "p", 0)[-1]["plan"] == te_rows(tmp_path / "p", 1)[-1]["plan"]
-    saved = Plan.from_dict(state_of(ckpt, 4)["plan"])
-    plan = {str(k): p.value for k, p in saved.items()}
-    assert plan == te_rows(tmp_path / "p", 0)[-1]["plan"]
-
-    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=100, nproc=2)
-    lines = snip_lines(out)
-    assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in lines), lines
-    assert any(line.startswith("[snip] step 6: plan") for line in lines), lines  # measured at 5
-    for rank in (0, 1):  # both TP ranks build their shards with the checkpoint's plan
-        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
-        assert {k: v[0] for k, v in built.items()} == plan
-        rows = te_rows(tmp_path / "q", rank)
-        assert [r["step"] for r in rows] == [5, 6] and rows[0]["plan"] == plan
-        check_linears_follow_the_plan(rows)
-        check_runtime(rows)
+    plan = resume_saved_plan(tmp_path, ckpt, common, sm=100)
+    check_resumed_ranks(tmp_path / "q", plan, [5, 6])
 
 
 @needs_training
@@ -262,17 +279,9 @@ def test_hopper_pp2_with_virtual_pipelining_replans_both_chunks_and_resumes(tmp_
     held = check_two_pipeline_stages(tmp_path / "p")
     assert {rank: sorted({int(k.split(".")[0]) for k in keys}) for rank, keys in held.items()} == \
         {0: [1, 3], 1: [2, 4]}  # Megatron's interleaved chunks, keyed by global layer
-    saved = Plan.from_dict(state_of(ckpt, 4)["plan"])
-    plan = {str(k): p.value for k, p in saved.items()}
-    assert plan == te_rows(tmp_path / "p", 0)[-1]["plan"]
-
-    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=90, nproc=2)
-    lines = snip_lines(out)
-    assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in lines), lines
-    assert any(line.startswith("[snip] step 6: plan") for line in lines), lines  # measured at 5
-    for rank in (0, 1):
-        built = json.loads((tmp_path / "q" / f"rank{rank}.json").read_text())["te_built"]
-        assert {k: v[0] for k, v in built.items()} == {k: plan[k] for k in held[rank]}  # at each chunk's layers
+    plan = resume_saved_plan(tmp_path, ckpt, common, sm=90)
+    for rank in (0, 1):  # at each chunk's layers
+        assert te_built(tmp_path / "q", rank) == {k: plan[k] for k in held[rank]}
         rows = te_rows(tmp_path / "q", rank)
         assert [r["step"] for r in rows] == [5, 6] and rows[0]["plan"] == plan
         check_linears_follow_the_plan(rows)
