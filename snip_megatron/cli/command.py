@@ -44,6 +44,13 @@ def megatron_args(recipe: RunRecipe) -> list[str]:
                  str(mla.qk_head_dim), "--qk-pos-emb-head-dim", str(mla.qk_pos_emb_head_dim), "--v-head-dim",
                  str(mla.v_head_dim), "--rope-type", "rope"]
         args += ["--q-lora-rank", str(mla.q_lora_rank)] if mla.q_lora_rank is not None else []
+    moe = gpt.PRESET_MOE.get(m.name)
+    if moe is not None:  # the preset's experts (llama_tiny_moe); SequentialMLP, as SNIP plans them
+        args += ["--num-experts", str(moe.num_experts), "--moe-router-topk", str(moe.topk), "--moe-ffn-hidden-size",
+                 str(moe.ffn_hidden_size), "--moe-layer-freq",
+                 str(moe.layer_freq) if isinstance(moe.layer_freq, int) else str(list(moe.layer_freq))]
+        args += (["--moe-shared-expert-intermediate-size", str(moe.shared_ffn_hidden_size)]
+                 + (["--moe-shared-expert-gate"] if moe.shared_gate else [])) if moe.shared_ffn_hidden_size else []
     args += [
         "--seq-length", str(m.seq_length),
         "--max-position-embeddings", str(m.seq_length),

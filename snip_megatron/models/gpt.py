@@ -191,6 +191,14 @@ class MoEDims:
                    shared_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
                    layer_freq=freq if isinstance(freq, int) else tuple(int(f) for f in freq))
 
+    def config_fields(self) -> dict:
+        """The TransformerConfig fields of these experts (the inverse of `of`)."""
+        freq = self.layer_freq if isinstance(self.layer_freq, int) else list(self.layer_freq)
+        return dict(num_moe_experts=self.num_experts, moe_router_topk=self.topk,
+                    moe_ffn_hidden_size=self.ffn_hidden_size,
+                    moe_shared_expert_intermediate_size=self.shared_ffn_hidden_size,
+                    moe_shared_expert_gate=self.shared_gate, moe_layer_freq=freq)
+
     def is_moe_layer(self, layer: int, num_layers: int) -> bool:
         """Whether 1-based decoder layer `layer` of `num_layers` is an MoE layer (Megatron's
         `get_gpt_decoder_layer_specs` reading moe_layer_freq)."""
@@ -206,6 +214,10 @@ class MoEDims:
 
     def unplanned(self) -> tuple[Unplanned, ...]:
         return (MOE_ROUTER,) + ((SHARED_EXPERT_GATE,) if self.shared_ffn_hidden_size and self.shared_gate else ())
+
+
+PRESET_MOE = {"llama_tiny_moe": MoEDims(num_experts=4, topk=2, ffn_hidden_size=176, layer_freq=2)}
+"""The experts of the model presets that have them (snip_megatron.shapes.PRESETS; layers 1, 3, 5 MoE)."""
 
 
 def layer_slots(mla: "MLADims | None" = None, moe: "MoEDims | None" = None) -> tuple[LinearSlot, ...]:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.megatron.args import snip_config_from_args
+from snip_megatron.megatron.moe import moe_refusals
 from snip_megatron.models import gpt
 
 
@@ -105,47 +106,6 @@ def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[
     refuse(getattr(args, "delay_wgrad_compute", False), "--delay-wgrad-compute: SNIP's measurement reads "
            "each weight gradient in its own backward; drop it")
     refuse(getattr(args, "use_legacy_models", False), "--use-legacy-models: SNIP plans Megatron-Core models")
-    return out
-
-
-def moe_refusals(args) -> list[str]:
-    """What an MoE run (--num-experts) cannot do with SNIP yet, one line each naming the flag. SNIP
-    plans, measures and re-plans MoE GPTs on Megatron's local spec (SequentialMLP experts with SNIP's
-    emulated linears) at one process (docs/moe.md)."""
-    out = []
-
-    def refuse(when, text):
-        if when:
-            out.append(text)
-
-    world = int(getattr(args, "world_size", 1) or 1)
-    refuse(int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1,
-           "--expert-model-parallel-size > 1: SNIP does not yet reduce expert statistics over expert "
-           "parallelism; run MoE at --expert-model-parallel-size 1")
-    refuse(world > 1, f"--num-experts on {world} processes: SNIP measures MoE models at one process so far "
-           "(expert statistics over TP/EP/DP/PP are not reduced yet); run one process, or drop --snip")
-    refuse(getattr(args, "moe_grouped_gemm", False),
-           "--moe-grouped-gemm: SNIP does not yet pad grouped-GEMM token splits for per-module FP8/FP4 "
-           "(Megatron pads them only under a global --fp8-format/--fp4-format); drop it (SequentialMLP experts)")
-    refuse(args.transformer_impl == "transformer_engine",
-           "--num-experts with --transformer-impl transformer_engine: SNIP plans MoE experts on Megatron's "
-           "local spec only so far; use --transformer-impl local")
-    refuse(getattr(args, "moe_router_fusion", False),
-           "--moe-router-fusion: the fused top-k bypasses Megatron's router-replay hook, which SNIP uses to "
-           "keep routing fixed across its measurement passes; drop it")
-    balancing = getattr(args, "moe_router_load_balancing_type", "aux_loss")
-    balancing = [balancing] if isinstance(balancing, str) else list(balancing or [])
-    odd = [b for b in balancing if b in ("sinkhorn", "quantile_balancing")]
-    refuse(odd, f"--moe-router-load-balancing-type {' '.join(odd)}: routes without Megatron's top-k replay "
-           "hook, so SNIP cannot freeze routing while it measures; use aux_loss, seq_aux_loss, global_aux_loss or none")
-    refuse(getattr(args, "moe_expert_capacity_factor", None) is not None,
-           "--moe-expert-capacity-factor: token dropping follows the routing probabilities, which SNIP's "
-           "noise passes change; drop it (dropless MoE)")
-    refuse(getattr(args, "moe_latent_size", None),
-           "--moe-latent-size: SNIP does not plan the latent projections yet; drop it")
-    refuse(getattr(args, "mtp_num_layers", None),
-           "--mtp-num-layers with --num-experts: SNIP plans MoE layers in the decoder, not in "
-           "multi-token-prediction layers yet; drop one of them")
     return out
 
 

@@ -39,8 +39,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict, dict]:
     p = argparse.ArgumentParser(prog="python -m snip_megatron.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama_tiny", choices=list(PRESETS),
-                   help="model preset (snip_megatron.shapes.PRESETS; llama_tiny_mla: multi-latent attention)")
-    train = add_dataclass_flags(p, TrainConfig, exclude=("model", "mla", "data", "formats"),
+                   help="model preset (snip_megatron.shapes.PRESETS; llama_tiny_mla: multi-latent attention, "
+                        "llama_tiny_moe: MoE layers)")
+    train = add_dataclass_flags(p, TrainConfig, exclude=("model", "mla", "moe", "data", "formats"),
                                 flag_of=lambda n: _TRAIN_FLAGS.get(n, "--" + n.replace("_", "-")),
                                 choices={"backend": BACKENDS, "params_dtype": PARAM_DTYPES})
     data = add_dataclass_flags(p.add_argument_group("data"), DataConfig, defaults={"vocab_size": None},

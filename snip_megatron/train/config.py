@@ -8,12 +8,14 @@ learning rate, validation and checkpoint cadence); `TrainConfig` (the compact lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from snip_megatron.data.prepare import DataConfig
 from snip_megatron.formats.precision import Formats, Precision
+from snip_megatron.megatron.moe import moe_refusals
 from snip_megatron.megatron.spec import BACKENDS
 from snip_megatron.models import gpt
-from snip_megatron.models.gpt import MLADims
+from snip_megatron.models.gpt import MLADims, MoEDims
 from snip_megatron.shapes import ModelShape, get_shape
 
 LR_DECAY_STYLES = ("cosine", "linear", "constant")
@@ -100,6 +102,9 @@ class TrainConfig(TrainingSchedule):
     mla: MLADims | None = None
     """Multi-latent attention's widths (models.gpt.MLADims); None: the preset's (llama_tiny_mla has
     it), else dense grouped-query attention."""
+    moe: MoEDims | None = None
+    """The MoE layers' experts (models.gpt.MoEDims, on Megatron's local spec); None: the preset's
+    (llama_tiny_moe has them), else dense MLPs."""
     data: DataConfig | None = None
     """Corpus and tokenizer; None means the stdlib corpus with a tokenizer of the model's vocab size."""
     split: str = "95,5,0"
@@ -159,6 +164,23 @@ class TrainConfig(TrainingSchedule):
             raise ValueError(f"TrainConfig.mla (multi-latent attention) at tp={self.tp}: Megatron's MLA needs "
                              "sequence parallelism at TP > 1, which the compact loop does not run; use tp=1, or "
                              "snip-pretrain-gpt --multi-latent-attention --sequence-parallel")
+        if self.moe is None and isinstance(self.model, str):
+            self.moe = gpt.PRESET_MOE.get(self.model)
+        if self.moe is not None and not isinstance(self.moe, MoEDims):
+            raise ValueError(f"TrainConfig.moe must be a models.gpt.MoEDims or None, got {self.moe!r}")
+        self.check_moe(world_size=self.tp * self.pp)
+
+    def check_moe(self, world_size: int) -> None:
+        """Refuse the MoE runs SNIP cannot measure yet, for the reasons Megatron-LM's loop gives
+        (megatron.moe.moe_refusals): here, more than one process or the TE backend."""
+        if self.moe is None:
+            return
+        args = SimpleNamespace(world_size=world_size,
+                               transformer_impl="transformer_engine" if self.backend == "te" else "local")
+        reasons = moe_refusals(args)
+        if reasons:
+            raise ValueError(f"TrainConfig.moe (MoE) at tp={self.tp}, pp={self.pp}, {world_size} processes, "
+                             f"backend={self.backend!r}: " + "; ".join(reasons))
 
     @property
     def shape(self) -> ModelShape:
@@ -168,8 +190,8 @@ class TrainConfig(TrainingSchedule):
     @property
     def inventory(self):
         """The planned linears of the model (models.inventory.Inventory; multi-latent attention's
-        with `mla`)."""
-        return gpt.inventory(self.shape, mla=self.mla)
+        with `mla`, the MoE layers' with `moe`)."""
+        return gpt.inventory(self.shape, mla=self.mla, moe=self.moe)
 
     @property
     def seq_len(self) -> int:

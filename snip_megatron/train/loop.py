@@ -84,6 +84,7 @@ class Trainer:
 
         cfg = self.config
         self.rank, self.world_size = runtime.init_process_group()
+        cfg.check_moe(self.world_size)  # MoE at one process only (expert statistics not reduced over ranks)
         runtime.initialize_model_parallel(tp=cfg.tp, pp=cfg.pp, seed=cfg.seed)
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
@@ -150,7 +151,8 @@ class Trainer:
         """The GPU's compute capability for the TE linears' dicts (None: no TE linears)."""
         runtime.seed_all(cfg.seed)
         dtype = torch.bfloat16 if cfg.params_dtype == "bf16" else torch.float32
-        self.modules = build_model_chunks(self.shape, backend=cfg.backend, params_dtype=dtype, mla=cfg.mla)
+        experts = cfg.moe.config_fields() if cfg.moe is not None else {}
+        self.modules = build_model_chunks(self.shape, backend=cfg.backend, params_dtype=dtype, mla=cfg.mla, **experts)
         model_config = self.modules[0].config
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=cfg.distributed_optimizer)
@@ -181,7 +183,8 @@ class Trainer:
         from snip_megatron.models.agree import agree_on_model
 
         sp = bool(getattr(self.modules[0].config, "sequence_parallel", False))
-        inventory = agree_on_model(self.modules, gpt.inventory(self.shape, sequence_parallel=sp, mla=self.config.mla))
+        inventory = agree_on_model(self.modules, gpt.inventory(self.shape, sequence_parallel=sp, mla=self.config.mla,
+                                                                moe=self.config.moe))
         for hook in self.hooks:
             planned = getattr(hook, "inventory", None)
             if planned is not None:

@@ -174,11 +174,15 @@ def test_megatron_accepts_the_generated_arguments():
     for overrides in (["model=llama_70b", "parallel=tp8_pp8_vpp2", "train=pretrain", "snip=aggressive"],
                       ["model=llama_1b", "parallel=tp1_dp8", "train=pretrain", "data=stdlib",
                        "snip=first_last_k", "train.tensorboard_dir=tb", "train.wandb_project=snip"],
-                      ["model=llama_tiny_mla", "train.entry=megatron"]):
+                      ["model=llama_tiny_mla", "train.entry=megatron"],
+                      ["model=llama_tiny_moe", "train.entry=megatron"]):
         args = parser.parse_args(megatron_args(compose_recipe(overrides)))
         assert args.num_layers in (80, 22, 6)
         # the MLA preset's attention reaches Megatron-LM (never a dense model of its shape)
-        assert args.multi_latent_attention == (args.num_layers == 6)
+        assert args.multi_latent_attention == (args.num_layers == 6 and args.num_experts is None)
+        if args.num_experts:  # the MoE preset's experts reach Megatron-LM, every other layer MoE
+            assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (4, 2, 176)
+            assert args.moe_layer_freq == 2 and not args.moe_grouped_gemm
         if args.multi_latent_attention:
             assert (args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim, args.v_head_dim) == (64, 64, 32, 32)
         from snip_megatron.megatron.args import snip_config_from_args

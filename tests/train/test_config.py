@@ -21,6 +21,7 @@ def test_sequence_longer_than_the_model_raises():
     ("warmup_steps", 500, "warmup_steps"),
     ("load_step", 3, "load_dir"),
     ("mla", {"kv_lora_rank": 64}, "TrainConfig.mla must be a models.gpt.MLADims"),
+    ("moe", {"num_experts": 4}, "TrainConfig.moe must be a models.gpt.MoEDims"),
 ])
 def test_bad_fields_raise_naming_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -34,6 +35,16 @@ def test_multi_latent_attention_needs_one_tensor_parallel_rank():
                                          r"--multi-latent-attention --sequence-parallel"):
         TrainConfig(model="llama_tiny_mla", tp=2)
     assert TrainConfig(model="llama_tiny").mla is None and TrainConfig(model="llama_tiny_mla").mla is not None
+
+
+def test_moe_runs_at_one_process_on_the_local_spec():
+    """Expert statistics are not reduced over ranks yet: MoE at tp/pp > 1 (and dp > 1, at the
+    Trainer's start-up) or on the TE backend is refused with Megatron-LM's loop's reasons."""
+    with pytest.raises(ValueError, match=r"TrainConfig.moe \(MoE\) at tp=2, .*--num-experts on 2 processes"):
+        TrainConfig(model="llama_tiny_moe", tp=2)
+    with pytest.raises(ValueError, match=r"TrainConfig.moe .*--transformer-impl transformer_engine"):
+        TrainConfig(model="llama_tiny_moe", backend="te")
+    assert TrainConfig(model="llama_tiny").moe is None and TrainConfig(model="llama_tiny_moe").moe is not None
 
 
 def test_the_schedule_fields_are_checked_by_their_owner():

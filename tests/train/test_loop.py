@@ -166,6 +166,42 @@ def test_multi_latent_attention_measures_replans_and_resumes(tiny_config, tmp_pa
     assert resumed_history[0]["loss"] == pytest.approx(history[3]["loss"], rel=1e-6)
 
 
+def test_moe_measures_replans_and_resumes(tiny_config, tmp_path):
+    """The experts of the llama_tiny_moe preset (TrainConfig.moe) on the tiny model, layer 1 MoE and
+    layer 2 dense: SNIP's controller measures the routed-expert units (routing frozen across its
+    passes), re-plans them, and the checkpoint resumes with that plan and the same next-step loss."""
+    import dataclasses
+
+    from snip_megatron.config import SnipConfig
+    from snip_megatron.controller import SnipController
+    from snip_megatron.models.gpt import PRESET_MOE
+    from tests.train.conftest import TINY
+
+    assert tiny_config(model="llama_tiny_moe").moe == PRESET_MOE["llama_tiny_moe"]  # the preset's experts
+    moe = dataclasses.replace(PRESET_MOE["llama_tiny_moe"], ffn_hidden_size=32)
+    ckpt = tmp_path / "ckpt"
+
+    def config(**kw):
+        return tiny_config(model=TINY, moe=moe, precision="fp8", **kw)
+
+    def controller(cfg):
+        return SnipController(SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5), cfg.shape,
+                              total_steps=cfg.steps, run_dir=tmp_path / "run", inventory=cfg.inventory,
+                              tokens_per_step=cfg.micro_batch_size * cfg.seq_len, log=lambda m: None)
+
+    cfg = config(steps=4, save_dir=str(ckpt), save_interval=3)
+    snip = controller(cfg)
+    trainer, history = run(cfg, [snip])
+    assert [h["event"] for h in snip.history] == ["initial", "update"]
+    assert [k.name for k in trainer.plan.keys()] == ["linear_qkv", "linear_proj", "expert_fc1", "expert_fc2",
+                                                     "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert trainer.plan.counts()["fp4"] > 0
+    resumed_cfg = config(steps=4, load_dir=str(ckpt), load_step=3)
+    resumed, resumed_history = run(resumed_cfg, [controller(resumed_cfg)])
+    assert resumed.plan == trainer.plan
+    assert resumed_history[0]["loss"] == pytest.approx(history[3]["loss"], rel=1e-6)
+
+
 def test_missing_or_truncated_checkpoint_raises_and_overwrites_nothing(tiny_config, tmp_path):
     from snip_megatron.train.checkpoint import CheckpointError
 
