@@ -180,7 +180,8 @@ class TrainConfig(TrainingSchedule):
         reasons = moe_refusals(args)
         if reasons:
             raise ValueError(f"TrainConfig.moe (MoE) at tp={self.tp}, pp={self.pp}, {world_size} processes, "
-                             f"backend={self.backend!r}: " + "; ".join(reasons))
+                             f"backend={self.backend!r} (the compact loop runs MoE at one process, with SNIP or "
+                             "without): " + "; ".join(reasons))
 
     @property
     def shape(self) -> ModelShape:
