@@ -115,6 +115,32 @@ def test_checkpoint_resume_gives_the_same_next_step_loss(tiny_config, tmp_path):
     assert resumed.plan == Plan.uniform(2, "fp8")
 
 
+def measuring_controller(cfg, run_dir):
+    """SNIP's controller on `cfg`'s model: its initial plan, then one measured re-plan at step 2."""
+    from snip_megatron.config import SnipConfig
+    from snip_megatron.controller import SnipController
+
+    return SnipController(SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5), cfg.shape,
+                          total_steps=cfg.steps, run_dir=run_dir, inventory=cfg.inventory,
+                          tokens_per_step=cfg.micro_batch_size * cfg.seq_len, log=lambda m: None)
+
+
+def replan_save_and_resume(config, tmp_path):
+    """Four steps of `config(...)` with SNIP (its initial plan, a measured re-plan), saved at step 3 and
+    resumed from there: the resumed run starts with the same plan and the same next-step loss.
+    Returns the first run's trainer."""
+    ckpt = tmp_path / "ckpt"
+    cfg = config(steps=4, save_dir=str(ckpt), save_interval=3)
+    snip = measuring_controller(cfg, tmp_path / "run")
+    trainer, history = run(cfg, [snip])
+    assert [h["event"] for h in snip.history] == ["initial", "update"]
+    resumed_cfg = config(steps=4, load_dir=str(ckpt), load_step=3)
+    resumed, resumed_history = run(resumed_cfg, [measuring_controller(resumed_cfg, tmp_path / "run")])
+    assert resumed.plan == trainer.plan
+    assert resumed_history[0]["loss"] == pytest.approx(history[3]["loss"], rel=1e-6)
+    return trainer
+
+
 def test_multi_latent_attention_measures_replans_and_resumes(tiny_config, tmp_path):
     """The attention of the llama_tiny_mla preset (TrainConfig.mla) on the tiny model: SNIP's controller
     measures every MLA linear (the down-projections duplicated over TP, as Megatron's TE spec builds
@@ -133,37 +159,22 @@ def test_multi_latent_attention_measures_replans_and_resumes(tiny_config, tmp_pa
             make_transformer_config(get_shape("llama_tiny_mla"), mla=PRESET_MLA["llama_tiny_mla"])
         return
 
-    from snip_megatron.config import SnipConfig
-    from snip_megatron.controller import SnipController
     from snip_megatron.megatron.mla import QuantDownProjection
     from tests.train.conftest import TINY
 
     assert tiny_config(model="llama_tiny_mla").mla == PRESET_MLA["llama_tiny_mla"]  # the preset's attention
     mla = dataclasses.replace(PRESET_MLA["llama_tiny_mla"], q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16,
                               v_head_dim=16)
-    ckpt = tmp_path / "ckpt"
 
     def config(**kw):
         return tiny_config(model=TINY.with_(num_query_groups=4), mla=mla, precision="fp8", **kw)
 
-    def controller(cfg):
-        return SnipController(SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5), cfg.shape,
-                              total_steps=cfg.steps, run_dir=tmp_path / "run", inventory=cfg.inventory,
-                              tokens_per_step=cfg.micro_batch_size * cfg.seq_len, log=lambda m: None)
-
-    cfg = config(steps=4, save_dir=str(ckpt), save_interval=3)
-    snip = controller(cfg)
-    trainer, history = run(cfg, [snip])
-    assert [h["event"] for h in snip.history] == ["initial", "update"]
+    trainer = replan_save_and_resume(config, tmp_path)
     names = ["linear_q_down_proj", "linear_kv_down_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj",
              "linear_fc1", "linear_fc2"]
     assert [k.name for k in trainer.plan.keys()] == names * 2 and trainer.plan.counts()["fp4"] > 0
     downs = [m for m in trainer.modules[0].modules() if isinstance(m, QuantDownProjection)]
     assert len(downs) == 4  # q and kv down-projections of both layers
-    resumed_cfg = config(steps=4, load_dir=str(ckpt), load_step=3)
-    resumed, resumed_history = run(resumed_cfg, [controller(resumed_cfg)])
-    assert resumed.plan == trainer.plan
-    assert resumed_history[0]["loss"] == pytest.approx(history[3]["loss"], rel=1e-6)
 
 
 def test_moe_measures_replans_and_resumes(tiny_config, tmp_path):
@@ -172,34 +183,19 @@ def test_moe_measures_replans_and_resumes(tiny_config, tmp_path):
     passes), re-plans them, and the checkpoint resumes with that plan and the same next-step loss."""
     import dataclasses
 
-    from snip_megatron.config import SnipConfig
-    from snip_megatron.controller import SnipController
     from snip_megatron.models.gpt import PRESET_MOE
     from tests.train.conftest import TINY
 
     assert tiny_config(model="llama_tiny_moe").moe == PRESET_MOE["llama_tiny_moe"]  # the preset's experts
     moe = dataclasses.replace(PRESET_MOE["llama_tiny_moe"], ffn_hidden_size=32)
-    ckpt = tmp_path / "ckpt"
 
     def config(**kw):
         return tiny_config(model=TINY, moe=moe, precision="fp8", **kw)
 
-    def controller(cfg):
-        return SnipController(SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5), cfg.shape,
-                              total_steps=cfg.steps, run_dir=tmp_path / "run", inventory=cfg.inventory,
-                              tokens_per_step=cfg.micro_batch_size * cfg.seq_len, log=lambda m: None)
-
-    cfg = config(steps=4, save_dir=str(ckpt), save_interval=3)
-    snip = controller(cfg)
-    trainer, history = run(cfg, [snip])
-    assert [h["event"] for h in snip.history] == ["initial", "update"]
+    trainer = replan_save_and_resume(config, tmp_path)
     assert [k.name for k in trainer.plan.keys()] == ["linear_qkv", "linear_proj", "expert_fc1", "expert_fc2",
                                                      "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     assert trainer.plan.counts()["fp4"] > 0
-    resumed_cfg = config(steps=4, load_dir=str(ckpt), load_step=3)
-    resumed, resumed_history = run(resumed_cfg, [controller(resumed_cfg)])
-    assert resumed.plan == trainer.plan
-    assert resumed_history[0]["loss"] == pytest.approx(history[3]["loss"], rel=1e-6)
 
 
 def test_missing_or_truncated_checkpoint_raises_and_overwrites_nothing(tiny_config, tmp_path):
