@@ -90,22 +90,16 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
-def _builds_mtp(model) -> bool:
-    """Whether this (wrapped) model chunk holds multi-token-prediction layers: Megatron's own
-    `mtp_process` of GPTModel and HybridModel (`mtp_on_this_rank`: the last stage, or where a
-    --pipeline-model-parallel-layout puts them)."""
-    while not hasattr(model, "mtp_process") and hasattr(model, "module"):
-        model = model.module
-    return bool(getattr(model, "mtp_process", False))
-
-
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
     """Megatron's forward_step_func (training, validation and the controller's measurement)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     if return_schedule_plan:
         raise ValueError("--overlap-moe-expert-parallel-comm needs MoE, which SNIP refuses")
-    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"), _builds_mtp(model))
+    # whether this chunk holds multi-token-prediction layers: GPTModel's and HybridModel's own
+    # `mtp_process` (`mtp_on_this_rank`: the last stage, or where --pipeline-model-parallel-layout puts them)
+    mtp_here = bool(get_attr_wrapped_model(model, "mtp_process"))
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"), mtp_here)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                    labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output, partial(loss_func, batch["loss_mask"])

@@ -120,11 +120,10 @@ def measurement_mode(model_chunks, linears, config):
             p.requires_grad_(r)
 
 
-def _wrap_forward_step(forward_step_func, losses: list, zero_loss, loss_factor: float = 1.0):
+def _wrap_forward_step(forward_step_func, losses: list, factor):
     """Record each micro-batch's loss (before the schedule scales it in place) as a device tensor;
-    zero_loss (a bool, or a predicate on the micro-batch index) makes the loss gradient zero while
-    keeping the graph; loss_factor scales the loss the schedule backpropagates (a sampled
-    micro-batch keeps the gradient scale it has in the whole step)."""
+    the loss the schedule backpropagates is multiplied by factor(micro-batch index) (0 keeps the
+    graph with a zero gradient)."""
 
     def forward_step(data_iterator, model):
         output, loss_func = forward_step_func(data_iterator, model)
@@ -137,10 +136,9 @@ def _wrap_forward_step(forward_step_func, losses: list, zero_loss, loss_factor: 
             if len(result) == 3:  # (loss sum, num tokens, logs): per-token loss mode
                 per = per / result[1].float().clamp(min=1)
             losses.append(per)
-            if zero_loss(mb) if callable(zero_loss) else zero_loss:
-                result = (loss * 0.0,) + tuple(result[1:])
-            elif loss_factor != 1.0:
-                result = (loss * loss_factor,) + tuple(result[1:])
+            f = factor(mb)
+            if f != 1.0:
+                result = (loss * f,) + tuple(result[1:])
             return result
 
         return output, wrapped_loss
@@ -151,19 +149,22 @@ def _wrap_forward_step(forward_step_func, losses: list, zero_loss, loss_factor: 
 def _run_pass(chunks, forward_step_func, batches, *, seq_length, micro_batch_size, zero_loss=False,
               loss_factor: float = 1.0):
     """Run the micro-batches through Megatron's schedule; the per-micro-batch losses (device
-    tensors, last stage only)."""
+    tensors, last stage only). zero_loss (a bool, or a predicate on the micro-batch index) makes a
+    micro-batch's loss gradient zero; loss_factor scales the others' (a sampled micro-batch keeps
+    the gradient scale it has in the whole step)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     losses: list = []
     data = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
 
-    def mtp_factor() -> float:  # the micro-batch whose forward runs: its loss is the next one taken
-        mb = len(losses)
+    def factor(mb: int) -> float:  # what micro-batch mb's losses, returned and MTP, are multiplied by
         return 0.0 if (zero_loss(mb) if callable(zero_loss) else zero_loss) else loss_factor
 
-    with scaled_mtp_loss(mtp_factor):  # Megatron's MTP loss is not the one the forward step returns
+    # Megatron's MTP loss is not the one the forward step returns; the micro-batch whose forward
+    # attaches it is the one whose loss is taken next
+    with scaled_mtp_loss(lambda: factor(len(losses))):
         get_forward_backward_func()(
-            forward_step_func=_wrap_forward_step(forward_step_func, losses, zero_loss, loss_factor),
+            forward_step_func=_wrap_forward_step(forward_step_func, losses, factor),
             data_iterator=data, model=list(chunks), num_microbatches=len(batches), seq_length=seq_length,
             micro_batch_size=micro_batch_size, forward_only=False)
     return losses
