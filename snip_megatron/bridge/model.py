@@ -78,9 +78,7 @@ class SnipHybridStackSpec:
             spec = get_default_hybrid_stack_spec(config)
         elif not isinstance(spec, ModuleSpec):
             spec = spec(config) if inspect.signature(spec).parameters else spec()
-        pp = config._pg_collection.pp
-        offset, _ = hybrid.segment(hybrid_pattern(config), pp.rank() if pp is not None else 0,
-                                   pp.size() if pp is not None else 1)
+        offset = hybrid.chunk_offset(hybrid_pattern(config), config._pg_collection.pp)
         config.quant_recipe = merged_recipe(run.controller.plan, config, None, backend=run.backend,
                                             formats=run.snip.formats, user_recipe=run.user_recipe,
                                             sm=None if run.te is None else run.te.sm,

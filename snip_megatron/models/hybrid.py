@@ -125,6 +125,13 @@ def segment(pattern: str, pp_rank: int = 0, pp: int = 1, vp_stage: "int | None" 
     return sum(len(s) for s in segments[:index]), segments[index]
 
 
+def chunk_offset(pattern: str, pp_group, vp_stage: "int | None" = None) -> int:
+    """The global layers before the chunk this pipeline rank builds: `segment` at the rank and size
+    of Megatron's pipeline group (`pg_collection.pp`; None: one stage)."""
+    rank, size = (pp_group.rank(), pp_group.size()) if pp_group is not None else (0, 1)
+    return segment(pattern, rank, size, vp_stage)[0]
+
+
 def stage_of_layers(pattern: str, pp: int, vpp: "int | None" = None) -> dict[int, int]:
     """Global layer number -> pipeline stage (the per-stage budgets), by `segment`."""
     out = {}

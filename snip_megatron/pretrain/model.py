@@ -139,9 +139,7 @@ def snip_hybrid_builder(run, pattern: str):
 
     class SnipHybridModelBuilder(HybridModelBuilder):
         def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
-            pp = pg_collection.pp
-            offset, _ = hybrid.segment(pattern, pp.rank() if pp is not None else 0,
-                                       pp.size() if pp is not None else 1, vp_stage)
+            offset = hybrid.chunk_offset(pattern, pg_collection.pp, vp_stage)
             transformer = self._model_config.transformer
             transformer.quant_recipe = merged_recipe(
                 run.controller.plan, transformer, vp_stage, backend=run.backend, formats=run.config.formats,

@@ -4,6 +4,8 @@ shapes. The 70B-class pattern's planning time is tests/bench/test_planner_scale.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from snip_megatron.models import gpt, hybrid
@@ -94,6 +96,8 @@ def test_segments_are_megatrons(monkeypatch, pattern, pp, vpp):
         for vp_stage in range(vpp) if vpp else [None]:
             symbols, offset = allocation.select_pipeline_segment(pattern, object() if pp > 1 else None, vp_stage)
             assert hybrid.segment(pattern, pp_rank, pp, vp_stage) == (offset, "".join(symbols))
+            group = SimpleNamespace(rank=lambda r=pp_rank: r, size=lambda: pp) if pp > 1 else None
+            assert hybrid.chunk_offset(pattern, group, vp_stage) == offset  # from the pipeline group
     assert hybrid.layer_symbols(pattern) == "".join(allocation.validate_segment_layers(pattern.replace("|", "")))
 
 
@@ -112,8 +116,6 @@ def test_module_names_are_those_of_megatrons_hybrid_spec():
 def _fake_hybrid_stage(pattern: str, pp_rank: int, pp: int, *, tp: int = 1):
     """A module tree with a built HybridModel chunk's names (a stand-in: Megatron's hybrid spec is
     TE-only, so the built model runs in tests/stats/test_measure_hybrid.py over the TE double)."""
-    from types import SimpleNamespace
-
     import torch
 
     config = SimpleNamespace(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
