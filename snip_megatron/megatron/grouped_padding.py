@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from snip_megatron.models import gpt
+
 
 def _recipe_alignment(recipe) -> int:
     if recipe is None:
@@ -64,7 +66,9 @@ class SplitPadding:
 
     def __init__(self, experts):
         self.experts = experts
-        self.pending: list = []  # unpadded splits of forwards whose output is not back yet
+        # unpadded splits of the forward in flight (a stack: a forward's post hook follows its own
+        # pre hook, so the top is always its own, even after a forward that raised left one behind)
+        self.pending: list = []
         self.handles = [experts.register_forward_pre_hook(self._pre),
                         experts.register_forward_hook(self._post)]
 
@@ -72,7 +76,7 @@ class SplitPadding:
         e = self.experts
         if getattr(e.config, "fp8", None) or getattr(e.config, "fp4", None):
             return 0  # Megatron pads itself
-        return max(alignment(e.linear_fc1), alignment(e.linear_fc2))
+        return max(alignment(linear) for linear in gpt.grouped_expert_linears(e))
 
     def _pre(self, module, args):
         align = self.needed()
@@ -87,7 +91,7 @@ class SplitPadding:
         return (_pad_rows(hidden, splits, padded), new_tokens, _pad_rows(probs, splits, padded)) + tuple(args[3:])
 
     def _post(self, module, args, output):
-        splits = self.pending.pop(0)
+        splits = self.pending.pop()
         if splits is None:
             return None
         out, bias = output
@@ -100,12 +104,6 @@ class SplitPadding:
             h.remove()
 
 
-def is_grouped_mlp(module) -> bool:
-    """Megatron's TEGroupedMLP (by its interface: grouped linear_fc1/fc2 and token splits)."""
-    fc1 = getattr(module, "linear_fc1", None)
-    return fc1 is not None and isinstance(getattr(fc1, "num_gemms", None), int) and hasattr(module, "num_local_experts")
-
-
 def install(model_chunks) -> list[SplitPadding]:
     """Put the padding hooks on every TEGroupedMLP of `model_chunks` (idempotent)."""
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -115,7 +113,7 @@ def install(model_chunks) -> list[SplitPadding]:
             continue
         chunk._snip_split_padding_done = True
         for module in chunk.modules():
-            if is_grouped_mlp(module) and getattr(module, "_snip_split_padding", None) is None:
+            if gpt.grouped_expert_linears(module) is not None and getattr(module, "_snip_split_padding", None) is None:
                 module._snip_split_padding = SplitPadding(module)
                 done.append(module._snip_split_padding)
     return done

@@ -418,6 +418,15 @@ def gemm_weight(module):
     return module.weight0 if weight is None and hasattr(module, "weight0") else module.weight
 
 
+def grouped_expert_linears(experts) -> "tuple | None":
+    """The two grouped linears (fc1, fc2) of Megatron's TEGroupedMLP (an MoE layer's `mlp.experts`
+    with `--moe-grouped-gemm` on the TE spec); None for any other module."""
+    fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
+    if not (isinstance(getattr(fc1, "num_gemms", None), int) and hasattr(experts, "num_local_experts")):
+        return None
+    return fc1, fc2
+
+
 def planned_modules(chunk):
     """(module path, module, entry) of every planned linear of one built chunk, in registration
     order; `entry` is the linear's inventory entry, its layer number the enclosing layer's
