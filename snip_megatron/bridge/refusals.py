@@ -203,6 +203,12 @@ def moe_refusals(model) -> list[str]:
     out = [re.sub(r"--([a-z0-9-]+)", lambda m: "model." + ("num_moe_experts" if m.group(1) == "num-experts"
                                                           else m.group(1).replace("-", "_")), line)
            for line in moe.moe_refusals(args)]
+    if getattr(model, "moe_grouped_gemm", False) and getattr(model, "transformer_impl", None) == "transformer_engine":
+        # the split padding TE's grouped FP8/FP4 GEMMs need (megatron/grouped_padding.py) is put in
+        # by snip-pretrain-gpt's step seam only
+        out.append("model.moe_grouped_gemm with model.transformer_impl='transformer_engine': SNIP pads grouped "
+                   "experts' token splits in snip-pretrain-gpt only so far; set model.moe_grouped_gemm=False "
+                   "with model.transformer_impl='local' (SequentialMLP experts)")
     if world > 1 and not any("processes" in line for line in out):
         out.append(f"model.num_moe_experts on {world} processes: SNIP runs MoE through Bridge at one process "
                    "so far (snip-pretrain-gpt runs it at more); run one process, or without SNIP")

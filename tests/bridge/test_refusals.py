@@ -130,6 +130,13 @@ def test_a_tiny_qwen3_moe_passes_with_megatron_lms_moe_limits_named_by_model_fie
     cfg.model.moe_expert_capacity_factor, cfg.model.moe_router_fusion = 1.25, True
     assert sorted(line.split(":")[0] for line in refusals(cfg, snip)) == [
         "model.moe_expert_capacity_factor", "model.moe_router_fusion"]
+    cfg = tiny.tiny_moe_config()
+    cfg.model.moe_grouped_gemm = True  # on the local spec: TE's grouped experts only
+    assert [line.split(":")[0] for line in refusals(cfg, snip)] == [
+        "model.moe_grouped_gemm with model.transformer_impl local"]
+    cfg.model.transformer_impl = "transformer_engine"  # TE's grouped experts: padded in snip-pretrain-gpt only
+    assert any(line.startswith("model.moe_grouped_gemm with model.transformer_impl='transformer_engine': SNIP pads")
+               for line in refusals(cfg, snip)), refusals(cfg, snip)
     monkeypatch.setenv("WORLD_SIZE", "2")
     (line,) = refusals(tiny.tiny_moe_config(), snip)
     assert line.startswith("model.num_moe_experts on 2 processes"), line
