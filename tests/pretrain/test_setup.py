@@ -61,7 +61,11 @@ def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
 @pytest.mark.parametrize("argv, line", [
     (["--transformer-impl", "transformer_engine"], "snip-pretrain-hybrid needs --hybrid-layer-pattern"),
     (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E"], "--hybrid-layer-pattern "
-                                                                                     "'*E*E': MoE layers (E)"),
+                                                                                     "'*E*E' has MoE (E) layers: add --num-experts"),
+    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4"],
+     "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm"),
+    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4",
+      "--moe-grouped-gemm", "--moe-layer-freq", "2"], "--moe-layer-freq has no effect on a HybridModel"),
     (["--hybrid-layer-pattern", "*-*-"], "snip-pretrain-hybrid plans Transformer Engine linears"),
     (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "M*G-"],
      "--hybrid-layer-pattern 'M*G-': Mamba (M) and gated delta net (G) layers run CUDA kernels"),
