@@ -207,6 +207,26 @@ class Harness:
         err = self.err
         return (x + err(x, p, "fprop_input")) @ (w + err(w, p, "fprop_weight")).t() - x @ w.t()
 
+    def frozen_routing_harm(self, name: str) -> list:
+        """The one-step FP4 harm of each unit alone with routing frozen: every MoE router replays the
+        top-k choices of the BF16 pass over the same batches (snip_megatron.stats.routing, as SNIP's
+        noise passes do), so the harm leaves out what quantizing a unit does through changed routing.
+        Per unit: (first half, second half) of the evaluation set."""
+        from snip_megatron.stats import routing
+
+        rows = []
+        with routing.frozen_routing(self.tr.modules) as routes:
+            self.set_only()
+            routes.record()
+            base = self.val_halves(name)
+            for k in self.keys:
+                self.set_only(k, FP4)
+                routes.replay()
+                a, b = self.val_halves(name)
+                rows.append((a - base[0], b - base[1]))
+        self.set_only()
+        return rows
+
     def first_order_terms(self, name: str) -> dict:
         """The first-order part of the one-step harm on an evaluation set: per precision and layer,
         <G_Y, dY> summed over the set's tokens with G_Y the gradient of the mean loss, for each
@@ -458,6 +478,10 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
                first_order=sets[primary]["first_order"])
     out["other_sets"] = {n: v for n, v in sets.items() if n != primary}
     log(f"  one-step harm ({', '.join(args.eval_sets)}): {time.perf_counter() - t0:.0f}s")
+    if "frozen" in args.truths:  # an MoE model: the FP4 harm without the routing changes it causes
+        t0 = time.perf_counter()
+        out["harm_frozen"] = h.frozen_routing_harm(primary)
+        log(f"  one-step FP4 harm, routing frozen ({primary}): {time.perf_counter() - t0:.0f}s")
 
     # truth 2: one-step update deviation, only that layer's backward quantized
     t0 = time.perf_counter()
@@ -575,7 +599,8 @@ def group_scores(keys, r: dict, groups: dict) -> dict:
     and the same against the harm's second-order part (when the first-order terms were measured)."""
     out = {}
     harm = np.array(r["harm"]["fp4"]) if r.get("harm") else None
-    if harm is None or not groups:
+    frozen = np.array(r["harm_frozen"]) if r.get("harm_frozen") else None
+    if (harm is None and frozen is None) or not groups:
         return out
     dl = np.array(r["pred"]["fp4"]["dL"])
     fo = (r.get("first_order") or {}).get("fp4")
@@ -583,11 +608,17 @@ def group_scores(keys, r: dict, groups: dict) -> dict:
         idx = [i for i, k in enumerate(keys) if groups[k] == g]
         if len(idx) < 3:
             continue
-        h = harm[idx]
-        out[f"fp4_{g}"] = spearman(dl[idx], h.mean(1))
-        out[f"ceiling_split_{g}"] = spearman(h[:, 0], h[:, 1])
-        if fo is not None:
-            out[f"fp4_second_order_{g}"] = spearman(dl[idx], (h - np.array(fo)[idx]).mean(1))
+        if harm is not None:
+            h = harm[idx]
+            out[f"fp4_{g}"] = spearman(dl[idx], h.mean(1))
+            out[f"ceiling_split_{g}"] = spearman(h[:, 0], h[:, 1])
+            if fo is not None:
+                out[f"fp4_second_order_{g}"] = spearman(dl[idx], (h - np.array(fo)[idx]).mean(1))
+        if frozen is not None:  # the truth with routing frozen (Harness.frozen_routing_harm)
+            out[f"fp4_frozen_routing_{g}"] = spearman(dl[idx], frozen[idx].mean(1))
+            out[f"ceiling_split_frozen_routing_{g}"] = spearman(frozen[idx][:, 0], frozen[idx][:, 1])
+            if harm is not None:
+                out[f"frozen_vs_free_{g}"] = spearman(frozen[idx].mean(1), harm[idx].mean(1))
         out[f"units_{g}"] = len(idx)
     return out
 
@@ -739,7 +770,8 @@ def main(argv=None) -> None:
     ap.add_argument("--long-precisions", default="fp4,fp8")
     ap.add_argument("--lambdas", default="0,0.3,1,3")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--truths", default="harm,dev,long", help="which truths to measure")
+    ap.add_argument("--truths", default="harm,dev,long", help="which truths to measure (and \"frozen\": "
+                    "the one-step FP4 harm with MoE routing frozen at the BF16 pass's choices)")
     ap.add_argument("--points", default="early,later", help="which points to measure")
     ap.add_argument("--rescore", default=None, help="recompute predictions and scores from a saved "
                     "--out JSON with the current estimator (the measurement and truths are reused)")
@@ -920,7 +952,7 @@ def report(keys, results: dict, args, groups: "dict | None" = None) -> None:
                                                      for k, v in gs.items()))
         if n == "later" or not by_kind:
             by_kind = gs
-    kinds = "".join(f" spearman_fp4_{g[4:]}={v:.3f} ceiling_split_{g[4:]}={by_kind[f'ceiling_split_{g[4:]}']:.3f}"
+    kinds = "".join(f" spearman_{g}={v:.3f} ceiling_split_{g[4:]}={by_kind[f'ceiling_split_{g[4:]}']:.3f}"
                     for g, v in by_kind.items() if g.startswith("fp4_") and not g.startswith("fp4_second_order_"))
     print(f"RESULT spearman_fp4={later['fp4']:.3f} spearman_marginal={later['marginal']:.3f} "
           f"spearman_long={later.get('long', math.nan):.3f} spearman_wd={later['wd']:.3f} "

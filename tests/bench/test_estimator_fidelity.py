@@ -179,8 +179,11 @@ def test_moe_units_are_scored_by_kind(fidelity, capsys):
     experts = [i for i, k in enumerate(keys) if groups[k] == "experts"]
     for i in experts:  # the predictions rank the experts backwards, the attention linears right
         r["pred"]["fp4"]["dL"][i] = -r["pred"]["fp4"]["dL"][i]
+    r["harm_frozen"] = [[-h, -h] if i in experts else [h, h] for i, (h, _) in enumerate(r["harm"]["fp4"])]
     gs = fidelity.group_scores(keys, r, groups)
     assert gs["fp4_experts"] == pytest.approx(-1.0) and gs["fp4_attention"] == pytest.approx(1.0)
+    # against the harm with routing frozen (here: the experts' reversed) and how it ranks against the free one
+    assert gs["fp4_frozen_routing_experts"] == pytest.approx(1.0) and gs["frozen_vs_free_experts"] == pytest.approx(-1.0)
     assert gs["units_experts"] == gs["units_attention"] == 12 and gs["ceiling_split_experts"] == pytest.approx(1.0)
     fidelity.report(keys, {"later": r}, SimpleNamespace(lambdas=[0.0], fp4_recipe="nvfp4"), groups)
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -188,6 +191,7 @@ def test_moe_units_are_scored_by_kind(fidelity, capsys):
     assert float(values["spearman_fp4_experts"]) == pytest.approx(-1.0)
     assert float(values["spearman_fp4_attention"]) == pytest.approx(1.0)
     assert {"ceiling_split_experts", "ceiling_split_attention"} <= set(values)
+    assert float(values["spearman_fp4_frozen_routing_experts"]) == pytest.approx(1.0)
     # a dense model's RESULT keeps its fields
     dense = {k: ("attention" if g == "experts" else g) for k, g in groups.items()}
     fidelity.report(keys, {"later": r}, SimpleNamespace(lambdas=[0.0], fp4_recipe="nvfp4"), dense)
