@@ -198,3 +198,14 @@ def test_moe_units_are_scored_by_kind(fidelity, capsys):
     assert "spearman_fp4_attention" not in capsys.readouterr().out.strip().splitlines()[-1]
     with pytest.raises(SystemExit):  # the probe injects one tensor per module: refused for experts
         fidelity.main(["--model", "llama_tiny_moe8", "--probe"])
+
+
+def test_rescore_the_moe_run_keeps_its_kinds_of_unit(fidelity, capsys):
+    """docs/fidelity/moe8.json (llama_tiny_moe8, docs/results.md): rescored, its RESULT scores the
+    routed experts and the attention linears apart, with the recorded truths' ceilings."""
+    fidelity.main(["--rescore", str(ROOT / "docs" / "fidelity" / "moe8.json")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    values = {k: float(v) for k, v in (kv.split("=") for kv in last.split()[1:])}
+    assert {"spearman_fp4_experts", "spearman_fp4_attention"} <= set(values)
+    assert values["ceiling_split_experts"] == pytest.approx(0.818, abs=1e-3)
+    assert values["ceiling_split_attention"] == pytest.approx(0.406, abs=1e-3)
