@@ -30,6 +30,7 @@ import torch
 
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
 from snip_megatron.formats import FormatSpec, Role, Rounding, quantize_for_role
+from snip_megatron.formats.sr_noise import CounterNoise
 from snip_megatron.plan import Plan
 from snip_megatron.shapes import get_shape
 from snip_megatron.train.config import TrainConfig
@@ -89,7 +90,7 @@ def cast_ops(spec: FormatSpec, shape: tuple[int, int], repeats: int = 20) -> lis
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.randn(shape).bfloat16()
-    noise = torch.rand(shape)
+    noise = CounterNoise(1)  # as the emulated linear's: drawn by the kernel
     rows = []
     for role in Role:
         cast = spec.cast(role)

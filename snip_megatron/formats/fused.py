@@ -41,7 +41,7 @@ from snip_megatron.formats.constants import (
     F32_MIN_NORMAL, NVFP4_GLOBAL_DIVISOR,
 )
 from snip_megatron.formats.elements import e2m1_codes, e8m0_round_up, fp8_dtype
-from snip_megatron.formats.hadamard import hadamard_last_dim
+from snip_megatron.formats.hadamard import hadamard_factor, hadamard_last_dim, hadamard_signs
 from snip_megatron.formats.spec import CastConfig, ElementFormat, Rounding, ScaleFormat
 from snip_megatron.formats.sr_noise import CounterNoise
 
@@ -90,6 +90,8 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
                 u = u.uniform(tensor.shape, tensor.device)
             u = u.float().reshape(x2.shape)
 
+    if cast.hadamard and _hadamard_kernel_serves(tensor, cast, u, amax_group):
+        return _quantize_hadamard_kernel(x2, tensor, cast, transposed, u, out_dtype, return_codes)
     if cast.hadamard:
         # The reference's layout and transform; the quantization in between is this module's.
         xg = _float_copy(x2.t() if transposed else x2)
@@ -305,6 +307,58 @@ def _quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, wa
     else:
         codes = q.to(fp8_dtype(cast.element))  # exact: q is on the grid
     return out, codes, scales, tensor_scale
+
+
+def _hadamard_kernel_serves(tensor, cast: CastConfig, u, amax_group) -> bool:
+    """Whether the kernel's one-call Hadamard path (`quantize_hadamard`) takes this cast: CPU,
+    NVFP4's shape of it (16-point transform, 1 x 16 blocks), no noise or counter-based noise,
+    and no amax group to all-reduce the per-tensor amax over."""
+    return (tensor.device.type == "cpu" and cast.hadamard == 16 and cast.block == (1, 16)
+            and (u is None or isinstance(u, CounterNoise))
+            and (amax_group is None or _group_size(amax_group) == 1) and use_cpu_kernel())
+
+
+_HADAMARD_SIGNS: dict = {}
+
+
+def _quantize_hadamard_kernel(x2, tensor, cast: CastConfig, transposed: bool, noise, out_dtype,
+                              want_codes):
+    """M^T Q(M x) by the kernel in one call: it reads the operand in its own layout, transforms
+    16-element chunks of the GEMM layout (hadamard.py's order), takes the per-tensor amax of the
+    transformed tensor (a first pass, transforming again), quantizes, transforms back and writes
+    the result in the GEMM layout; returned as its transposed view where the blocks run along
+    dim 0, as the other path."""
+    from snip_megatron.formats.cpu_kernel import kernel
+    from snip_megatron.formats.quantize import QuantizedTensor
+
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()  # float64 rounded to float32 first, as the reference
+    x2 = x2.contiguous()
+    g_rows, g_cols = (x2.shape[1], x2.shape[0]) if transposed else x2.shape
+    g_pad = g_cols + (-g_cols % 16)
+    out = torch.empty((g_rows, g_cols), dtype=torch.float32)
+    q = torch.empty((g_rows, g_pad), dtype=torch.float32) if want_codes else None
+    scale_code = _SCALE_CODES.get(cast.scale, 4)
+    scales = torch.empty((g_rows, g_pad // 16),
+                         dtype=torch.float32 if scale_code in (1, 2) else torch.uint8)
+    if cast.hadamard not in _HADAMARD_SIGNS:
+        _HADAMARD_SIGNS[cast.hadamard] = hadamard_signs(cast.hadamard).float()
+    seed, col_offset = noise if noise is not None else (0, 0)
+    global_scale = kernel().quantize_hadamard(
+        x2, out, q, scales, _HADAMARD_SIGNS[cast.hadamard], hadamard_factor(cast.hadamard),
+        transposed, _ELEMENT_CODES[cast.element], scale_code, cast.element.max,
+        noise is not None, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, col_offset)
+    deq = (out.t() if transposed else out).reshape(tensor.shape).to(out_dtype)
+    if not want_codes:
+        return deq
+    tensor_scale = None
+    if scale_code == 4:
+        scales, tensor_scale = scales.view(torch.float8_e4m3fn), torch.tensor(global_scale)
+    if cast.element is ElementFormat.E2M1:
+        codes = e2m1_codes(q)
+    else:
+        codes = q.to(fp8_dtype(cast.element))  # exact: q is on the grid
+    return QuantizedTensor(deq, codes, scales, tensor_scale)
 
 
 def _chunk_rows(x, br: int) -> int:

@@ -359,6 +359,178 @@ float per_tensor_scales(Params& p, float amax) {
   return g;
 }
 
+
+// ---- The Hadamard roles: transform, quantize and transform back in one call. ----
+
+// Block scales of n blocks by the scale family of p into enc, dec and stored (float32 or uint8).
+void block_scales(const Params& p, const float* amax, int64_t n, float* enc, float* dec,
+                  void* stored) {
+  switch (p.scale) {
+    case FP32:
+    case POW2:
+      fp32_scales(amax, n, p.elem_max, p.scale == POW2, enc, dec, static_cast<float*>(stored));
+      break;
+    case E8M0:
+      e8m0_scales(amax, n, p.elem_max, enc, dec, static_cast<uint8_t*>(stored));
+      break;
+    default:
+      nvfp4_scales(amax, n, p.elem_max, p.global, p.inv_global, p.tensor_finite, enc, dec,
+                   static_cast<uint8_t*>(stored));
+  }
+}
+
+constexpr int64_t HT = 16;  // the transform's size, the block length and the tile width
+
+// The operand in the GEMM layout G (rows: the kernel's rows; the blocked, transformed dim last),
+// padded with zeros to whole chunks, read as tiles t[l][k] = G[i0 + k][j0 + l]: k across 16
+// G rows, l along one chunk, so that the butterflies over l and every per-block step (one block
+// per k) run across k, 16 lanes wide. transposed: G = x^T (x natural (rows, cols)).
+struct HadamardJob {
+  int64_t nat_rows, nat_cols, g_rows, g_cols, g_cols_pad;
+  bool transposed;
+  float signs[HT], factor, signed_factor[HT];
+};
+
+template <typename In>
+void load_tile(const HadamardJob& h, const In* x, int64_t i0, int64_t j0, float t[HT][HT]) {
+  if (h.transposed && i0 + HT <= h.nat_cols && j0 + HT <= h.nat_rows) {  // whole tile: vectorized
+    for (int64_t l = 0; l < HT; ++l) {
+      const In* row = x + (j0 + l) * h.nat_cols + i0;
+      for (int64_t k = 0; k < HT; ++k) t[l][k] = load(row[k]);
+    }
+    return;
+  }
+  for (int64_t l = 0; l < HT; ++l) {
+    const int64_t j = j0 + l;  // G column
+    if (h.transposed) {
+      const bool in = j < h.nat_rows;
+      const In* row = x + j * h.nat_cols;
+      for (int64_t k = 0; k < HT; ++k) t[l][k] = (in && i0 + k < h.nat_cols) ? load(row[i0 + k]) : 0.0f;
+    } else {
+      for (int64_t k = 0; k < HT; ++k)
+        t[l][k] = (j < h.nat_cols && i0 + k < h.nat_rows) ? load(x[(i0 + k) * h.nat_cols + j]) : 0.0f;
+    }
+  }
+}
+
+// Butterflies over l, distances 1, 2, 4, 8 (hadamard.py's order), each across the 16 k lanes.
+inline void butterflies(float t[HT][HT]) {
+  for (int64_t d = 1; d < HT; d *= 2)
+    for (int64_t g = 0; g < HT; g += 2 * d)
+      for (int64_t l = g; l < g + d; ++l)
+        for (int64_t k = 0; k < HT; ++k) {
+          const float a = t[l][k], b = t[l + d][k];
+          t[l][k] = a + b;
+          t[l + d][k] = a - b;
+        }
+}
+
+inline void forward_transform(const HadamardJob& h, float t[HT][HT]) {
+  for (int64_t l = 0; l < HT; ++l)
+    for (int64_t k = 0; k < HT; ++k) t[l][k] = t[l][k] * h.signs[l];
+  butterflies(t);
+  for (int64_t l = 0; l < HT; ++l)
+    for (int64_t k = 0; k < HT; ++k) t[l][k] = t[l][k] * h.factor;
+}
+
+// The tile's noise: natural (row, col) of G[i0 + k][j0 + l]; 0 in the padding.
+void noise_tile(const HadamardJob& h, const Noise& n, int64_t i0, int64_t j0, float u[HT][HT]) {
+  if (h.transposed && i0 + HT <= h.nat_cols && j0 + HT <= h.nat_rows) {  // whole tile: vectorized
+    const uint32_t c0 = static_cast<uint32_t>(i0) + n.col_offset;
+    for (int64_t l = 0; l < HT; ++l) {
+      const uint32_t k0 = n.k0[j0 + l], k1 = n.k1[j0 + l];
+      for (int64_t k = 0; k < HT; ++k)
+        u[l][k] = unit_of(mix32(mix32((c0 + static_cast<uint32_t>(k)) ^ k0) ^ k1));
+    }
+    return;
+  }
+  for (int64_t l = 0; l < HT; ++l)
+    for (int64_t k = 0; k < HT; ++k) {
+      const int64_t r = h.transposed ? j0 + l : i0 + k, c = h.transposed ? i0 + k : j0 + l;
+      u[l][k] = (r < h.nat_rows && c < h.nat_cols)
+          ? unit_of(mix32(mix32((static_cast<uint32_t>(c) + n.col_offset) ^ n.k0[r]) ^ n.k1[r]))
+          : 0.0f;
+    }
+}
+
+template <typename In>
+float hadamard_amax(const HadamardJob& h, const In* x) {
+  uint32_t best = 0;
+  const int64_t ntile = (h.g_rows + HT - 1) / HT;
+#pragma omp parallel for reduction(max : best) schedule(static)
+  for (int64_t it = 0; it < ntile; ++it) {
+    float t[HT][HT];
+    uint32_t m[HT] = {};
+    for (int64_t j0 = 0; j0 < h.g_cols_pad; j0 += HT) {
+      load_tile(h, x, it * HT, j0, t);
+      forward_transform(h, t);
+      for (int64_t l = 0; l < HT; ++l)
+        for (int64_t k = 0; k < HT; ++k) {
+          const uint32_t a = bits_of(t[l][k]) & 0x7FFFFFFFu;
+          m[k] = a > m[k] ? a : m[k];
+        }
+    }
+    for (int64_t k = 0; k < HT; ++k) best = m[k] > best ? m[k] : best;
+  }
+  return float_of(best);
+}
+
+template <typename In, bool Stochastic>
+void hadamard_cast(const Params& p, const HadamardJob& h, const Noise& noise, const In* x,
+                   float* out, float* q, void* scales) {
+  const int64_t ntile = (h.g_rows + HT - 1) / HT, nblk = h.g_cols_pad / HT;
+  const bool u8 = p.scale == E8M0 || p.scale == NVFP4;
+  const Grid g = grid_of(p.element);
+#pragma omp parallel for schedule(static)
+  for (int64_t it = 0; it < ntile; ++it) {
+    float t[HT][HT], u[HT][HT], amax[HT], enc[HT], dec[HT], stored_f[HT];
+    uint8_t stored_b[HT];
+    const int64_t i0 = it * HT, kn = h.g_rows - i0 < HT ? h.g_rows - i0 : HT;
+    for (int64_t j0 = 0, jb = 0; j0 < h.g_cols_pad; j0 += HT, ++jb) {
+      load_tile(h, x, i0, j0, t);
+      forward_transform(h, t);
+      uint32_t m[HT] = {};
+      for (int64_t l = 0; l < HT; ++l)
+        for (int64_t k = 0; k < HT; ++k) {
+          const uint32_t a = bits_of(t[l][k]) & 0x7FFFFFFFu;
+          m[k] = a > m[k] ? a : m[k];
+        }
+      for (int64_t k = 0; k < HT; ++k) amax[k] = float_of(m[k]);
+      block_scales(p, amax, HT, enc, dec, u8 ? static_cast<void*>(stored_b) : stored_f);
+      for (int64_t k = 0; k < kn; ++k) {
+        const int64_t at = (i0 + k) * nblk + jb;
+        if (u8) static_cast<uint8_t*>(scales)[at] = stored_b[k];
+        else static_cast<float*>(scales)[at] = stored_f[k];
+      }
+      if (Stochastic) noise_tile(h, noise, i0, j0, u);
+      if (q) {
+        for (int64_t l = 0; l < HT; ++l)
+          for (int64_t k = 0; k < HT; ++k) {
+            const float y = t[l][k] * enc[k];
+            t[l][k] = Stochastic ? round_stochastic(y, u[l][k], g) : round_nearest(y, g);
+          }
+        for (int64_t k = 0; k < kn; ++k)
+          for (int64_t l = 0; l < HT; ++l) q[(i0 + k) * h.g_cols_pad + j0 + l] = t[l][k];
+        for (int64_t l = 0; l < HT; ++l)
+          for (int64_t k = 0; k < HT; ++k) t[l][k] = t[l][k] * dec[k];
+      } else {  // one pass: scale, round, decode
+        for (int64_t l = 0; l < HT; ++l)
+          for (int64_t k = 0; k < HT; ++k) {
+            const float y = t[l][k] * enc[k];
+            const float v = Stochastic ? round_stochastic(y, u[l][k], g) : round_nearest(y, g);
+            t[l][k] = v * dec[k];
+          }
+      }
+      butterflies(t);
+      const int64_t ln = h.g_cols - j0 < HT ? h.g_cols - j0 : HT;  // crop the padding
+      for (int64_t l = 0; l < HT; ++l)
+        for (int64_t k = 0; k < HT; ++k) t[l][k] = t[l][k] * h.signed_factor[l];
+      for (int64_t k = 0; k < kn; ++k)  // each G row's 16 values: one cache line
+        for (int64_t l = 0; l < ln; ++l) out[(i0 + k) * h.g_cols + j0 + l] = t[l][k];
+    }
+  }
+}
+
 }  // namespace
 
 // x: (rows, cols) float32 or bfloat16, contiguous, whole blocks of (br, bc) (tensorwise: br = 1,
@@ -428,6 +600,77 @@ double quantize_blocks(torch::Tensor x, torch::Tensor out, c10::optional<torch::
   return tensor_scale;
 }
 
+// The Hadamard roles in one call: x natural (rows, cols), float32 or bfloat16; G its GEMM layout
+// (x^T when transposed), (g_rows, g_cols) padded with zero columns to g_cols_pad (whole 16-chunks).
+// out: float32 (g_rows, g_cols), the dequantized values transformed back (M^T Q(M g)) and cropped.
+// q (optional): float32 (g_rows, g_cols_pad) grid values in the transformed domain. scales:
+// (g_rows, g_cols_pad / 16). Blocks (1, 16), transform size 16, per-tensor scales (NVFP4) from
+// the transformed tensor's amax (two passes: the transform is recomputed, not stored). Noise:
+// none, or the counter-based generator. Returns NVFP4's global scale (else 0).
+double quantize_hadamard(torch::Tensor x, torch::Tensor out, c10::optional<torch::Tensor> q,
+                         torch::Tensor scales, torch::Tensor signs, double factor,
+                         bool transposed, int64_t element, int64_t scale, double elem_max,
+                         bool noise_counter, int64_t seed_lo, int64_t seed_hi,
+                         int64_t col_offset) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && out.is_contiguous() &&
+              out.scalar_type() == at::kFloat, "quantize_hadamard: layout");
+  TORCH_CHECK(signs.scalar_type() == at::kFloat && signs.numel() == HT && signs.is_contiguous(),
+              "quantize_hadamard: 16 float32 signs");
+  HadamardJob h;
+  h.nat_rows = x.size(0);
+  h.nat_cols = x.size(1);
+  h.transposed = transposed;
+  h.g_rows = transposed ? h.nat_cols : h.nat_rows;
+  h.g_cols = transposed ? h.nat_rows : h.nat_cols;
+  h.g_cols_pad = (h.g_cols + HT - 1) / HT * HT;
+  TORCH_CHECK(out.size(0) == h.g_rows && out.size(1) == h.g_cols, "quantize_hadamard: out shape");
+  h.factor = static_cast<float>(factor);
+  const float* sp = signs.data_ptr<float>();
+  for (int64_t l = 0; l < HT; ++l) {
+    h.signs[l] = sp[l];
+    h.signed_factor[l] = sp[l] * h.factor;
+  }
+  float* qp = nullptr;
+  if (q.has_value()) {
+    TORCH_CHECK(q->is_contiguous() && q->scalar_type() == at::kFloat &&
+                q->size(0) == h.g_rows && q->size(1) == h.g_cols_pad, "quantize_hadamard: q");
+    qp = q->data_ptr<float>();
+  }
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == h.g_rows * (h.g_cols_pad / HT),
+              "quantize_hadamard: scales");
+  Params p{h.g_rows, h.g_cols_pad, 1, HT, element, scale, static_cast<float>(elem_max),
+           1.0f, 1.0f, 1.0f, 1.0f, true};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "quantize_hadamard: x float32 or bfloat16");
+  float tensor_scale = 0.0f;
+  if (scale == NVFP4) {
+    const float amax = bf16 ? hadamard_amax(h, x.data_ptr<c10::BFloat16>())
+                            : hadamard_amax(h, x.data_ptr<float>());
+    tensor_scale = per_tensor_scales(p, amax);
+  }
+  Noise noise;
+  if (noise_counter) {
+    TORCH_CHECK(element == E2M1, "stochastic rounding is E2M1 only");
+    noise.counter = true;
+    noise.col_offset = static_cast<uint32_t>(col_offset);
+    noise.nat_rows = h.nat_rows;
+    noise.nat_cols = h.nat_cols;
+    row_keys(noise, static_cast<uint32_t>(seed_lo), static_cast<uint32_t>(seed_hi));
+  }
+  void* scp = scales.data_ptr();
+  float* op = out.data_ptr<float>();
+  if (bf16) {
+    const auto* xp = x.data_ptr<c10::BFloat16>();
+    if (noise_counter) hadamard_cast<c10::BFloat16, true>(p, h, noise, xp, op, qp, scp);
+    else hadamard_cast<c10::BFloat16, false>(p, h, noise, xp, op, qp, scp);
+  } else {
+    const float* xp = x.data_ptr<float>();
+    if (noise_counter) hadamard_cast<float, true>(p, h, noise, xp, op, qp, scp);
+    else hadamard_cast<float, false>(p, h, noise, xp, op, qp, scp);
+  }
+  return tensor_scale;
+}
+
 torch::Tensor abs_max(torch::Tensor x) {
   TORCH_CHECK(x.is_contiguous(), "abs_max: contiguous x");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -446,5 +689,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tensor_amax") = false, py::arg("noise_counter") = false, py::arg("seed_lo") = 0,
         py::arg("seed_hi") = 0, py::arg("col_offset") = 0, py::arg("noise_transposed") = false,
         py::arg("nat_rows") = 0, py::arg("nat_cols") = 0);
+  m.def("quantize_hadamard", &quantize_hadamard, "the Hadamard roles: M^T Q(M x) in one call");
   m.def("abs_max", &abs_max, "max |x| from the bits (NaN if any)");
 }
