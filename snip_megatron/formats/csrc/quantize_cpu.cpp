@@ -1,13 +1,16 @@
 // The CPU fake quantizer: `quantize_reference`'s casts, bit for bit, in one pass per block row.
 //
 // Called from snip_megatron/formats/fused.py (`_quantize_2d`), which has already put the operand
-// in the layout the blocks run in (2D, whole blocks, Hadamard applied) and computed the
-// per-tensor scales (tiny 0-dim torch ops, the reference's own). Per block row (br rows) this
-// reads the input, takes the block amaxes from the integer bits, computes each block's scale
-// with the reference's formulas operation for operation, rounds every element to the grid
-// (nearest-even, or stochastic with the caller's noise) and writes the dequantized values, and
-// optionally the grid values (for codes) and the scales. The block row stays in cache between
-// the amax read and the cast, so memory sees one read and one write.
+// in the layout the blocks run in (2D, whole blocks). One call per cast: the per-tensor scales
+// from the kernel's own amax pass (unless the amax is all-reduced over a group: then fused.py
+// passes them in), then per block row (br rows) it reads the input, takes the block amaxes from
+// the integer bits, computes each block's scale with the reference's formulas operation for
+// operation, rounds every element to the grid (nearest-even, or stochastic with noise from the
+// counter-based generator of formats/sr_noise.py, computed here in registers, or the caller's
+// noise tensor) and writes the dequantized values, and optionally the grid values (for codes)
+// and the scales. The block row stays in cache between the amax read and the cast, so memory
+// sees one read and one write. `quantize_hadamard` does the Hadamard roles (transform, cast,
+// inverse transform) in one call on 16 x 16 tiles.
 //
 // Exactness rests on float32 arithmetic in the reference's order: no -ffast-math and
 // -ffp-contract=off (an FMA would skip a rounding the reference performs). The loops are plain
