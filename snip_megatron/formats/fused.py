@@ -9,7 +9,7 @@ nothing to compile), and:
 
 - works in the operand's own layout: a block along dim 0 is a (b x 1) tile there, so no
   transposing copy is made; only the roles with a Hadamard transform go through the GEMM layout,
-  where the transform is the reference's own matmul (so its rounding is the reference's);
+  where the transform is the reference's own (hadamard.py, so its rounding is the reference's);
 - reads block amaxes from the integer bits: |x| is x's bits with the sign cleared, and their
   integer order is the float order (NaN above Inf above every finite value);
 - rounds to the element grid with float adds of a magic power of two and integer masks, in
@@ -20,6 +20,11 @@ nothing to compile), and:
   decode per chunk), so intermediates stay in cache and three scratch buffers serve every chunk.
   Only the result (and, with return_codes, the codes) is allocated at full size. A per-tensor
   scale (NVFP4's, tensorwise FP8's) costs one read pass before.
+
+On CPU with the compiled kernel (formats/cpu_kernel.py) each cast is one kernel call instead
+(`_quantize_2d_kernel`, `_quantize_hadamard_kernel`): per-tensor amax, block scales, rounding with
+counter-based stochastic-rounding noise drawn in registers (formats/sr_noise.py) and, for the
+Hadamard roles, the transform and its inverse.
 
 Contract (tests/formats/test_fused.py): the dequantized values equal the reference's bit for bit
 (NaN where the reference has NaN); codes and scales too, except inside a scaling group that holds

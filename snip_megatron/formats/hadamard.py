@@ -5,10 +5,11 @@ vector, is orthogonal (M^T M = I), so transforming both operands of G_W = G_Y^T 
 h-token chunks leaves the product unchanged while spreading outliers across each chunk.
 
 `hadamard_last_dim` computes M v in a fixed order, so that its float32 result does not depend on
-a BLAS's summation order and the CPU kernel (csrc/quantize_cpu.cpp, `fwht`) computes the same
-bits: the signs (exact), the fast Walsh-Hadamard butterflies (a, b) -> (a + b, a - b) over
-element distances 1, 2, 4, ..., h/2 in that order, then the factor 1/sqrt(h) (exact for h = 16:
-0.25). The inverse M^T w is the butterflies first, then signs times the factor.
+a BLAS's summation order and the CPU kernel (csrc/quantize_cpu.cpp, `quantize_hadamard`)
+computes the same bits: the signs (exact), the fast Walsh-Hadamard butterflies
+(a, b) -> (a + b, a - b) over element distances 1, 2, 4, ..., h/2 in that order, then the factor
+1/sqrt(h) (exact for h = 16: 0.25). The inverse M^T w is the butterflies first, then signs times
+the factor.
 """
 
 from __future__ import annotations

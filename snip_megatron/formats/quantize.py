@@ -24,6 +24,11 @@ Rules (documented behaviour, tested):
   force_pow_2_scales), so the decode scale 1 / scale is exact.
 - Per-tensor amaxes (NVFP4 global scale, tensorwise FP8) are all-reduced (MAX) over `amax_group`,
   so a sharded tensor gets the scale of the whole tensor, as Transformer Engine does.
+- Stochastic rounding (E2M1) is floor(|y| / step + u) * step with u in [0, 1) on torch.rand's
+  24-bit grid; u comes from the counter-based generator of formats/sr_noise.py (seeded by one
+  draw from `generator`), or from an explicit `noise` tensor.
+- The Hadamard transform (formats/hadamard.py) runs in a fixed float32 operation order, the same
+  in the reference, the eager path and the CPU kernel.
 """
 
 from __future__ import annotations
