@@ -11,6 +11,12 @@ tensor-parallel mappings around it (sequence-parallel gather or copy for a colum
 reduce or reduce-scatter for a row-parallel one; none for a duplicated one, whose whole weight
 works on this rank's tokens). The module's parameters are used as they are
 (nothing is copied) and its own forward comes back when the context ends.
+
+A grouped expert linear (Megatron's TEGroupedLinear over TE's GroupedLinear, `--moe-grouped-gemm`)
+becomes one GemmView per expert GEMM (`weight<i>`): the rows of its input are split by the
+forward's `m_splits`, as TE splits them, so each expert's GEMM gets hooks of its own, exactly as a
+SequentialMLP's local experts do. No TP mapping: TE's grouped GEMM communicates nothing (Megatron's
+token dispatcher does).
 """
 
 from __future__ import annotations
@@ -47,15 +53,16 @@ class GemmView(torch.nn.Module):
     """Y = X W^T of a TE linear with Megatron's TP mappings, unquantized; the measurement's hooks
     attach here. `weight` is the TE module's own Parameter (not registered a second time)."""
 
-    def __init__(self, module, column: bool, duplicated: bool = False):
+    def __init__(self, module, column: bool, duplicated: bool = False, weight_name: str = "weight"):
         super().__init__()
         self._module = [module]  # a list: not a submodule, so its parameters are not listed twice
         self.column, self.duplicated = column, duplicated
         self.sequence_parallel = bool(getattr(module, "sequence_parallel", False))
+        self.weight_name = weight_name  # a grouped linear's expert: "weight<i>"
 
     @property
     def weight(self) -> torch.nn.Parameter:
-        return self._module[0].weight
+        return getattr(self._module[0], self.weight_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
@@ -94,3 +101,33 @@ def unfused(module, column: bool, duplicated: bool = False):
         yield view
     finally:
         del module.forward  # the class's forward (Megatron's wrapper) again
+
+
+def is_grouped_linear(module) -> bool:
+    """TE's GroupedLinear (Megatron's TEGroupedLinear on it): one GEMM per expert, `weight<i>`."""
+    return isinstance(getattr(module, "num_gemms", None), int) and hasattr(module, "weight0")
+
+
+@contextlib.contextmanager
+def unfused_grouped(module):
+    """Run a grouped expert linear as one plain GEMM per expert while the context lasts; yields the
+    experts' views in expert order. Output convention as Megatron's TEGroupedLinear: (output, None),
+    or (output, [bias<i>]) when it returns its biases."""
+    views = [GemmView(module, column=False, duplicated=True, weight_name=f"weight{i}")
+             for i in range(module.num_gemms)]
+    biases = [getattr(module, f"bias{i}") for i in range(module.num_gemms)] if module.use_bias else None
+    returns_bias = bool(getattr(module, "te_return_bias", False))
+
+    def forward(x, m_splits, *args, **kwargs):
+        parts = x.reshape(-1, x.shape[-1]).split([int(m) for m in m_splits])
+        outs = [view(part) for view, part in zip(views, parts)]
+        if biases is not None and not returns_bias:
+            outs = [out + b for out, b in zip(outs, biases)]
+        out = torch.cat(outs)
+        return out, (biases if returns_bias else None)
+
+    module.forward = forward
+    try:
+        yield views
+    finally:
+        del module.forward

@@ -8,7 +8,8 @@ from __future__ import annotations
 def moe_refusals(args) -> list[str]:
     """What an MoE run (--num-experts) cannot do with SNIP yet, one line each naming the flag. SNIP
     plans, measures and re-plans MoE GPTs on Megatron's local spec (SequentialMLP experts with SNIP's
-    emulated linears) at one process (docs/moe.md)."""
+    emulated linears) and on the TE spec with grouped experts (TEGroupedMLP, --moe-grouped-gemm) at one
+    process (docs/moe.md)."""
     out = []
 
     def refuse(when, text):
@@ -21,12 +22,14 @@ def moe_refusals(args) -> list[str]:
            "parallelism; run MoE at --expert-model-parallel-size 1")
     refuse(world > 1, f"--num-experts on {world} processes: SNIP measures MoE models at one process so far "
            "(expert statistics over TP/EP/DP/PP are not reduced yet); run one process, or drop --snip")
-    refuse(getattr(args, "moe_grouped_gemm", False),
-           "--moe-grouped-gemm: SNIP does not yet pad grouped-GEMM token splits for per-module FP8/FP4 "
-           "(Megatron pads them only under a global --fp8-format/--fp4-format); drop it (SequentialMLP experts)")
-    refuse(args.transformer_impl == "transformer_engine",
-           "--num-experts with --transformer-impl transformer_engine: SNIP plans MoE experts on Megatron's "
-           "local spec only so far; use --transformer-impl local")
+    te = args.transformer_impl == "transformer_engine"
+    grouped = bool(getattr(args, "moe_grouped_gemm", False))
+    refuse(grouped and not te,
+           "--moe-grouped-gemm with --transformer-impl local: SNIP runs grouped experts on Transformer "
+           "Engine's GroupedLinear only; add --transformer-impl transformer_engine, or drop it (SequentialMLP experts)")
+    refuse(te and not grouped,
+           "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm: SNIP pads "
+           "expert token splits for per-module FP8/FP4 on TE's grouped GEMM only; add --moe-grouped-gemm")
     refuse(getattr(args, "moe_router_fusion", False),
            "--moe-router-fusion: the fused top-k bypasses Megatron's router-replay hook, which SNIP uses to "
            "keep routing fixed across its measurement passes; drop it")

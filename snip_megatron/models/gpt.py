@@ -414,6 +414,22 @@ def _pattern(path: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 
 
+def gemm_weight(module):
+    """One GEMM's weight of a planned linear: its `weight`, or for TE's grouped expert linear
+    (`--moe-grouped-gemm`: `weight0..weight<n-1>`, one per local expert, all of one shape) `weight0`."""
+    weight = getattr(module, "weight", None)
+    return module.weight0 if weight is None and hasattr(module, "weight0") else module.weight
+
+
+def grouped_expert_linears(experts) -> "tuple | None":
+    """The two grouped linears (fc1, fc2) of Megatron's TEGroupedMLP (an MoE layer's `mlp.experts`
+    with `--moe-grouped-gemm` on the TE spec); None for any other module."""
+    fc1, fc2 = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
+    if not (isinstance(getattr(fc1, "num_gemms", None), int) and hasattr(experts, "num_local_experts")):
+        return None
+    return fc1, fc2
+
+
 def planned_modules(chunk):
     """(module path, module, entry) of every planned linear of one built chunk, in registration
     order; `entry` is the linear's inventory entry, its layer number the enclosing layer's
@@ -435,7 +451,7 @@ def planned_modules(chunk):
         slot = SLOTS[parsed[1]]
         if slot in EXPERT_LINEARS:  # experts are split over the expert TP group
             tp = int(getattr(config, "expert_tensor_parallel_size", None) or tp)
-        out_f, in_f = (int(d) for d in module.weight.shape)
+        out_f, in_f = (int(d) for d in gemm_weight(module).shape)
         kind = module_kind(module) if slot.kind is ParallelKind.DUPLICATED else slot.kind
         whole = {ParallelKind.COLUMN: (out_f * tp, in_f), ParallelKind.ROW: (out_f, in_f * tp),
                  ParallelKind.DUPLICATED: (out_f, in_f)}[kind]

@@ -68,6 +68,7 @@ def install(run) -> None:
     original_save = mtraining.save_checkpoint
     from megatron.training.models import gpt as mgpt
 
+    from snip_megatron.megatron import grouped_padding
     from snip_megatron.pretrain.model import with_planned_mtp_linears
 
     original_mtp = mgpt.mtp_block_spec
@@ -84,6 +85,8 @@ def install(run) -> None:
         if iteration is None:
             iteration = get_args().curr_iteration
         step = iteration + 1
+        # TE grouped experts: their token splits padded for each module's recipe (grouped_padding.py)
+        grouped_padding.install(model)
         data_iterator = run.step_begin(step, forward_step_func, model, optimizer, data_iterator)
         # Gradient stochastic rounding: a stream per (layer, step), so a resumed run rounds alike.
         from snip_megatron.megatron.sr_seed import reseed_stochastic_rounding

@@ -411,9 +411,28 @@ def check_run(args, family: str = "gpt") -> Optional[CheckedRun]:
                 snip = snip.resolved("emulated")
         except ValueError as e:
             refused.append(named_as_flags(str(e)))
+        refused += grouped_fp4_refusals(args, snip, backend)
     if refused:
         raise ValueError("this Megatron-LM run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))
     return CheckedRun(snip, te)
+
+
+def grouped_fp4_refusals(args, snip, backend: str) -> list[str]:
+    """TE's NVFP4 grouped quantize needs the expert GEMMs' inner dims (hidden and expert FFN sizes)
+    to be multiples of 128 (TE 2.14 csrc/extensions/cast.cpp split_quantize); SNIP pads token
+    splits, not features, so a plan that may put grouped experts in FP4 is refused here."""
+    if backend != "te" or not getattr(args, "moe_grouped_gemm", False) or not getattr(args, "num_experts", None):
+        return []
+    if "fp4" not in [str(getattr(p, "value", p)) for p in (getattr(snip, "precisions", None) or [])]:
+        return []
+    ffn = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size
+    odd = {name: size for name, size in (("--hidden-size", args.hidden_size), ("--moe-ffn-hidden-size", ffn))
+           if size % 128}
+    if not odd:
+        return []
+    return [f"--moe-grouped-gemm with FP4 candidates and {', '.join(f'{k} {v}' for k, v in odd.items())}: TE's "
+            "NVFP4 grouped GEMM needs those sizes to be multiples of 128; plan BF16/FP8 only "
+            "(--snip-precisions bf16,fp8) or use multiples of 128"]
 
 
 def model_family(model_cfg) -> str:

@@ -33,7 +33,7 @@ from snip_megatron.stats.accumulator import to_table
 from snip_megatron.stats.collector import Collector
 from snip_megatron.stats.config import MeasureConfig
 from snip_megatron.megatron.apply import is_te_linear, list_planned_linears
-from snip_megatron.megatron.gemm_view import unfused
+from snip_megatron.megatron.gemm_view import is_grouped_linear, unfused, unfused_grouped
 from snip_megatron.megatron.mtp_loss import mtp_log_untouched, scaled_mtp_loss
 from snip_megatron.models.inventory import ParallelKind
 from snip_megatron.models import gpt
@@ -254,10 +254,16 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # TE linears run unfused and unquantized while measured (megatron/gemm_view.py)
             planned = list_planned_linears(chunks)
             kinds = {pl.key: pl.entry.kind for pl in planned}
-            linears = [(pl.key, views.enter_context(unfused(pl.module,
-                                                            column=kinds[pl.key] is ParallelKind.COLUMN,
-                                                            duplicated=kinds[pl.key] is ParallelKind.DUPLICATED))
-                        if is_te_linear(pl.module) else pl.module) for pl in planned]
+            linears = []
+            for pl in planned:
+                if is_grouped_linear(pl.module):  # one view per expert GEMM, as SequentialMLP's experts
+                    linears += [(pl.key, v) for v in views.enter_context(unfused_grouped(pl.module))]
+                elif is_te_linear(pl.module):
+                    linears.append((pl.key, views.enter_context(unfused(
+                        pl.module, column=kinds[pl.key] is ParallelKind.COLUMN,
+                        duplicated=kinds[pl.key] is ParallelKind.DUPLICATED))))
+                else:
+                    linears.append((pl.key, pl.module))
             error_fn = error_fn or formats_error_fn(config.formats, config.seed)
             # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
             group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \

@@ -172,12 +172,16 @@ class TrainConfig(TrainingSchedule):
 
     def check_moe(self, world_size: int) -> None:
         """Refuse the MoE runs SNIP cannot measure yet, for the reasons Megatron-LM's loop gives
-        (megatron.moe.moe_refusals): here, more than one process or the TE backend."""
+        (megatron.moe.moe_refusals): here, more than one process; and the TE backend, whose grouped
+        experts only Megatron-LM's loop builds."""
         if self.moe is None:
             return
-        args = SimpleNamespace(world_size=world_size,
-                               transformer_impl="transformer_engine" if self.backend == "te" else "local")
+        args = SimpleNamespace(world_size=world_size, transformer_impl="local")
         reasons = moe_refusals(args)
+        if self.backend == "te":  # the compact loop builds no grouped experts
+            reasons.append("backend='te': the compact loop runs MoE on the local spec only; Megatron-LM's loop "
+                           "runs TE's grouped experts (snip-pretrain-gpt --transformer-impl transformer_engine "
+                           "--moe-grouped-gemm)")
         if reasons:
             raise ValueError(f"TrainConfig.moe (MoE) at tp={self.tp}, pp={self.pp}, {world_size} processes, "
                              f"backend={self.backend!r} (the compact loop runs MoE at one process, with SNIP or "

@@ -43,6 +43,10 @@ def use_the_doubles_gpu() -> bool:
         return major * 10 + minor
 
     gpu.current_sm = current_sm
+    import torch
+
+    # Megatron-LM's argument check of --moe-grouped-gemm reads the GPU's capability from torch
+    torch.cuda.get_device_capability = lambda device=None: get_device_compute_capability()
     return True
 
 
@@ -65,9 +69,21 @@ def te_linears(chunks) -> list:
     return [pl for pl in list_planned_linears(chunks) if is_te_linear(pl.module)]
 
 
+def gemm_weights(module) -> list:
+    """A TE linear's weight, or a grouped expert linear's weight<i> (one per expert GEMM)."""
+    n = getattr(module, "num_gemms", None)
+    return [module.weight] if n is None else [getattr(module, f"weight{i}") for i in range(n)]
+
+
 def te_weights(chunks) -> dict:
-    """{"<layer>.<linear>": a copy of its weight} of the TE linears."""
-    return {str(pl.key): pl.module.weight.detach().clone() for pl in te_linears(chunks)}
+    """{"<layer>.<linear>": a copy of its weight (a grouped linear's: its experts' stacked)} of the TE linears."""
+    return {str(pl.key): torch_cat([w.detach() for w in gemm_weights(pl.module)]) for pl in te_linears(chunks)}
+
+
+def torch_cat(tensors):
+    import torch
+
+    return torch.cat(tensors).clone()
 
 
 def te_runtime(chunks, at_start: dict) -> dict:
@@ -91,16 +107,19 @@ def te_runtime(chunks, at_start: dict) -> dict:
     for pl in te_linears(chunks):
         key, module = str(pl.key), pl.module
         before = at_start[key]
-        main_grad = getattr(module.weight, "main_grad", None)
+        weights = gemm_weights(module)
+        grads = [getattr(w, "main_grad", None) for w in weights]
+        main_grad = None if any(g is None for g in grads) else torch.cat([g.reshape(-1) for g in grads])
         run = getattr(module, "last_run", None)
-        cached = getattr(module, "_fp8_workspaces", {}).get("weight")
+        caches = [getattr(module, "_fp8_workspaces", {}).get("weight" if len(weights) == 1 else f"weight{i}")
+                  for i in range(len(weights))]
+        cached = None if any(c is None or c.values is None for c in caches) else torch.cat([c.values for c in caches])
         out[key] = {
             "fused": bool(getattr(module, "fuse_wgrad_accumulation", False)),
-            "moved": not torch.equal(module.weight.detach(), before),
+            "moved": not torch.equal(torch_cat([w.detach() for w in weights]), before),
             "main_grad": None if main_grad is None else float(main_grad.detach().abs().max()),
             "workspace": None if run is None else run.weight_workspace,
-            "cache_is_step_start": (None if cached is None or cached.values is None
-                                    else torch.equal(cached.values, before)),
+            "cache_is_step_start": None if cached is None else torch.equal(cached, before),
             "cache_off": bool(getattr(module, "disable_parameter_transpose_cache", False)),
         }
     return out

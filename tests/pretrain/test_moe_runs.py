@@ -36,3 +36,36 @@ def test_one_process_moe_measures_replans_and_resumes_the_checkpoint_plan(tmp_pa
     out = train(tmp_path, *common, "--load", str(ckpt))
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     assert sorted(losses(out)) == [3, 4] and len(replans(out)) == 1
+
+
+@needs_training
+def test_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double(tmp_path):
+    """`--transformer-impl transformer_engine --moe-grouped-gemm` (TEGroupedMLP over the TE double's
+    GroupedLinear, standing in for an H100): each layer's grouped expert_fc1/fc2 is a planned unit
+    that runs its planned recipe (blockwise FP8 needs SNIP's split padding: TE refuses unaligned
+    splits), switched at a step boundary by the re-plan, fused wgrad into every expert's main_grad;
+    saved and resumed with the checkpoint's plan."""
+    from tests.pretrain.test_te_runs import check_linears_follow_the_plan, check_runtime, probed, te_rows
+
+    ckpt = tmp_path / "ckpt"
+    common = [*MOE, "--moe-grouped-gemm", "--mock-data", "--vocab-size", "256", "--eval-interval", "100",
+              "--snip", "--snip-warmup", "1", "--snip-interval", "2", "--snip-lag", "0", "--snip-fp8-budget", "0.5",
+              "--save-interval", "2", "--save", str(ckpt), "--train-iters", "3"]
+    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "2", sm=90)
+    assert "[snip] rank 0 runs the plan on its 8 planned linears: {'bf16': 0, 'fp8': 8, 'fp4': 0}" in snip_lines(out)
+    assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2]
+    rows = te_rows(tmp_path / "p")
+    assert [r["step"] for r in rows] == [1, 2]
+    check_linears_follow_the_plan(rows)
+    check_runtime(rows)
+    # the re-plan at step 1 switched a grouped expert linear from FP8 (the initial plan) to BF16
+    assert any(rows[0]["plan"][k] == "bf16" for k in ("1.expert_fc1", "1.expert_fc2")), rows[0]["plan"]
+    plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
+    assert {str(k) for k in plan.keys()} >= {"1.expert_fc1", "1.expert_fc2"}
+    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=90)
+    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
+    assert sorted(losses(out)) == [3]
+    rows = te_rows(tmp_path / "q")
+    assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}
+    check_linears_follow_the_plan(rows)
+    check_runtime(rows)

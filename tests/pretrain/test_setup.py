@@ -26,9 +26,9 @@ def megatron_args(*argv):
 
 @pytest.mark.parametrize("argv, flag", [
     (["--num-experts", "4", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1"),
-    (["--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm"),
+    (["--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm with --transformer-impl local"),
     (["--num-experts", "4", "--transformer-impl", "transformer_engine", "--snip-backend", "te"],
-     "--num-experts with --transformer-impl transformer_engine"),
+     "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm"),
     (["--num-experts", "4", "--moe-router-fusion"], "--moe-router-fusion"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"],
      "--moe-router-load-balancing-type sinkhorn"),
@@ -182,6 +182,23 @@ def test_what_the_gpu_cannot_run_is_refused_with_the_flag_and_fix(te_gpu, monkey
         monkeypatch.setenv(name, value)
     with pytest.raises((ValueError, argparse.ArgumentError), match=words):  # some refused as they parse
         check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *argv))
+
+
+def test_te_grouped_experts_are_taken_and_fp4_needs_their_sizes_in_multiples_of_128(te_gpu):
+    """TE grouped experts run with SNIP (split padding, grouped_padding.py); TE's NVFP4 grouped
+    quantize needs the hidden and expert FFN sizes in multiples of 128, so a Blackwell run that may
+    plan FP4 is refused on smaller ones (SNIP pads token splits, not features)."""
+    moe = ["--num-experts", "4", "--moe-grouped-gemm", "--hidden-size", "64", "--moe-ffn-hidden-size", "32"]
+    te_gpu(90)
+    assert check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe)).sm == 90
+    te_gpu(100)
+    with pytest.raises(ValueError, match=r"--moe-grouped-gemm with FP4 candidates and --hidden-size 64, "
+                                         r"--moe-ffn-hidden-size 32: TE's NVFP4 grouped GEMM"):
+        check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe))
+    assert check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe[:3],
+                                   "--hidden-size", "128", "--moe-ffn-hidden-size", "256")).sm == 100
+    assert check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe,
+                                   "--snip-precisions", "bf16,fp8")).sm == 100
 
 
 def test_what_each_generation_runs_by_default(te_gpu):

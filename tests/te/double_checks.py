@@ -410,7 +410,7 @@ def check_unmodelled_features_are_refused():
         "fp8_model_init": lambda: _build_in(te.fp8_model_init(enabled=True)),
         "delay_wgrad_compute": lambda: te.Linear(8, 8, delay_wgrad_compute=True),
         "ub_overlap_ag": lambda: te.LayerNormLinear(8, 8, ub_overlap_ag=True),
-        "GroupedLinear": lambda: te.GroupedLinear(2, 8, 8),
+        "single grouped weight": lambda: te.GroupedLinear(2, 8, 8, single_grouped_weight=True),
         "Sequential": lambda: ops.Sequential(),
         "checkpointing": lambda: checkpoint(lambda t: t, torch.ones(1)),
         "context parallelism": lambda: te.DotProductAttention(4, 16, cp_group=object()),
@@ -751,6 +751,91 @@ def check_fused_wgrad_accumulates_into_main_grad():
         dw = twins[1].weight.grad
         assert twins[0].weight.grad is None  # no grad_added_to_main_grad attribute: wgrad None
         assert torch.equal(twins[0].weight.main_grad, 1.0 + dw if accumulates else dw), recipe
+
+
+def check_grouped_linear_runs_each_split_as_a_linear_and_refuses_unaligned_splits():
+    """GroupedLinear (grouped_linear.py): weight0..weight{n-1}; forward(inp, m_splits,
+    is_first_microbatch) runs split i as a Linear of weight<i> under the module's one recipe (each
+    GEMM quantized on its own: our emulation per split), caches a workspace per GEMM ("weight<i>"),
+    routes each wgrad into weight<i>.main_grad under fusion (an empty split: zeros, no quantizer),
+    and refuses splits TE's kernels cannot take: FP8 rows % 16, MXFP8 % 32, NVFP4 % 32 (and the
+    inner dim % 128), a CustomRecipe at all."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common.recipe import CustomRecipe, Float8BlockScaling
+    from transformer_engine.pytorch.custom_recipes import quantization_nvfp4
+
+    k, m, splits = 128, 64, [32, 0, 64]
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(splits), k, generator=g)
+    gy = torch.randn(sum(splits), m, generator=g)
+    ws = [torch.randn(m, k, generator=g) * 0.1 for _ in splits]
+    recipes = _recipes()
+    for fmt in ("blockwise", "tensorwise", "mxfp8", "nvfp4"):
+        layer = te.GroupedLinear(len(splits), k, m, bias=False)
+        assert [n for n, _ in layer.named_parameters()] == ["weight0", "weight1", "weight2"]
+        with torch.no_grad():
+            for i, w in enumerate(ws):
+                getattr(layer, f"weight{i}").copy_(w)
+        y, dx = _step(layer, x, gy, recipes[fmt], m_splits=splits)
+        assert layer.last_run.formats == fmt and layer.last_splits == splits
+        want_y, want_dx = [], []
+        for i, (xi, gi) in enumerate(zip(x.split(splits), gy.split(splits))):
+            if not xi.shape[0]:
+                want_y.append(xi.new_empty((0, m)))
+                want_dx.append(xi.new_empty((0, k)))
+                assert not layer.weight1.grad.any()  # no rows, zero weight gradient
+                continue
+            yi, dxi, dwi = _emulated(xi, ws[i], gi, fmt)
+            want_y.append(yi)
+            want_dx.append(dxi)
+            if fmt != "nvfp4":  # NVFP4 rounds gradients stochastically from the module's one stream
+                assert torch.equal(getattr(layer, f"weight{i}").grad, dwi), (fmt, i)
+        assert torch.equal(y, torch.cat(want_y)), fmt
+        assert not torch.equal(y, torch.cat([xi @ w.t() for xi, w in zip(x.split(splits), ws)])), fmt
+        if fmt != "nvfp4":
+            assert torch.equal(dx, torch.cat(want_dx)), fmt
+    # fused wgrad per GEMM, workspaces per GEMM
+    layer = te.GroupedLinear(2, k, m, bias=False, fuse_wgrad_accumulation=True)
+    for w in (layer.weight0, layer.weight1):
+        w.main_grad = torch.full(w.shape, 7.0)
+        w.grad_added_to_main_grad = False
+    x2, gy2 = x[:64], gy[:64]
+    _step(layer, x2, gy2, Float8BlockScaling(), m_splits=[16, 48], is_first_microbatch=True)
+    assert layer.gemm_runs == ["created", "created"] and set(layer._fp8_workspaces) == {"weight0", "weight1"}
+    assert layer.weight0.grad_added_to_main_grad and layer.weight1.grad_added_to_main_grad
+    first = layer.weight1.main_grad.clone()
+    _step(layer, x2, gy2, Float8BlockScaling(), m_splits=[16, 48], is_first_microbatch=False)
+    assert layer.gemm_runs == ["reused", "reused"] and torch.equal(layer.weight1.main_grad, 2 * first)
+    # TE's refusals of unaligned splits (and of a CustomRecipe)
+    refusals = {"blockwise": ([8, 56], "not a multiple of 16"), "tensorwise": ([8, 56], "multiple of 16"),
+                "mxfp8": ([16, 48], "not a multiple of 32"), "nvfp4": ([16, 48], "not a multiple of 32")}
+    for fmt, (bad, text) in refusals.items():
+        layer = te.GroupedLinear(2, k, m, bias=False)
+        try:
+            _step(layer, x2, gy2, recipes[fmt], m_splits=bad)
+        except RuntimeError as error:
+            assert text in str(error) and layer.last_run.refused, (fmt, error)
+        else:
+            raise AssertionError(f"{fmt} took splits {bad}")
+        _step(te.GroupedLinear(2, k, m, bias=False), x2, gy2, recipes[fmt], m_splits=[32, 32])
+    narrow = te.GroupedLinear(2, 64, m, bias=False)
+    for recipe, text in ((recipes["nvfp4"], "inner dim to be multiple of 128"),
+                         (CustomRecipe(qfactory=quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory),
+                          "Unexpected type for quantizer")):
+        try:
+            _step(narrow, x2[:, :64], gy2, recipe, m_splits=[32, 32])
+        except RuntimeError as error:
+            assert text in str(error), error
+        else:
+            raise AssertionError(f"{type(recipe).__name__} was not refused")
+    _step(layer, x2, gy2, None, m_splits=[8, 56])  # high precision: any split
+    # extra state: empty unless it ran quantized, then the recipe (Megatron splits it per expert)
+    assert te.GroupedLinear(2, 8, 8).get_extra_state().numel() == 0
+    layer = te.GroupedLinear(2, k, m, bias=False)
+    _step(layer, x2, gy2, Float8BlockScaling(), m_splits=[32, 32])
+    twin = te.GroupedLinear(2, k, m, bias=False)
+    twin.set_extra_state(layer.get_extra_state())
+    assert isinstance(twin.fp8_meta["recipe"], Float8BlockScaling)
 
 
 def check_custom_recipe_gemm_drops_wgrad_under_fusion():

@@ -53,6 +53,7 @@ DOUBLE_CHECKS = [
     "check_weight_workspace_follows_is_first_microbatch",
     "check_workspaces_cleared_on_recipe_class_change_only",
     "check_fused_wgrad_accumulates_into_main_grad",
+    "check_grouped_linear_runs_each_split_as_a_linear_and_refuses_unaligned_splits",
     "check_custom_recipe_gemm_drops_wgrad_under_fusion",
     "check_reference_workspace_is_emptied_until_its_backward",
     "check_shape_and_bias_refusals",

@@ -23,8 +23,11 @@ It follows TE v2.14 (April 2026): the newest version megatron-core 0.19.2 gates 
 
 What it models (the contract Megatron's wrappers rely on):
 - the import surface Megatron touches in both lanes (`pytorch.fp8`, `pytorch.tensor`,
-  `pytorch.router`, placeholder `pytorch.ops` / `GroupedLinear` classes, `common.recipe`) and
+  `pytorch.router`, a placeholder `pytorch.ops`, `common.recipe`) and
   `__version__` from the distribution metadata;
+- `GroupedLinear` (MoE expert GEMMs, `module/grouped_linear.py`: one GEMM per `m_splits` row
+  split under the module's recipe, per-GEMM weight workspaces and fused wgrad, TE's refusals of
+  splits its FP8 / MXFP8 / NVFP4 kernels cannot take, extra state);
 - `Linear`, `LayerNormLinear` (RMSNorm / LayerNorm fused in; `return_layernorm_output`),
   `RMSNorm`, `LayerNorm`, `DotProductAttention` (causal softmax attention, GQA): TE's
   constructors, parameter names and Megatron's parallel attributes on them, forward signatures
@@ -97,7 +100,7 @@ overlap, CUDA graphs, FP8/FP4 weight storage (`quantized_model_init(enabled=True
 other than the sequence-parallel gather (the double quantizes the gathered tensor), calibration,
 FP8 attention,
 context parallelism, packed sequences, sliding windows, TE activation checkpointing, delayed
-wgrad, the op fuser (`pytorch.ops`), grouped GEMMs (MoE), fused RoPE / cross entropy / permutation
+wgrad, the op fuser (`pytorch.ops`), single grouped weights (GroupedTensor), fused RoPE / cross entropy / permutation
 kernels, TE's optimizers, the reference quantizer's own arithmetic (its quantizers only carry
 settings) and TE's Hadamard sign vector (our emulation uses its own fixed one), TE >= 2.16's
 QuantizerRole qfactory protocol (and any other 2.16+ behaviour), a weight workspace re-quantized

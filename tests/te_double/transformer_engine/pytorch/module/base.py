@@ -457,10 +457,11 @@ class TransformerEngineBaseModule(torch.nn.Module):
         return checks
 
     def _weight_workspace(self, weight: torch.Tensor, storage: str, is_first_microbatch: Optional[bool],
-                          columnwise: bool) -> tuple[WeightWorkspace, str]:
-        """TE 2.14 get_weight_workspace (base.py:1395-1522) as Linear / LayerNormLinear call it:
+                          columnwise: bool, name: str = "weight") -> tuple[WeightWorkspace, str]:
+        """TE 2.14 get_weight_workspace (base.py:1395-1522) as Linear / LayerNormLinear call it
+        (cache name "weight"; GroupedLinear: "weight<i>", grouped_linear.py:172-183):
         (the workspace this forward reads, how it was got: created / refreshed / reused / none)."""
-        cache_name = None if is_first_microbatch is None else "weight"
+        cache_name = None if is_first_microbatch is None else name
         update_workspace = is_first_microbatch is None or is_first_microbatch
         workspace = self._fp8_workspaces.get(cache_name) if cache_name is not None else None
         if workspace is not None and _workspace_invalid(workspace, columnwise):
@@ -480,13 +481,15 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _gemm(self, inp: torch.Tensor, gemm_bias: Optional[torch.Tensor], spec, *,
               is_first_microbatch: Optional[bool], columnwise: bool, overwrite_main_grad: bool,
-              requires_dgrad: bool):
+              requires_dgrad: bool, weight: Optional[torch.nn.Parameter] = None,
+              cache_name: str = "weight"):
         """Y = X W^T (+ b) with this module's weight: inside an enabled autocast our exact emulation
         of the recipe's three GEMMs (`quantized_linear`) on the weight workspace, else the plain
         GEMM; the weight gradient routed as TE routes it (fused accumulation or not).
         `columnwise`: the weight quantizer's column-wise usage (a dgrad GEMM will read it);
-        `requires_dgrad`: TE runs the dgrad GEMM (for the reference GEMM's backward checks)."""
-        weight = self.weight
+        `requires_dgrad`: TE runs the dgrad GEMM (for the reference GEMM's backward checks);
+        `weight` / `cache_name`: one GEMM of a GroupedLinear (its `weight<i>`; default `self.weight`)."""
+        weight = self.weight if weight is None else weight
         route = _WgradRoute(weight, self.fuse_wgrad_accumulation, is_first_microbatch,
                             custom=False, overwrite_main_grad=overwrite_main_grad)
         if spec is None:
@@ -498,7 +501,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         recipe = self._held_recipe
         storage = _storage(recipe)
         route.custom = storage == "reference_nvfp4"
-        workspace, how = self._weight_workspace(weight, storage, is_first_microbatch, columnwise)
+        workspace, how = self._weight_workspace(weight, storage, is_first_microbatch, columnwise, cache_name)
         self.last_run = replace(self.last_run, weight_workspace=how)
         if workspace.values is None:  # linear.py:277 update_usage on the emptied reference tensor
             raise RuntimeError("Cannot generate FP4 data, even from FP4 data transpose")
