@@ -40,8 +40,9 @@ from snip_megatron.models import gpt
 from snip_megatron.stats.discover import _unwrap
 from snip_megatron.stats.microbatches import sample_microbatches, step_positions, summed_mask
 from snip_megatron.stats.quant_error import ErrorFn, formats_error_fn
-from snip_megatron.stats.reduce import (ADAM_FIELDS, gather_pp_tensor, megatron_groups, reduce_tp_dp_tensor,
-                                        tp_sharded_mask)
+from snip_megatron.stats.collector import ShardGroup
+from snip_megatron.stats.reduce import (ADAM_FIELDS, expert_groups, gather_pp_tensor, megatron_groups,
+                                        reduce_experts_tensor, reduce_tp_dp_tensor, tp_sharded_mask)
 from snip_megatron.stats.table import GLOBAL_FIELDS, StatsTable
 
 NOISE_FIELDS = ("fwd_zg_noisy", "fwd_z_sq", "bwd_dgw_sq", "bwd_eta_sq")
@@ -279,7 +280,12 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
             device = next(iter(chunks[0].parameters())).device
-            collector = Collector(linears, keys=gpt.of_config(mconfig).keys() if keys is None else keys,
+            keys = gpt.of_config(mconfig).keys() if keys is None else keys
+            experts = [k for k in keys if gpt.is_expert(k)]  # routed experts: the expert grid's groups
+            etp = ShardGroup(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                             ps.get_expert_tensor_parallel_group()) if experts else None
+            collector = Collector(linears, keys=keys, expert_keys=experts, expert_group=etp,
+                                  ep_rank=ps.get_expert_model_parallel_rank() if experts else 0,
                                   kinds=kinds, error_fn=error_fn,
                                   precisions=config.precisions, seed=config.seed, first_order=config.first_order,
                                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
@@ -298,6 +304,11 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             tp_group, dp_group, pp_group = megatron_groups()
             tp_mask = torch.from_numpy(tp_sharded_mask(layout, kinds, sp)).to(device)
             adam_cols = [layout.col(f) for f in ADAM_FIELDS]
+            expert_rows = [layout.row_index(k) for k in experts]
+            if expert_rows:
+                etp_group, ep_group, edp_group = expert_groups()
+                etp_mask = torch.from_numpy(tp_sharded_mask(layout, {k: v for k, v in kinds.items()
+                                                                     if k in set(experts)})).to(device)
         summed = torch.from_numpy(summed_mask(layout)).to(device)
 
         def finish(t: torch.Tensor, adam_dp_sharded: bool = False) -> torch.Tensor:
@@ -305,8 +316,15 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             t = torch.where(summed, t * step_factor, t)
             if not reducing:
                 return t
-            return reduce_tp_dp_tensor(t, tp_mask, adam_cols, tp_group=tp_group, dp_group=dp_group,
-                                       adam_dp_sharded=adam_dp_sharded)
+            dense = reduce_tp_dp_tensor(t, tp_mask, adam_cols, tp_group=tp_group, dp_group=dp_group,
+                                        adam_dp_sharded=adam_dp_sharded)
+            if not expert_rows:
+                return dense
+            experts_t = reduce_experts_tensor(t, expert_rows, etp_mask, summed, adam_cols, etp_group=etp_group,
+                                              ep_group=ep_group, edp_group=edp_group, dense_dp=dp * cp,
+                                              adam_dp_sharded=adam_dp_sharded)
+            rows = torch.tensor(expert_rows, device=t.device)
+            return dense.index_copy(0, rows, experts_t.index_select(0, rows))
 
         run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, loss_factor=loss_factor)
         snap = _rng_snapshot()
