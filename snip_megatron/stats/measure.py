@@ -263,8 +263,18 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
             group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
                 if len(chunks) > 1 else 1
-            picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
-            positions = step_positions(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
+            keys = gpt.of_config(mconfig).keys() if keys is None else keys
+            experts = [k for k in keys if gpt.is_expert(k)]  # routed experts: the expert grid's groups
+            # an expert group wider than TP (EP over data-parallel replicas) runs every replica's
+            # tokens through each expert in one forward: every replica measures alike (the same
+            # number of micro-batches, the same pass at a time)
+            spans = bool(experts) and tp % (ps.get_expert_tensor_parallel_world_size()
+                                             * ps.get_expert_model_parallel_world_size()) != 0
+            k_wanted = config.micro_batches
+            if spans and k_wanted:
+                k_wanted = -(-k_wanted // dp) * dp
+            picked, k_total = sample_microbatches(len(batches), dp_rank, dp, k_wanted, multiple=group)
+            positions = step_positions(len(batches), dp_rank, dp, k_wanted, multiple=group)
             measured = [batches[i] for i in picked]
             per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
             loss_factor = 1.0 if per_token else len(measured) / len(batches)
@@ -272,7 +282,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # the noise pass: alternate micro-batches of the step's sample, or the two halves of a
             # lone one (decided for the whole sample, so every replica interleaves alike)
             noise_batches, noise_mbs = measured, micro_batch_size
-            interleave, halves = config.interleave_noise and k_total >= 2, False
+            # (interleaving would put one replica's tokens into another's pass mode)
+            interleave, halves = config.interleave_noise and k_total >= 2 and not spans, False
             # an MoE layer's experts see routed rows, not [s, b] halves: MoE models keep whole micro-batches
             moe = bool(routing.routers(chunks))
             if config.interleave_noise and k_total == 1 and len(measured) == 1 and not moe:
@@ -280,8 +291,6 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
             device = next(iter(chunks[0].parameters())).device
-            keys = gpt.of_config(mconfig).keys() if keys is None else keys
-            experts = [k for k in keys if gpt.is_expert(k)]  # routed experts: the expert grid's groups
             etp = ShardGroup(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
                              ps.get_expert_tensor_parallel_group()) if experts else None
             collector = Collector(linears, keys=keys, expert_keys=experts, expert_group=etp,

@@ -73,8 +73,8 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_lay
 SP = dict(sequence_parallel=True)
 LAYOUTS.update({"moe_single": (1, 1, "global", MOE, None), "moe_pp2": (1, 2, "global", MOE, None),
                 "moe_tp2_sp_ep2": (2, 1, "global", dict(MOE, ep=2, etp=1, **SP), None),
-                "moe_tp2_sp_ep2_a2a": (2, 1, "global", dict(MOE, ep=2, etp=1, moe_token_dispatcher_type="alltoall",
-                                                            **SP), None),
+                # EP=2 over two data-parallel replicas (TP=1): each expert sees both replicas' tokens
+                "moe_ep2": (1, 1, "global", dict(MOE, ep=2), None), "moe_single4": (1, 1, "global", MOE, None),
                 "moe_tp2_sp_etp2": (2, 1, "global", dict(MOE, **SP), None)})
 DP2_STEP = 4
 """Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
@@ -232,14 +232,14 @@ def measure_layout(name: str):
     tp, pp, megatron_init, overrides, k = LAYOUTS[base]
     chunks = build(tp, pp, reinit="global" if megatron_init == "global" else not megatron_init, **overrides)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
-    if base in ("dp2", "dp2_k2", "single4", "pair"):
+    if base in ("dp2", "dp2_k2", "single4", "pair", "moe_ep2", "moe_single4"):
         data = batches(num=DP2_STEP)
-        if base.startswith("dp2"):
+        if base.startswith("dp2") or base == "moe_ep2":
             data = data[dist.get_rank()::dist.get_world_size()]
         elif base == "pair":
             data = data[2:]
     try:
-        with cpu_current_device() if overrides.get("sequence_parallel") else contextlib.nullcontext():
+        with cpu_current_device() if overrides.get("sequence_parallel") or "ep" in overrides else contextlib.nullcontext():
             return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
                                   micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05, micro_batches=k),
                                   error_fn=padded_blockwise_error_fn() if "num_moe_experts" in overrides
