@@ -8,19 +8,27 @@ from __future__ import annotations
 def moe_refusals(args) -> list[str]:
     """What an MoE run (--num-experts) cannot do with SNIP yet, one line each naming the flag. SNIP
     plans, measures and re-plans MoE GPTs on Megatron's local spec (SequentialMLP experts with SNIP's
-    emulated linears) at one process (docs/moe.md)."""
+    emulated linears) at one process and at expert, expert-tensor, tensor (with sequence
+    parallelism), pipeline and data parallelism (docs/moe.md)."""
     out = []
 
     def refuse(when, text):
         if when:
             out.append(text)
 
-    world = int(getattr(args, "world_size", 1) or 1)
-    refuse(int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1,
-           "--expert-model-parallel-size > 1: SNIP does not yet reduce expert statistics over expert "
-           "parallelism; run MoE at --expert-model-parallel-size 1")
-    refuse(world > 1, f"--num-experts on {world} processes: SNIP measures MoE models at one process so far "
-           "(expert statistics over TP/EP/DP/PP are not reduced yet); run one process, or drop --snip")
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1) or 1)
+    refuse(int(getattr(args, "context_parallel_size", 1) or 1) > 1,
+           "--context-parallel-size > 1 with --num-experts: SNIP does not measure experts over context "
+           "parallelism yet (untested); run MoE at --context-parallel-size 1")
+    refuse(getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(args, "num_virtual_stages_per_pipeline_rank", None),
+           "--num-layers-per-virtual-pipeline-stage with --num-experts: SNIP does not measure MoE under the "
+           "interleaved pipeline schedule yet (untested); drop it")
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+    refuse(ep * etp > 1 and dispatcher != "allgather" and not _cuda(),
+           f"--moe-token-dispatcher-type {dispatcher} on CPU: Megatron's {dispatcher} dispatcher hands gloo its "
+           "all-to-all split sizes as tensors (it turns them into lists only off a GPU copy); use "
+           "--moe-token-dispatcher-type allgather")
     refuse(getattr(args, "moe_grouped_gemm", False),
            "--moe-grouped-gemm: SNIP does not yet pad grouped-GEMM token splits for per-module FP8/FP4 "
            "(Megatron pads them only under a global --fp8-format/--fp4-format); drop it (SequentialMLP experts)")
@@ -44,3 +52,9 @@ def moe_refusals(args) -> list[str]:
            "--mtp-num-layers with --num-experts: SNIP plans MoE layers in the decoder, not in "
            "multi-token-prediction layers yet; drop one of them")
     return out
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

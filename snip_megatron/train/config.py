@@ -172,12 +172,17 @@ class TrainConfig(TrainingSchedule):
 
     def check_moe(self, world_size: int) -> None:
         """Refuse the MoE runs SNIP cannot measure yet, for the reasons Megatron-LM's loop gives
-        (megatron.moe.moe_refusals): here, more than one process or the TE backend."""
+        (megatron.moe.moe_refusals): here the TE backend; and more than one process, which the
+        compact loop does not run MoE at (Megatron-LM's loop does)."""
         if self.moe is None:
             return
         args = SimpleNamespace(world_size=world_size,
                                transformer_impl="transformer_engine" if self.backend == "te" else "local")
         reasons = moe_refusals(args)
+        if world_size > 1:
+            reasons.insert(0, f"--num-experts on {world_size} processes: the compact loop runs MoE at one "
+                              "process; snip-pretrain-gpt runs it at expert, tensor, pipeline and data "
+                              "parallelism (docs/moe.md)")
         if reasons:
             raise ValueError(f"TrainConfig.moe (MoE) at tp={self.tp}, pp={self.pp}, {world_size} processes, "
                              f"backend={self.backend!r} (the compact loop runs MoE at one process, with SNIP or "
