@@ -8,8 +8,7 @@ from __future__ import annotations
 def moe_refusals(args) -> list[str]:
     """What an MoE run (--num-experts) cannot do with SNIP yet, one line each naming the flag. SNIP
     plans, measures and re-plans MoE GPTs on Megatron's local spec (SequentialMLP experts with SNIP's
-    emulated linears) at one process and at expert, expert-tensor, tensor (with sequence
-    parallelism), pipeline and data parallelism (docs/moe.md)."""
+    emulated linears) at one process and at expert, pipeline and data parallelism (docs/moe.md)."""
     out = []
 
     def refuse(when, text):
@@ -18,6 +17,13 @@ def moe_refusals(args) -> list[str]:
 
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     etp = int(getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1) or 1)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    refuse(tp > 1, "--tensor-model-parallel-size > 1 with --num-experts: Megatron's MoE layer trains at TP > 1 only "
+           "with --sequence-parallel, which the local spec's torch norms refuse; SNIP's expert statistics at TP=2 "
+           "with sequence parallelism are tested against one process, but no such run is; run MoE at "
+           "--tensor-model-parallel-size 1 (expert and data parallelism instead)")
+    refuse(tp == 1 and etp > 1, "--expert-tensor-parallel-size > 1 with --num-experts: SNIP measures expert TP "
+           "(tested at ETP = TP = 2), but no run at expert TP is tested yet; run MoE at --expert-tensor-parallel-size 1")
     refuse(int(getattr(args, "context_parallel_size", 1) or 1) > 1,
            "--context-parallel-size > 1 with --num-experts: SNIP does not measure experts over context "
            "parallelism yet (untested); run MoE at --context-parallel-size 1")

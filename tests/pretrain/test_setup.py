@@ -26,6 +26,9 @@ def megatron_args(*argv):
 
 @pytest.mark.parametrize("argv, flag", [
     (["--num-experts", "4", "--context-parallel-size", "2"], "--context-parallel-size > 1 with --num-experts"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--tensor-model-parallel-size > 1 with --num-experts"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size > 1 with --num-experts"),
     (["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
      "--num-layers-per-virtual-pipeline-stage with --num-experts"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
@@ -104,9 +107,8 @@ def test_moe_on_the_local_spec_is_planned_not_refused():
                          "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
                          "--moe-router-score-function", "sigmoid")
     assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == []
-    for argv in (["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                 "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
-                 ["--pipeline-model-parallel-size", "2"]):  # measured over the expert groups (docs/moe.md)
+    for argv in (["--expert-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):
+        # measured over the expert groups (docs/moe.md)
         args = megatron_args("--snip", "--num-experts", "4", "--moe-router-topk", "2", *argv)
         args.world_size = 2
         assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv

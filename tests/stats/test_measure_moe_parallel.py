@@ -76,3 +76,17 @@ def test_ep2_over_data_parallel_replicas_reduces_experts_into_the_dense_units(ta
     assert ep2.get(dense, "x_sq") == pytest.approx(one.get(dense, "x_sq") / 2, rel=1e-5)
     for f in ("gw_sq", "fwd_z_sq", "bwd_dgw_sq", "bwd_eta_sq", "ex.fp4", "egy_w.fp4"):
         assert (ep2.column(f)[:-1] > 0).all(), f
+
+
+def test_a_measurement_leaves_ep2_training_bit_identical(tmp_path):
+    """EP=2 over two replicas, expert bias and aux losses on: three steps with a measurement before
+    the second (of other micro-batches) leave every rank's parameters and router buffers as three
+    steps without one (the routers' token counts of every rank's experts included)."""
+    import json
+
+    run_distributed([str(Path(__file__).with_name("moe_untouched_worker.py")), "--out", str(tmp_path)], nproc=2,
+                    timeout=600)
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert any("expert_bias" in n for n in found["names"]) and any("local_experts.1" in n for n in found["names"])
+        assert found["differ"] == [], (rank, found["differ"])
