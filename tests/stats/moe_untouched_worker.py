@@ -16,24 +16,31 @@ import torch.distributed as dist
 
 def train(measured: bool) -> dict:
     from snip_megatron.megatron import runtime
-    from snip_megatron.megatron.batch import make_forward_step
     from snip_megatron.megatron.smoke import wrap_ddp_and_optimizer
-    from snip_megatron.stats.measure import measure_chunks
-    from tests.stats.measure_worker import MOE, SHAPE, batches, build
-    from tests.stats.test_untouched import _train_step
+    from tests.stats.measure_worker import MOE, build, cpu_current_device
 
     chunks = build(reinit="global", ep=2, **MOE)
     ddp, opt = wrap_ddp_and_optimizer(chunks, chunks[0].config, lr=1e-2, clip_grad=1.0, distributed_optimizer=False)
     rank, world = dist.get_rank(), dist.get_world_size()
+    with cpu_current_device():  # the dispatcher's gather allocates in the backward, outside the CPU shim
+        _steps(ddp, opt, measured, rank, world)
+    state = {n: t.detach().clone() for n, t in [*chunks[0].named_parameters(), *chunks[0].named_buffers()]}
+    runtime.destroy()
+    return state
+
+
+def _steps(ddp, opt, measured, rank, world):
+    from snip_megatron.megatron.batch import make_forward_step
+    from snip_megatron.stats.measure import measure_chunks
+    from tests.stats.measure_worker import SHAPE, batches
+    from tests.stats.test_untouched import _train_step
+
     for step in range(3):
         mbs = batches(seed=step + 1)[rank::world] * 2  # this replica's share, two micro-batches
         if measured and step == 1:
             measure_chunks(ddp, make_forward_step(), batches(seed=99)[rank::world] * 2,
                            seq_length=SHAPE.seq_length, micro_batch_size=2, optimizer=opt)
         _train_step(ddp, opt, mbs)
-    state = {n: t.detach().clone() for n, t in [*chunks[0].named_parameters(), *chunks[0].named_buffers()]}
-    runtime.destroy()
-    return state
 
 
 def main():
