@@ -205,7 +205,7 @@ def make_controller(snip: SnipConfig, model_config, cfg):
     from snip_megatron.controller import SnipController
     from snip_megatron.megatron.layout import pipeline_stages
     from snip_megatron.models import hybrid
-    from snip_megatron.pretrain.setup import mtp_exclusions
+    from snip_megatron.pretrain.setup import moe_notice, mtp_exclusions
 
     inventory, pattern = planned_inventory(model_config), hybrid_pattern(model_config)
     pp = model_config.pipeline_model_parallel_size
@@ -227,6 +227,9 @@ def make_controller(snip: SnipConfig, model_config, cfg):
         for line in describe_exclusions(excluded):
             _print_rank_0(f"[snip] {line}")
     excluded = mtp_exclusions(inventory, excluded)  # Megatron keeps FP4 off MTP layers (said once)
+    notice = moe_notice(inventory)  # an MoE model's router and shared-expert gate, never planned
+    if notice is not None:
+        _print_rank_0(notice)
     return SnipController(snip, model_shape(model_config), total_steps=cfg.train.train_iters,
                           run_dir=cfg.checkpoint.save,
                           tokens_per_step=cfg.train.global_batch_size * model_config.seq_length,

@@ -103,6 +103,39 @@ def test_multi_latent_attention_and_multi_token_prediction_replan_through_bridge
     assert sorted(record.losses) == [1, 2, 3] and all(math.isfinite(x) for x in record.losses.values())
 
 
+def test_a_tiny_qwen3_moe_measures_and_replans_through_bridge(bridge_on_cpu, capsys):
+    """A tiny Qwen3-MoE (tiny.QWEN3_MOE: 4 experts, top-2, every layer MoE, aux loss) on SNIP's emulated
+    linears at one process: each layer's routed experts are one planned unit per linear
+    (expert_fc1/expert_fc2, SequentialMLP's local experts switched together), the router never
+    planned; measured with routing frozen, re-planned, and every expert runs its unit's plan."""
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    from snip_megatron.bridge import enable_snip
+    from snip_megatron.bridge.run import active
+    from snip_megatron.megatron.apply import current_plan, list_planned_linears
+
+    cfg = tiny.tiny_moe_config(num_layers=2, iters=3)
+    snip = SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5)
+    record = tiny.recorder()
+    callbacks = enable_snip(cfg, snip)
+    run = active(cfg)
+    pretrain(cfg, forward_step, callbacks=callbacks + [record])
+
+    controller = run.controller
+    assert [h["event"] for h in controller.history] == ["initial", "update"]
+    plan = controller.plan
+    assert [str(k) for k in plan.keys()] == [f"{i}.{n}" for i in (1, 2) for n in
+                                             ("linear_qkv", "linear_proj", "expert_fc1", "expert_fc2")]
+    assert plan.counts()["fp4"] > 0
+    notice = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[snip] MoE: ")]
+    assert notice and notice[0].startswith("[snip] MoE: 4 routed-expert units planned") and "mlp.router" in notice[0]
+    planned = list_planned_linears(record.model)
+    assert len(planned) == 2 * (2 + 2 * 4)  # attention's two linears and 4 experts' two per layer
+    assert current_plan(record.model) == plan
+    assert sorted(record.losses) == [1, 2, 3] and tiny.finite(record.losses.values())
+
+
 def test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double(tmp_path):
     """Bridge's HybridModelProvider with '*-*-' (attention, MLP, attention, MLP layers), whose stack spec
     is Transformer Engine's only, over the TE double standing in for an H100 (a process of its own):

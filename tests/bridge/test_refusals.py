@@ -47,7 +47,6 @@ REFUSED = [  # (what is set, the text the refusal must carry)
     ("ddp.fp4_param_gather", True, r"ddp.fp4_param_gather=True"),
     ("optimizer.reuse_grad_buf_for_mxfp8_param_ag", True, r"optimizer.reuse_grad_buf_for_mxfp8_param_ag"),
     ("model.use_kitchen", True, r"model.use_kitchen=True"),
-    ("model.num_moe_experts", 4, r"model.num_moe_experts \(MoE\)"),
     ("model.multi_latent_attention", True, r"model.multi_latent_attention on a GPTModelProvider, which has no "
                                            r"MLA widths .*MLAModelProvider"),
     ("model.use_transformer_engine_full_layer_spec", True, r"full_layer_spec"),
@@ -106,6 +105,7 @@ def test_every_refusal_is_listed_at_once():
 
     cfg = tiny.tiny_config()
     cfg.model.fp8, cfg.model.num_moe_experts, cfg.model.delay_wgrad_compute = "e4m3", 2, True
+    cfg.model.moe_expert_capacity_factor = 1.0
     assert len(refusals(cfg, SnipConfig(enabled=True))) == 3
 
 
@@ -117,6 +117,22 @@ def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
     cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
     cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = True
     assert refusals(cfg, SnipConfig(enabled=True)) == []
+
+
+def test_a_tiny_qwen3_moe_passes_with_megatron_lms_moe_limits_named_by_model_field(monkeypatch):
+    """Megatron-LM's MoE refusals (megatron.moe.moe_refusals, their one owner) read from Bridge's model
+    config, each naming the model field; MoE through Bridge runs at one process."""
+    from snip_megatron.bridge.refusals import refusals
+
+    snip = SnipConfig(enabled=True)
+    assert refusals(tiny.tiny_moe_config(), snip) == []
+    cfg = tiny.tiny_moe_config()
+    cfg.model.moe_expert_capacity_factor, cfg.model.moe_router_fusion = 1.25, True
+    assert sorted(line.split(":")[0] for line in refusals(cfg, snip)) == [
+        "model.moe_expert_capacity_factor", "model.moe_router_fusion"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (line,) = refusals(tiny.tiny_moe_config(), snip)
+    assert line.startswith("model.num_moe_experts on 2 processes"), line
 
 
 def test_multi_latent_attention_and_multi_token_prediction_pass_with_megatron_lms_limits():

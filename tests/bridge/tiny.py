@@ -75,6 +75,25 @@ def tiny_mla_config(*, mtp_num_layers: "int | None" = 1, **kwargs):
     return cfg
 
 
+QWEN3_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, qk_layernorm=True,
+                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3, moe_router_pre_softmax=False,
+                 moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32")
+"""The MoE fields Bridge's Qwen3-MoE bridge sets (models/qwen/qwen3_moe_bridge.py: aux loss 1e-3, QK
+layernorm, the alltoall dispatcher; `norm_topk_prob` true, so no pre-softmax), shrunk to 4 experts,
+top-2; every layer MoE, as in Qwen3-MoE. Its fused kernels (grouped GEMM, permute fusion) are CUDA or
+TE: off here, so the experts are Megatron's SequentialMLP."""
+
+
+def tiny_moe_config(**kwargs):
+    """tiny_config as a tiny Qwen3-MoE (QWEN3_MOE): Bridge's recipe builds that model from the Hugging
+    Face config (AutoBridge), which this machine cannot download; the GPTModelProvider gets its fields."""
+    cfg = tiny_config(**kwargs)
+    for name, value in QWEN3_MOE.items():
+        setattr(cfg.model, name, value)
+    cfg.model.moe_grouped_gemm, cfg.model.moe_permute_fusion = False, False
+    return cfg
+
+
 def tiny_hybrid_config(pattern: str = "*-*-", **kwargs):
     """tiny_config on Bridge's HybridModelProvider: one layer per pattern symbol, over Transformer
     Engine's linears (Megatron's hybrid stack spec is TE-only: on CPU, the TE double)."""
