@@ -4,8 +4,9 @@
     python bench/emulation_profile.py --model llama_1b --num-layers 1 --vocab-size 4096 \
         --seq-length 256 --micro-batch-size 1
 
-The emulated linears' parts are timed with wall clocks around their calls (CPU runs them
-synchronously): `quantize` (each cast, by role), `noise` (the stochastic-rounding bits), `gemm` (the
+The emulated linears' parts are timed with clocks around their calls (wall, or with --clock cpu
+this process's CPU time; CPU runs them synchronously): `quantize` (each cast, by role), `noise`
+(seeding the stochastic-rounding noise; the kernel draws the bits inside `quantize`), `gemm` (the
 three GEMMs, FP32 for quantized operands); `rest` is the step minus those (attention, norms, the
 optimizer, BF16 ops). For one cast of each role the number of eager ops it dispatches is counted
 with torch's profiler, and its time is set against a copy of the same tensor. The precisions take
@@ -30,6 +31,7 @@ import torch
 
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
 from snip_megatron.formats import FormatSpec, Role, Rounding, quantize_for_role
+from snip_megatron.formats.sr_noise import CounterNoise
 from snip_megatron.plan import Plan
 from snip_megatron.shapes import get_shape
 from snip_megatron.train.config import TrainConfig
@@ -41,7 +43,8 @@ PRECISIONS = ("bf16", "fp8", "fp4")
 class PartTimer:
     """Wall time of the emulated linear's parts, accumulated while `active`."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         self.seconds = defaultdict(float)
         self.calls = defaultdict(int)
         self.active = False
@@ -50,11 +53,11 @@ class PartTimer:
         def timed(*args, **kwargs):
             if not self.active:
                 return fn(*args, **kwargs)
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[part] += time.perf_counter() - start
+                self.seconds[part] += self.clock() - start
                 self.calls[part] += 1
         return timed
 
@@ -89,7 +92,7 @@ def cast_ops(spec: FormatSpec, shape: tuple[int, int], repeats: int = 20) -> lis
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.randn(shape).bfloat16()
-    noise = torch.rand(shape)
+    noise = CounterNoise(1)  # as the emulated linear's: drawn by the kernel
     rows = []
     for role in Role:
         cast = spec.cast(role)
@@ -125,7 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps-per-round", type=int, default=4)
     p.add_argument("--data-cache", default=DEFAULT_CACHE_DIR)
     p.add_argument("--max-bytes", type=int, default=2_000_000)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this process's CPU time (steadier on a machine other jobs load)")
     args = p.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     shape = get_shape(args.model)
     overrides = {"num_layers": args.num_layers, "vocab_size": args.vocab_size, "seq_length": args.seq_length}
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                          data=DataConfig(vocab_size=shape.vocab_size, cache_dir=args.data_cache,
                                          max_bytes=args.max_bytes))
     trainer = Trainer(config)
-    timer = PartTimer()
+    timer = PartTimer(clock)
     steps = {p: [] for p in PRECISIONS}
     parts = {p: defaultdict(float) for p in PRECISIONS}
     calls = {p: defaultdict(int) for p in PRECISIONS}
@@ -147,10 +153,10 @@ def main(argv: list[str] | None = None) -> None:
                 for _ in range(args.steps_per_round):
                     timer.seconds.clear()
                     timer.calls.clear()
-                    start = time.perf_counter()
+                    start = clock()
                     with timer.measuring():
                         trainer.train_step()
-                    steps[precision].append(time.perf_counter() - start)
+                    steps[precision].append(clock() - start)
                     for part, s in timer.seconds.items():
                         parts[precision][part] += s
                         calls[precision][part] += timer.calls[part]
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = trainer.global_batch_size * config.seq_len
     n = args.rounds * args.steps_per_round
     print(f"{args.model}: {shape.num_layers} layers, hidden {shape.hidden_size}, {tokens} tokens/step, "
-          f"{n} timed steps per precision, {torch.get_num_threads()} threads")
+          f"{n} timed steps per precision, {torch.get_num_threads()} threads, {args.clock} clock")
     print(f"{'plan':5s} {'ms/step':>8s} {'vs bf16':>8s} {'quantize':>9s} {'noise':>7s} {'gemm':>7s} {'rest':>7s}"
           f"   (ms per step; quantize calls per step)")
     step_ms = {p: statistics.median(steps[p]) * 1e3 for p in PRECISIONS}

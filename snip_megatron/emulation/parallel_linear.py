@@ -8,9 +8,10 @@ Megatron's own.
 
 Tensor parallelism: each rank quantizes its shard, so blocks never straddle shards; per-tensor
 amaxes (NVFP4 global scale, tensorwise FP8) are all-reduced over the TP group, as Transformer Engine
-does; stochastic-rounding noise is drawn for the whole gradient and sliced. TP=N then reproduces
-TP=1 exactly when every sharded dimension is a multiple of the block length along it (e.g. 128 for
-FP8 blockwise, 16 for NVFP4): a misaligned shard pads its last block, and a warning says so.
+does; stochastic-rounding noise is the whole gradient's, counted from its first column
+(formats/sr_noise.py). TP=N then reproduces TP=1 exactly when every sharded dimension is a
+multiple of the block length along it (e.g. 128 for FP8 blockwise, 16 for NVFP4): a misaligned
+shard pads its last block, and a warning says so.
 
 Stochastic rounding uses one dedicated torch.Generator per layer (and device), never the global
 RNG streams. Its seed is `quant_config.config["sr_seed"]` if given, else a CRC32 of the module

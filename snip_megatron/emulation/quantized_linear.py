@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from snip_megatron.formats import FormatSpec, Role, Rounding, quantize_for_role
+from snip_megatron.formats.sr_noise import CounterNoise, draw_seed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,8 +40,9 @@ class QuantRuntime:
     grad_output_group: Any = None
     """Process group G_Y is sharded over; None: whole."""
     grad_output_shard: tuple[int, int] = (0, 1)
-    """(rank, world) of G_Y's sharded last dim: stochastic-rounding noise is drawn for the whole
-    G_Y and this shard sliced out, so TP=N rounds exactly as TP=1."""
+    """(rank, world) of G_Y's sharded last dim: stochastic-rounding noise is the whole G_Y's, at this
+    shard's columns (formats/sr_noise.py counts columns from the full tensor's first), so TP=N
+    rounds exactly as TP=1."""
     generator: torch.Generator | None = None
     """Dedicated generator for stochastic rounding (never the global RNG); on G_Y's device."""
     accumulate_into_main_grad: bool = False
@@ -129,15 +131,14 @@ def _q(tensor, spec, role, group, runtime: QuantRuntime | None = None):
                              amax_group=group)
 
 
-def _shard_noise(grad_output: torch.Tensor, runtime: QuantRuntime) -> torch.Tensor:
+def _shard_noise(grad_output: torch.Tensor, runtime: QuantRuntime) -> CounterNoise:
+    """This shard's columns of the whole G_Y's counter-based noise, seeded by one draw from the
+    layer's generator (the same draw on every TP rank)."""
     if runtime.generator is None:
         raise ValueError("this FormatSpec rounds gradients stochastically: QuantRuntime.generator "
                          "must be a torch.Generator")
-    rank, world = runtime.grad_output_shard
-    rows, cols = grad_output.shape
-    full = torch.rand((rows, cols * world), generator=runtime.generator,
-                      device=runtime.generator.device, dtype=torch.float32).to(grad_output.device)
-    return full[:, rank * cols:(rank + 1) * cols]
+    rank, _ = runtime.grad_output_shard
+    return CounterNoise(draw_seed(runtime.generator), col_offset=rank * grad_output.shape[-1])
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ nothing to compile), and:
 
 - works in the operand's own layout: a block along dim 0 is a (b x 1) tile there, so no
   transposing copy is made; only the roles with a Hadamard transform go through the GEMM layout,
-  where the transform is the reference's own matmul (so its rounding is the reference's);
+  where the transform is the reference's own (hadamard.py, so its rounding is the reference's);
 - reads block amaxes from the integer bits: |x| is x's bits with the sign cleared, and their
   integer order is the float order (NaN above Inf above every finite value);
 - rounds to the element grid with float adds of a magic power of two and integer masks, in
@@ -21,6 +21,11 @@ nothing to compile), and:
   Only the result (and, with return_codes, the codes) is allocated at full size. A per-tensor
   scale (NVFP4's, tensorwise FP8's) costs one read pass before.
 
+On CPU with the compiled kernel (formats/cpu_kernel.py) each cast is one kernel call instead
+(`_quantize_2d_kernel`, `_quantize_hadamard_kernel`): per-tensor amax, block scales, rounding with
+counter-based stochastic-rounding noise drawn in registers (formats/sr_noise.py) and, for the
+Hadamard roles, the transform and its inverse.
+
 Contract (tests/formats/test_fused.py): the dequantized values equal the reference's bit for bit
 (NaN where the reference has NaN); codes and scales too, except inside a scaling group that holds
 a NaN, whose codes and FP32/E4M3 scales the reference leaves to the platform's NaN signs (its
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +46,9 @@ from snip_megatron.formats.constants import (
     F32_MIN_NORMAL, NVFP4_GLOBAL_DIVISOR,
 )
 from snip_megatron.formats.elements import e2m1_codes, e8m0_round_up, fp8_dtype
-from snip_megatron.formats.hadamard import hadamard_last_dim
+from snip_megatron.formats.hadamard import hadamard_factor, hadamard_last_dim, hadamard_signs
 from snip_megatron.formats.spec import CastConfig, ElementFormat, Rounding, ScaleFormat
+from snip_megatron.formats.sr_noise import CounterNoise
 
 CHUNK_ELEMENTS = 1 << 18
 """Elements per row chunk on CPU (1 MiB of float32 per buffer: a chunk's buffers stay in cache).
@@ -71,27 +78,37 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
                    return_codes: bool = False):
     """`quantize_reference(...)`, bit for bit (see the module docstring), fast. `cast` is not None
     and `tensor` was checked by `quantize`."""
-    from snip_megatron.formats.quantize import QuantizedTensor
+    from snip_megatron.formats.quantize import QuantizedTensor, stochastic_noise
 
     out_dtype = tensor.dtype if out_dtype is None else out_dtype
     if dim not in (0, -1, tensor.dim() - 1):
         raise ValueError(f"quantize: dim must be 0 or -1 (the blocked dimension), got {dim}")
     transposed = dim == 0 and tensor.dim() > 1
     x2 = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() != 1 else tensor.reshape(1, -1)
-    u = None  # stochastic-rounding noise in x2's layout
+    # Stochastic-rounding noise: a tensor in x2's layout, or (CPU kernel) the counter-based
+    # generator's parameters, which the kernel draws from in registers.
+    u = None
     if cast.rounding is Rounding.STOCHASTIC:
-        u = _noise(noise, generator, tensor).reshape(x2.shape)
+        u = stochastic_noise(noise, generator, tensor)
+        if not (isinstance(u, CounterNoise) and tensor.device.type == "cpu" and use_cpu_kernel()):
+            if isinstance(u, CounterNoise):
+                u = u.uniform(tensor.shape, tensor.device)
+            u = u.float().reshape(x2.shape)
 
+    if cast.hadamard and _hadamard_kernel_serves(tensor, cast, u, amax_group):
+        return _quantize_hadamard_kernel(x2, tensor, cast, transposed, u, out_dtype, return_codes)
     if cast.hadamard:
         # The reference's layout and transform; the quantization in between is this module's.
         xg = _float_copy(x2.t() if transposed else x2)
-        if u is not None and transposed:
+        if isinstance(u, CounterNoise):
+            u = _KernelNoise(u, transposed, *x2.shape)
+        elif u is not None and transposed:
             u = _float_copy(u.t())
         rows, cols = xg.shape
         pads = (-rows % cast.block[0], -cols % cast.block[1])
         if any(pads):
             xg = F.pad(xg, (0, pads[1], 0, pads[0]))
-            u = None if u is None else F.pad(u, (0, pads[1], 0, pads[0]))
+            u = u if u is None or isinstance(u, _KernelNoise) else F.pad(u, (0, pads[1], 0, pads[0]))
         xg = hadamard_last_dim(xg, cast.hadamard)
         deq, codes, scales, tensor_scale = _quantize_2d(xg, cast, cast.block, u, torch.float32,
                                                        amax_group, return_codes)
@@ -100,6 +117,8 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
         return QuantizedTensor(deq, codes, scales, tensor_scale) if return_codes else deq
 
     rows, cols = x2.shape
+    if isinstance(u, CounterNoise):
+        u = _KernelNoise(u, False, rows, cols)
     block = None
     pads = (0, 0)
     if cast.block is not None:
@@ -107,7 +126,7 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
         pads = (-rows % block[0], -cols % block[1])
     if any(pads):
         x2 = F.pad(x2, (0, pads[1], 0, pads[0]))
-        u = None if u is None else F.pad(u, (0, pads[1], 0, pads[0]))
+        u = u if u is None or isinstance(u, _KernelNoise) else F.pad(u, (0, pads[1], 0, pads[0]))
     deq, codes, scales, tensor_scale = _quantize_2d(
         x2, cast, block, u, torch.float32 if any(pads) else out_dtype, amax_group, return_codes)
     deq = deq[:rows, :cols].reshape(tensor.shape).to(out_dtype)
@@ -124,17 +143,14 @@ def _float_copy(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x)
 
 
-def _noise(noise, generator, tensor) -> torch.Tensor:
-    """U[0, 1) of tensor's shape: `noise`, or drawn from `generator` as the reference draws it."""
-    if noise is None:
-        if generator is None:
-            raise ValueError("stochastic rounding needs generator= or noise=")
-        # Drawn on the generator's device (a CPU generator may serve CUDA tensors), then moved.
-        return torch.rand(tensor.shape, generator=generator, device=generator.device,
-                          dtype=torch.float32).to(tensor.device)
-    if noise.shape != tensor.shape:
-        raise ValueError(f"noise shape {tuple(noise.shape)} != tensor shape {tuple(tensor.shape)}")
-    return noise.float()
+class _KernelNoise(NamedTuple):
+    """Counter-based noise for the kernel: the generator's parameters and the natural 2D shape
+    (rows, cols) it counts over; `transposed`: the kernel's rows are the natural columns."""
+
+    noise: CounterNoise
+    transposed: bool
+    rows: int
+    cols: int
 
 
 def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes):
@@ -232,9 +248,11 @@ def use_cpu_kernel() -> bool:
 
 
 def _quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes):
-    """`_quantize_2d` on CPU by the compiled kernel: one pass per block row. The per-tensor
-    scales are this module's (0-dim torch ops on the kernel's amax); the kernel computes the
-    block scales with the same formulas and rounds as `_round_in_place`."""
+    """`_quantize_2d` on CPU by the compiled kernel: one call. The kernel computes the per-tensor
+    scales from its own amax pass (with the reference's formulas, as the 0-dim torch ops here
+    compute them) unless the amax is all-reduced over a group of more than one rank; then here.
+    It computes the block scales with the same formulas and rounds as `_round_in_place`, drawing
+    counter-based noise itself (`_KernelNoise`)."""
     from snip_megatron.formats.cpu_kernel import kernel
 
     k = kernel()
@@ -244,7 +262,9 @@ def _quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, wa
     enc = dec = global_scale = inv_global = 1.0
     tensor_finite = True
     per_tensor_scale = None
-    if block is None or cast.tensor_scale:
+    per_tensor = block is None or cast.tensor_scale
+    amax_in_kernel = per_tensor and (amax_group is None or _group_size(amax_group) == 1)
+    if per_tensor and not amax_in_kernel:
         amax = _reduce_amax(k.abs_max(x), amax_group)
         tensor_finite = bool(torch.isfinite(amax))
         if block is None:
@@ -265,12 +285,23 @@ def _quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, wa
         scale_code = _SCALE_CODES.get(cast.scale, 4)
         scale_dtype = torch.float32 if scale_code in (1, 2) else torch.uint8
         scales = torch.empty((rows // br, cols // bc), dtype=scale_dtype)
-    k.quantize_blocks(x, out, q, None if u is None else u.float().contiguous(), scales, br, bc,
-                      _ELEMENT_CODES[cast.element], scale_code, cast.element.max, enc, dec,
-                      global_scale, inv_global, tensor_finite)
+    noise_args = {}
+    if isinstance(u, _KernelNoise):
+        seed, col_offset = u.noise
+        noise_args = dict(noise_counter=True, seed_lo=seed & 0xFFFFFFFF,
+                          seed_hi=(seed >> 32) & 0xFFFFFFFF, col_offset=col_offset,
+                          noise_transposed=u.transposed, nat_rows=u.rows, nat_cols=u.cols)
+        u = None
+    kernel_scale = k.quantize_blocks(
+        x, out, q, None if u is None else u.float().contiguous(), scales, br, bc,
+        _ELEMENT_CODES[cast.element], scale_code, cast.element.max, enc, dec, global_scale,
+        inv_global, tensor_finite, tensor_amax=amax_in_kernel, **noise_args)
     out = out if out.dtype == out_dtype else out.to(out_dtype)
     if not want_codes:
         return out, None, None, None
+    if amax_in_kernel:
+        per_tensor_scale = torch.tensor(kernel_scale, dtype=torch.float32)
+        per_tensor_scale = per_tensor_scale.reshape(1, 1) if block is None else per_tensor_scale
     tensor_scale = None
     if block is None:
         scales = per_tensor_scale
@@ -281,6 +312,58 @@ def _quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, wa
     else:
         codes = q.to(fp8_dtype(cast.element))  # exact: q is on the grid
     return out, codes, scales, tensor_scale
+
+
+def _hadamard_kernel_serves(tensor, cast: CastConfig, u, amax_group) -> bool:
+    """Whether the kernel's one-call Hadamard path (`quantize_hadamard`) takes this cast: CPU,
+    NVFP4's shape of it (16-point transform, 1 x 16 blocks), no noise or counter-based noise,
+    and no amax group to all-reduce the per-tensor amax over."""
+    return (tensor.device.type == "cpu" and cast.hadamard == 16 and cast.block == (1, 16)
+            and (u is None or isinstance(u, CounterNoise))
+            and (amax_group is None or _group_size(amax_group) == 1) and use_cpu_kernel())
+
+
+_HADAMARD_SIGNS: dict = {}
+
+
+def _quantize_hadamard_kernel(x2, tensor, cast: CastConfig, transposed: bool, noise, out_dtype,
+                              want_codes):
+    """M^T Q(M x) by the kernel in one call: it reads the operand in its own layout, transforms
+    16-element chunks of the GEMM layout (hadamard.py's order), takes the per-tensor amax of the
+    transformed tensor (a first pass, transforming again), quantizes, transforms back and writes
+    the result in the GEMM layout; returned as its transposed view where the blocks run along
+    dim 0, as the other path."""
+    from snip_megatron.formats.cpu_kernel import kernel
+    from snip_megatron.formats.quantize import QuantizedTensor
+
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()  # float64 rounded to float32 first, as the reference
+    x2 = x2.contiguous()
+    g_rows, g_cols = (x2.shape[1], x2.shape[0]) if transposed else x2.shape
+    g_pad = g_cols + (-g_cols % 16)
+    out = torch.empty((g_rows, g_cols), dtype=torch.float32)
+    q = torch.empty((g_rows, g_pad), dtype=torch.float32) if want_codes else None
+    scale_code = _SCALE_CODES.get(cast.scale, 4)
+    scales = torch.empty((g_rows, g_pad // 16),
+                         dtype=torch.float32 if scale_code in (1, 2) else torch.uint8)
+    if cast.hadamard not in _HADAMARD_SIGNS:
+        _HADAMARD_SIGNS[cast.hadamard] = hadamard_signs(cast.hadamard).float()
+    seed, col_offset = noise if noise is not None else (0, 0)
+    global_scale = kernel().quantize_hadamard(
+        x2, out, q, scales, _HADAMARD_SIGNS[cast.hadamard], hadamard_factor(cast.hadamard),
+        transposed, _ELEMENT_CODES[cast.element], scale_code, cast.element.max,
+        noise is not None, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, col_offset)
+    deq = (out.t() if transposed else out).reshape(tensor.shape).to(out_dtype)
+    if not want_codes:
+        return deq
+    tensor_scale = None
+    if scale_code == 4:
+        scales, tensor_scale = scales.view(torch.float8_e4m3fn), torch.tensor(global_scale)
+    if cast.element is ElementFormat.E2M1:
+        codes = e2m1_codes(q)
+    else:
+        codes = q.to(fp8_dtype(cast.element))  # exact: q is on the grid
+    return QuantizedTensor(deq, codes, scales, tensor_scale)
 
 
 def _chunk_rows(x, br: int) -> int:
@@ -423,6 +506,10 @@ def _block_scales(block_amax, cast: CastConfig, per_tensor):
         enc = inv_global / block_scale_f32
         decode = _nan_where_not_finite(global_scale * block_scale_f32, amax)
     return enc, _nan_where_not_finite(decode, block_amax), scales
+
+
+def _group_size(group) -> int:
+    return torch.distributed.get_world_size(group)
 
 
 def _reduce_amax(amax, group):

@@ -3,6 +3,13 @@
 M = H_h diag(s) / sqrt(h), with H_h the Sylvester Hadamard matrix and s a fixed random sign
 vector, is orthogonal (M^T M = I), so transforming both operands of G_W = G_Y^T X in the same
 h-token chunks leaves the product unchanged while spreading outliers across each chunk.
+
+`hadamard_last_dim` computes M v in a fixed order, so that its float32 result does not depend on
+a BLAS's summation order and the CPU kernel (csrc/quantize_cpu.cpp, `quantize_hadamard`)
+computes the same bits: the signs (exact), the fast Walsh-Hadamard butterflies
+(a, b) -> (a + b, a - b) over element distances 1, 2, 4, ..., h/2 in that order, then the factor
+1/sqrt(h) (exact for h = 16: 0.25). The inverse M^T w is the butterflies first, then signs times
+the factor.
 """
 
 from __future__ import annotations
@@ -39,13 +46,48 @@ def hadamard_matrix(size: int, device="cpu", dtype=torch.float32) -> torch.Tenso
     return _DEVICE_CACHE[key]
 
 
+def hadamard_signs(size: int) -> torch.Tensor:
+    """The fixed random sign vector s (float64 CPU, entries +-1) of the size-`size` transform."""
+    return _matrix_cpu(size)[0] * math.sqrt(size)  # row 0 of H is all ones: M[0] = s / sqrt(h)
+
+
+@functools.lru_cache(maxsize=None)
+def hadamard_factor(size: int) -> float:
+    """1/sqrt(size) as the float32 the transform multiplies by."""
+    return float(torch.tensor(1.0 / math.sqrt(size), dtype=torch.float32))
+
+
 def hadamard_last_dim(x: torch.Tensor, size: int, *, inverse: bool = False) -> torch.Tensor:
-    """Apply M (or M^T) to every chunk of `size` consecutive elements of the last dim
-    (its length must be a multiple of `size`)."""
+    """Apply M (or M^T) to every chunk of `size` consecutive elements of the last dim (its length
+    must be a multiple of `size`), in the order the module docstring fixes."""
     if x.shape[-1] % size:
         raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the Hadamard size {size}")
-    m = hadamard_matrix(size, x.device, x.dtype)
-    chunks = x.reshape(*x.shape[:-1], x.shape[-1] // size, size)
-    # Row chunk v^T -> (M v)^T = v^T M^T; the inverse is v^T M.
-    out = chunks @ (m if inverse else m.t())
-    return out.reshape(x.shape)
+    hadamard_matrix(size)  # checks the size
+    key = (size, x.device, x.dtype)
+    if key not in _SIGN_CACHE:
+        signs = hadamard_signs(size)
+        _SIGN_CACHE[key] = (signs.to(device=x.device, dtype=x.dtype),
+                            (signs * hadamard_factor(size)).to(device=x.device, dtype=x.dtype))
+    signs, signed_factor = _SIGN_CACHE[key]
+    chunks = x.reshape(-1, size)
+    if inverse:
+        return (_butterflies(chunks) * signed_factor).reshape(x.shape)
+    return (_butterflies(chunks * signs) * hadamard_factor(size)).reshape(x.shape)
+
+
+_SIGN_CACHE: dict = {}
+
+
+def _butterflies(y: torch.Tensor) -> torch.Tensor:
+    """H y for rows y of length h (Sylvester order, unnormalized): (a, b) -> (a + b, a - b) at
+    distances 1, 2, ..., h/2."""
+    n, size = y.shape
+    h = 1
+    while h < size:
+        pairs = y.reshape(n, size // (2 * h), 2, h)
+        out = torch.empty_like(pairs)
+        torch.add(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 0])
+        torch.sub(pairs[:, :, 0], pairs[:, :, 1], out=out[:, :, 1])
+        y = out.reshape(n, size)
+        h *= 2
+    return y

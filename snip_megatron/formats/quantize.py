@@ -24,6 +24,11 @@ Rules (documented behaviour, tested):
   force_pow_2_scales), so the decode scale 1 / scale is exact.
 - Per-tensor amaxes (NVFP4 global scale, tensorwise FP8) are all-reduced (MAX) over `amax_group`,
   so a sharded tensor gets the scale of the whole tensor, as Transformer Engine does.
+- Stochastic rounding (E2M1) is floor(|y| / step + u) * step with u in [0, 1) on torch.rand's
+  24-bit grid; u comes from the counter-based generator of formats/sr_noise.py (seeded by one
+  draw from `generator`), or from an explicit `noise` tensor.
+- The Hadamard transform (formats/hadamard.py) runs in a fixed float32 operation order, the same
+  in the reference, the eager path and the CPU kernel.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from snip_megatron.formats.constants import (
 from snip_megatron.formats.elements import cast_fp8, e2m1_codes, e8m0_round_up, round_e2m1
 from snip_megatron.formats.hadamard import hadamard_last_dim
 from snip_megatron.formats.spec import CastConfig, ElementFormat, Rounding, ScaleFormat
+from snip_megatron.formats.sr_noise import CounterNoise, draw_seed
 
 
 class QuantizedTensor(NamedTuple):
@@ -67,7 +73,9 @@ def quantize(tensor: torch.Tensor, cast: CastConfig | None, *, dim: int = -1,
     dim: 0 or -1, the dimension the blocks run along (the GEMM's contraction dim).
     out_dtype: dtype of the dequantized result (default: tensor's dtype; use float32 to keep Q(t)
         exactly).
-    generator / noise: random bits for stochastic rounding; `noise` (U[0,1), tensor's shape) wins.
+    generator / noise: random bits for stochastic rounding; `noise` wins: a U[0,1) tensor of
+        tensor's shape, or a `CounterNoise` (formats/sr_noise.py); a generator seeds a
+        CounterNoise with one draw.
     amax_group: process group over which the per-tensor amax is all-reduced (tensor parallelism).
     return_codes: return a QuantizedTensor instead of the dequantized tensor.
 
@@ -146,15 +154,25 @@ def _gemm_layout(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
     return x2.contiguous(), False
 
 
-def _uniform_noise(noise, generator, tensor, dim, pads) -> torch.Tensor:
+def stochastic_noise(noise, generator, tensor):
+    """The noise of a stochastic cast of `tensor`: a U[0, 1) tensor of its shape (`noise` given
+    as one), or a `CounterNoise` (given, or seeded from `generator`: one draw, so each cast gets
+    its own stream; formats/sr_noise.py)."""
     if noise is None:
         if generator is None:
             raise ValueError("stochastic rounding needs generator= or noise=")
-        # Drawn on the generator's device (a CPU generator may serve CUDA tensors), then moved.
-        noise = torch.rand(tensor.shape, generator=generator, device=generator.device,
-                           dtype=torch.float32).to(tensor.device)
-    elif noise.shape != tensor.shape:
+        return CounterNoise(draw_seed(generator))
+    if isinstance(noise, CounterNoise):
+        return noise
+    if noise.shape != tensor.shape:
         raise ValueError(f"noise shape {tuple(noise.shape)} != tensor shape {tuple(tensor.shape)}")
+    return noise
+
+
+def _uniform_noise(noise, generator, tensor, dim, pads) -> torch.Tensor:
+    noise = stochastic_noise(noise, generator, tensor)
+    if isinstance(noise, CounterNoise):
+        noise = noise.uniform(tensor.shape, tensor.device)
     u, _ = _gemm_layout(noise.float(), dim)
     pad_r, pad_c = pads
     return F.pad(u, (0, pad_c, 0, pad_r)) if (pad_r or pad_c) else u

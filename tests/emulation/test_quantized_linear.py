@@ -6,6 +6,7 @@ import torch
 from snip_megatron.emulation import QuantRuntime, quantized_linear
 from snip_megatron.emulation.quantized_linear import shares_quantization
 from snip_megatron.formats import FormatSpec, Role, quantize_for_role
+from snip_megatron.formats.sr_noise import CounterNoise, draw_seed
 
 RECIPES = {"blockwise": ("fp8", {}), "tensorwise": ("fp8", {"fp8_recipe": "tensorwise"}),
            "mxfp8": ("fp8", {"fp8_recipe": "mxfp8"}), "nvfp4": ("fp4", {}),
@@ -41,9 +42,9 @@ def test_matches_independent_computation(name):
     y, gx, gw, _ = _run(x, w, gy, spec, seed=5)
     x2, gy2 = x.reshape(-1, 256), gy.reshape(-1, 128)
     q = lambda t, role, **kw: quantize_for_role(t, spec, role, out_dtype=torch.float32, **kw)  # noqa: E731
-    # Stochastic rounding draws dgrad's noise, then wgrad's, from the layer's generator.
+    # Stochastic rounding seeds dgrad's noise, then wgrad's, from the layer's generator.
     g = torch.Generator().manual_seed(5)
-    u_dgrad, u_wgrad = torch.rand(gy2.shape, generator=g), torch.rand(gy2.shape, generator=g)
+    u_dgrad, u_wgrad = CounterNoise(draw_seed(g)), CounterNoise(draw_seed(g))
     y_ref = q(x2, Role.FPROP_INPUT) @ q(w, Role.FPROP_WEIGHT).t()
     gx_ref = q(gy2, Role.DGRAD_GRAD_OUTPUT, noise=u_dgrad) @ q(w, Role.DGRAD_WEIGHT)
     gw_ref = q(gy2, Role.WGRAD_GRAD_OUTPUT, noise=u_wgrad).t() @ q(x2, Role.WGRAD_INPUT)
@@ -181,7 +182,7 @@ def test_shared_quantizations_are_bit_exact_on_partial_tiles(name, m):
     x2, gy2 = x.reshape(-1, 256), gy.reshape(-1, m)
     q = lambda t, role, **kw: quantize_for_role(t, spec, role, out_dtype=torch.float32, **kw)  # noqa: E731
     g = torch.Generator().manual_seed(7)
-    u_dgrad, u_wgrad = torch.rand(gy2.shape, generator=g), torch.rand(gy2.shape, generator=g)
+    u_dgrad, u_wgrad = CounterNoise(draw_seed(g)), CounterNoise(draw_seed(g))
     assert torch.equal(gx.reshape(-1, 256), q(gy2, Role.DGRAD_GRAD_OUTPUT, noise=u_dgrad) @ q(w, Role.DGRAD_WEIGHT))
     assert torch.equal(gw, q(gy2, Role.WGRAD_GRAD_OUTPUT, noise=u_wgrad).t() @ q(x2, Role.WGRAD_INPUT))
     assert torch.equal(y.reshape(-1, m), q(x2, Role.FPROP_INPUT) @ q(w, Role.FPROP_WEIGHT).t())

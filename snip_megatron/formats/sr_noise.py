@@ -1,0 +1,83 @@
+"""Stochastic-rounding noise from a counter-based generator: U[0, 1) as a pure function of
+(seed, row, column), so a kernel can draw it in registers and the eager paths draw the same bits.
+
+Element (r, c) of a tensor's 2D view (all leading dims, last dim) gets
+
+    k0 = mix(mix(r ^ seed_lo) ^ seed_hi)        per row
+    k1 = mix(k0 ^ 0x9E3779B9)
+    u  = (mix(mix((c + col_offset) ^ k0) ^ k1) >> 8) * 2**-24
+
+with `mix` the 32-bit integer hash "lowbias32" (two multiply-xorshift rounds, a bijection with
+full avalanche) and all arithmetic mod 2**32. u takes the 2**24 values k * 2**-24, as
+`torch.rand`'s float32 draws do, which is all the E2M1 rounding reads (floor(|y| / step + u)).
+The seed enters every round, so two seeds give unrelated streams, not shifted copies of one.
+`col_offset` is the shard's first column in the full last dim: a tensor-parallel shard draws the
+full tensor's noise for its columns without drawing the rest (TP=N rounds as TP=1).
+
+The compiled CPU kernel (csrc/quantize_cpu.cpp, `noise_bits`) computes the same formula;
+`uniform` here is its torch form (any device), used by the reference and the eager paths.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_MASK = 0xFFFFFFFF
+_MIX = (0x7FEB352D, 0x846CA68B)
+_GOLDEN = 0x9E3779B9
+
+
+class CounterNoise(NamedTuple):
+    """The noise of one stochastic-rounding cast: its seed and the shard's column offset."""
+
+    seed: int
+    """64 bits (an int in [0, 2**64))."""
+    col_offset: int = 0
+    """The tensor's first column in the full (unsharded) last dim."""
+
+    def uniform(self, shape, device="cpu") -> torch.Tensor:
+        """The float32 U[0, 1) noise of a tensor of `shape` (its 2D view: leading dims x last)."""
+        shape = tuple(shape)
+        cols = shape[-1] if shape else 1
+        rows = 1
+        for d in shape[:-1]:
+            rows *= d
+        _check_range(rows, cols + self.col_offset)
+        seed_lo, seed_hi = self.seed & _MASK, (self.seed >> 32) & _MASK
+        r = torch.arange(rows, dtype=torch.int64, device=device)
+        k0 = _mix(_mix(r ^ seed_lo) ^ seed_hi)
+        k1 = _mix(k0 ^ _GOLDEN)
+        c = torch.arange(self.col_offset, self.col_offset + cols, dtype=torch.int64, device=device)
+        bits = _mix(_mix(c[None, :] ^ k0[:, None]) ^ k1[:, None])
+        return ((bits >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
+
+
+def draw_seed(generator: torch.Generator) -> int:
+    """A 64-bit seed drawn from `generator` (advancing it: each cast gets its own stream)."""
+    words = torch.randint(0, 1 << 32, (2,), generator=generator, device=generator.device,
+                          dtype=torch.int64).tolist()
+    return words[0] | (words[1] << 32)
+
+
+def _check_range(rows: int, cols: int) -> None:
+    if rows > 1 << 32 or cols > 1 << 32:
+        raise ValueError(f"stochastic-rounding noise counts rows and columns in 32 bits; got a "
+                         f"{rows} x {cols} tensor")
+
+
+def _mul32(x: torch.Tensor, const: int) -> torch.Tensor:
+    # x * const mod 2**32 for x in [0, 2**32) without overflowing int64: the constant in 16-bit
+    # halves (each partial product < 2**48).
+    hi = (x * (const >> 16)) & 0xFFFF
+    return ((hi << 16) + x * (const & 0xFFFF)) & _MASK
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX[1])
+    return x ^ (x >> 16)
