@@ -4,11 +4,11 @@
 linear_fc2), `M` Mamba layer (mixer.in_proj, out_proj), `G` gated delta net (self_attention.in_proj,
 out_proj), `E` MoE layer (MoETransformerLayer: its routed experts as the GPT adapter's units
 `expert_fc1`/`expert_fc2` at mlp.experts.linear_fc1/2, TE's grouped linears, and its shared experts
-if any; the router is never planned); `|` cuts pipeline segments. Layer i of a segment has `layer_number = i + 1 + offset`,
-the offset being the layers of the segments before it (Megatron's `select_pipeline_segment`).
-MLA (`+`), DSA (`D`) and MTP (`/`) layers are refused by name until SNIP plans them here. An
-attention layer's keys are a GPT layer's (GPT layer L is hybrid layers 2L-1 and 2L of `*-*-...`).
-Pure: the pattern and the config's widths give the inventory; Megatron is not imported.
+if any; the router is never planned); `|` cuts pipeline segments. Layer i of a segment has
+`layer_number = i + 1 + offset`, the offset being the layers of the segments before it (Megatron's
+`select_pipeline_segment`). MLA (`+`), DSA (`D`) and MTP (`/`) layers are refused by name until
+SNIP plans them here. An attention layer's keys are a GPT layer's (GPT layer L is hybrid layers
+2L-1 and 2L of `*-*-...`). Pure: the pattern and the config's widths give the inventory; Megatron is not imported.
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ def test_an_moe_layer_plans_the_gpt_adapters_expert_units():
     assert [str(k) for k in inv.keys()] == ["1.linear_qkv", "1.linear_proj", "2.expert_fc1", "2.expert_fc2",
                                            "3.linear_qkv", "3.linear_proj", "4.linear_fc1", "4.linear_fc2"]
     fc1, fc2 = inv.entry("2.expert_fc1"), inv.entry("2.expert_fc2")
-    assert (fc1.suffix, fc1.shape, fc1.experts, fc1.topk) == ("mlp.experts.linear_fc1", (2 * 48, TINY.hidden_size), 4, 2)
+    assert (fc1.suffix, fc1.shape, fc1.experts, fc1.topk) == \
+        ("mlp.experts.linear_fc1", (2 * 48, TINY.hidden_size), 4, 2)
     assert fc1.flops_per_token == 6 * 2 * 48 * TINY.hidden_size * 2 and fc2.kind is ParallelKind.ROW
     as_gpt = gpt.inventory(TINY.with_(num_layers=2), moe=dataclasses.replace(moe, layer_freq=(1, 0)))
     assert [inv.entry(f"2.{n}") for n in ("expert_fc1", "expert_fc2")] == \

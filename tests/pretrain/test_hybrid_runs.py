@@ -106,13 +106,15 @@ def test_tp2_hybrid_measures_replans_and_resumes_every_te_linear(tmp_path):
 def test_one_process_hybrid_moe_layer_with_grouped_experts_measures_replans_and_resumes(tmp_path):
     """`*E`: an attention layer, then an MoE layer (4 experts, top-2, TEGroupedMLP over the TE
     double's GroupedLinear, SNIP's split padding, and shared experts): its grouped expert_fc1/fc2
-    are planned units (the GPT adapter's), its shared experts planned linears, the router never planned; measured, re-planned at step 1 (an expert unit to
+    are planned units (the GPT adapter's), its shared experts planned linears, the router never
+    planned; measured, re-planned at step 1 (an expert unit to
     BF16), saved, and resumed with the checkpoint's plan."""
     from tests.pretrain.test_moe_runs import replans
 
     ckpt = tmp_path / "ckpt"
     common = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm",
-              "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2", *DATA, "--snip", "--snip-warmup", "1", "--snip-interval", "2",
+              "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2",
+              *DATA, "--snip", "--snip-warmup", "1", "--snip-interval", "2",
               "--snip-lag", "0", "--snip-fp8-budget", "0.5", "--save-interval", "2", "--save", str(ckpt),
               "--train-iters", "3"]
     out = probed(tmp_path, tmp_path / "p", "*E", *common, "--exit-interval", "2")

@@ -67,8 +67,8 @@ def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
 
 @pytest.mark.parametrize("argv, line", [
     (["--transformer-impl", "transformer_engine"], "snip-pretrain-hybrid needs --hybrid-layer-pattern"),
-    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E"], "--hybrid-layer-pattern "
-                                                                                     "'*E*E' has MoE (E) layers: add --num-experts"),
+    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E"],
+     "--hybrid-layer-pattern '*E*E' has MoE (E) layers: add --num-experts"),
     (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4"],
      "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm"),
     (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4",
