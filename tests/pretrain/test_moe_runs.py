@@ -121,7 +121,8 @@ def test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan(tmp_path,
 TE_LAYOUTS = {
     "tp2_sp_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
                    "--expert-tensor-parallel-size", "1"],
-    "ep2": ["--expert-model-parallel-size", "2"],
+    # two micro-batches per replica, so TE's cached FP8 weights are reused within a step (check_runtime)
+    "ep2": ["--expert-model-parallel-size", "2", "--global-batch-size", "8"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
 }
 
