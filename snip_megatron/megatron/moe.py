@@ -9,7 +9,8 @@ def moe_refusals(args) -> list[str]:
     """What an MoE run (--num-experts) cannot do with SNIP yet, one line each naming the flag. SNIP
     plans, measures and re-plans MoE GPTs on Megatron's local spec (SequentialMLP experts with SNIP's
     emulated linears) at one process and at expert, pipeline and data parallelism, and on the TE spec
-    with grouped experts (TEGroupedMLP, --moe-grouped-gemm) at one process (docs/moe.md)."""
+    with grouped experts (TEGroupedMLP, --moe-grouped-gemm) at one process, TP=2 with sequence
+    parallelism and EP=2, EP over DP and PP, expert TP 1 (docs/moe.md)."""
     out = []
 
     def refuse(when, text):
@@ -28,10 +29,11 @@ def moe_refusals(args) -> list[str]:
     refuse(te and not grouped,
            "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm: SNIP pads "
            "expert token splits for per-module FP8/FP4 on TE's grouped GEMM only; add --moe-grouped-gemm")
-    refuse(te and world > 1,
-           f"--num-experts with --transformer-impl transformer_engine on {world} processes: SNIP's grouped-expert "
-           "padding and measurement are tested at one process only so far; run one process, or the local spec "
-           "(--transformer-impl local) at expert, pipeline and data parallelism")
+    refuse(te and world > 1 and tp > 1 and etp > 1,
+           f"--expert-tensor-parallel-size {etp} with --transformer-impl transformer_engine experts on {world} "
+           "processes: SNIP's grouped-expert measurement runs each expert's GEMM whole, and TE grouped experts are "
+           "tested at expert TP 1 only (TP=2 with --sequence-parallel, EP over DP, PP); add "
+           "--expert-tensor-parallel-size 1")
     refuse(not te and tp > 1, "--tensor-model-parallel-size > 1 with --num-experts: Megatron's MoE layer trains at "
            "TP > 1 only with --sequence-parallel, which the local spec's torch norms refuse; SNIP's expert "
            "statistics at TP=2 with sequence parallelism are tested against one process, but no such run is; run "

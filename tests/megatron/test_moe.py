@@ -19,11 +19,16 @@ def test_the_local_spec_runs_at_expert_pipeline_and_data_parallelism():
     assert flags(world_size=4, expert_model_parallel_size=2, pipeline_model_parallel_size=2) == []
 
 
-def test_te_grouped_experts_run_at_one_process_only():
+def test_te_grouped_experts_run_at_expert_tp_1_only():
     te = dict(transformer_impl="transformer_engine", moe_grouped_gemm=True)
     assert flags(**te) == []
-    assert flags(**te, world_size=2, expert_model_parallel_size=2) == [
-        "--num-experts with --transformer-impl transformer_engine on 2 processes"]
+    assert flags(**te, world_size=2, expert_model_parallel_size=2) == []
+    assert flags(**te, world_size=2, pipeline_model_parallel_size=2) == []
+    assert flags(**te, world_size=2, tensor_model_parallel_size=2, sequence_parallel=True,
+                 expert_model_parallel_size=2, expert_tensor_parallel_size=1) == []
+    # Megatron's default expert TP is TP
+    assert flags(**te, world_size=2, tensor_model_parallel_size=2, sequence_parallel=True) == [
+        "--expert-tensor-parallel-size 2 with --transformer-impl transformer_engine experts on 2 processes"]
     assert flags(transformer_impl="transformer_engine") == [
         "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm"]
 

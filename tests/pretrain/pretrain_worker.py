@@ -144,6 +144,9 @@ def probe(controller, out: Path):
         record = {"planned": {str(p.key): type(p.module).__name__ for p in planned},
                   "module_types": sorted({t for _, t in modules}),
                   "q_layernorms": sum(n.endswith("q_layernorm") for n, _ in modules),
+                  # experts per MoE layer on this rank (Megatron's MoE layers and their experts)
+                  "local_experts": sorted({m.num_local_experts for c in ctx.chunks for m in c.modules()
+                                           if isinstance(getattr(m, "num_local_experts", None), int)}),
                   "stages": {str(k): v for k, v in (controller.stages or {}).items()},
                   "plan_source": controller.plan_source,
                   "te_built": built, "te_started": te_state(ctx.chunks)}

@@ -9,7 +9,9 @@ import re
 import pytest
 
 from snip_megatron.plan import Plan
-from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of, train
+from tests.pretrain.test_runs import ROOT, losses, needs_training, run, snip_lines, state_of, train
+
+PROBED = ROOT / "tests" / "pretrain" / "pretrain_worker.py"
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,0]",
        "--moe-aux-loss-coeff", "1e-2"]
@@ -84,16 +86,81 @@ LAYOUTS = {
 }
 
 
+def check_local_experts(probe, layout: str) -> None:
+    """Each rank's MoE layer holds the model's 4 experts, or 2 at EP=2 (Megatron's expert groups
+    set up as the flags say)."""
+    import json
+
+    for rank in (0, 1):
+        found = json.loads((probe / f"rank{rank}.json").read_text())["local_experts"]
+        if "pp2" in layout and rank == 1:  # the MoE layer is on the first stage
+            assert found == [], found
+        else:
+            assert found == [2 if "ep2" in layout else 4], (rank, found)
+
+
 @needs_training
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan(tmp_path, layout):
     ckpt = tmp_path / "ckpt"
     common = [*MOE, *SNIP, *LAYOUTS[layout], "--train-iters", "3", "--save-interval", "2", "--save", str(ckpt)]
-    out = train(tmp_path, *common, "--exit-interval", "2", nproc=2)
+    out = run(tmp_path, [str(PROBED), str(tmp_path / "p")], *common, "--exit-interval", "2", nproc=2)
     assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2], snip_lines(out)
     assert all(2.0 < x < 7.0 for x in losses(out).values())
+    check_local_experts(tmp_path / "p", layout)
     plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
     assert [str(k) for k in plan.keys()][2:4] == ["1.expert_fc1", "1.expert_fc2"] and plan.counts()["fp4"] > 0
     out = train(tmp_path, *common, "--load", str(ckpt), nproc=2)
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     assert sorted(losses(out)) == [3] and len(replans(out)) == 1
+
+
+# TE grouped experts over the TE double on two processes, expert TP 1: TP=2 with sequence
+# parallelism and EP=2 (each rank two experts; TE's norms take SP, the CPU's torch norms do not),
+# EP=2 over two data-parallel replicas, and PP=2.
+TE_LAYOUTS = {
+    "tp2_sp_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                   "--expert-tensor-parallel-size", "1"],
+    # two micro-batches per replica, so TE's cached FP8 weights are reused within a step (check_runtime)
+    "ep2": ["--expert-model-parallel-size", "2", "--global-batch-size", "8"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+}
+
+
+@needs_training
+@pytest.mark.parametrize("layout", sorted(TE_LAYOUTS))
+def test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double(tmp_path, layout):
+    """As the one-process TE grouped run, on two processes: every rank's planned TE linears (its
+    local experts' grouped linears included) run their planned recipe, switched by the re-plan at
+    step 1 from the measurement; the resumed run builds every rank's linears with the checkpoint's plan."""
+    from tests.pretrain.test_te_runs import check_linears_follow_the_plan, check_runtime, probed, te_built, te_rows
+
+    ckpt = tmp_path / "ckpt"
+    common = [*MOE, "--moe-grouped-gemm", *TE_LAYOUTS[layout], "--mock-data", "--vocab-size", "256",
+              "--eval-interval", "100", "--snip", "--snip-warmup", "1", "--snip-interval", "2", "--snip-lag", "0",
+              "--snip-fp8-budget", "0.5", "--save-interval", "2", "--save", str(ckpt), "--train-iters", "3"]
+    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "2", sm=90, nproc=2)
+    assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2], snip_lines(out)
+    assert all(2.0 < x < 7.0 for x in losses(out).values())
+    check_local_experts(tmp_path / "p", layout)
+    experts = ("1.expert_fc1", "1.expert_fc2")
+    for rank in (0, 1):
+        rows = te_rows(tmp_path / "p", rank)
+        assert [r["step"] for r in rows] == [1, 2]
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
+        if layout != "pp2" or rank == 0:  # the MoE layer is on the first stage
+            assert set(experts) <= rows[0]["linears"].keys(), rows[0]["linears"]
+    # the measured re-plan at step 1 put a grouped expert linear in BF16 (the initial plan is all FP8)
+    assert any(te_rows(tmp_path / "p", 0)[0]["plan"][k] == "bf16" for k in experts)
+    plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
+    saved = {str(k): p.value for k, p in plan.items()}
+    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=90, nproc=2)
+    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
+    assert sorted(losses(out)) == [3]
+    for rank in (0, 1):
+        built = te_built(tmp_path / "q", rank)
+        assert built and all(saved[k] == p for k, p in built.items()), (rank, built, saved)
+        rows = te_rows(tmp_path / "q", rank)
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)

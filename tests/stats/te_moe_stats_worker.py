@@ -3,11 +3,15 @@ GroupedLinear) against the local spec's SequentialMLP with the same weights: eve
 equal; then SNIP's split padding under an FP8 plan (TE's refusal of unaligned splits without it).
 
     torchrun --nproc_per_node 1 tests/stats/te_moe_stats_worker.py --out DIR
+    torchrun --nproc_per_node 2 tests/stats/te_moe_stats_worker.py --out DIR --tp2-sp-ep2
 
-Needs `tests/te_double` on PYTHONPATH (tests/stats/test_measure_te.py sets it). Writes DIR/rank0.json.
+With --tp2-sp-ep2: both models at TP=2 with sequence parallelism and EP=2 (expert TP 1), the
+tables only (the local spec's equals one process's: tests/stats/test_measure_moe_parallel.py).
+Needs `tests/te_double` on PYTHONPATH (tests/stats/test_measure_te.py sets it). Writes DIR/rank<r>.json.
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import warnings
@@ -36,13 +40,16 @@ def grouped_to_local(name: str) -> str:
     return f"{head}mlp.experts.local_experts.{param.removeprefix('weight')}.{linear}.weight"
 
 
-def build_te_moe():
+def build_te_moe(**parallel):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from snip_megatron.megatron.model import make_transformer_config
 
-    config = make_transformer_config(SHAPE, **GPU_DEFAULTS, **MOE, moe_grouped_gemm=True)
+    from megatron.core import parallel_state as ps
+
+    config = make_transformer_config(SHAPE, tp=ps.get_tensor_model_parallel_world_size(), **GPU_DEFAULTS, **MOE,
+                                     **parallel, moe_grouped_gemm=True)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=SHAPE.vocab_size,
                     max_sequence_length=SHAPE.seq_length, share_embeddings_and_output_weights=False,
@@ -61,6 +68,7 @@ def train_forward_backward(model, batch):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--tp2-sp-ep2", action="store_true")
     args = p.parse_args()
     require_double()
     from snip_megatron.formats.precision import Precision
@@ -74,13 +82,19 @@ def main():
     from snip_megatron.stats.measure import measure_chunks
     from tests.pretrain.pretrain_worker import use_the_doubles_gpu
 
+    from tests.stats.measure_worker import cpu_current_device, sp_tolerant_norms
+
     use_the_doubles_gpu()
     runtime.init_process_group()
-    runtime.initialize_model_parallel(tp=1, pp=1, seed=1234)
+    wide = args.tp2_sp_ep2
+    runtime.initialize_model_parallel(tp=2 if wide else 1, pp=1, seed=1234, ep=2 if wide else 1, etp=1)
+    parallel = dict(sequence_parallel=True, expert_model_parallel_size=2, expert_tensor_parallel_size=1) \
+        if wide else {}
     runtime.seed_all(1234)
-    te_model = build_te_moe()
+    te_model = build_te_moe(**parallel)
     runtime.seed_all(1234)
-    local = build_gpt_model(SHAPE, backend="local", **MOE)
+    with sp_tolerant_norms() if wide else contextlib.nullcontext():
+        local = build_gpt_model(SHAPE, backend="local", **MOE, **parallel)
     local_params = dict(local.named_parameters())
     with torch.no_grad():
         for name, param in te_model.named_parameters():
@@ -92,14 +106,22 @@ def main():
     config = MeasureConfig(noise_frac=0.05, seed=3, micro_batches=None)
     batches = fixed_batches()
     run = dict(seq_length=SHAPE.seq_length, micro_batch_size=2, config=config)
-    te_table = measure_chunks([te_model], make_forward_step(), batches, **run)
-    local_table = measure_chunks([local], make_forward_step(), batches, **run)
+    with cpu_current_device() if wide else contextlib.nullcontext():
+        te_table = measure_chunks([te_model], make_forward_step(), batches, **run)
+        local_table = measure_chunks([local], make_forward_step(), batches, **run)
     te, lo = te_table.to_array(), local_table.to_array()
     scale = abs(lo).max(axis=0) + 1e-30
     worst = {f: float(abs(te[:, i] - lo[:, i]).max() / scale[i]) for i, f in enumerate(te_table.fields)}
     out = {"worst": worst, "keys": [str(k) for k in te_table.keys],
            "expert_n": te_table.get(gpt.LayerKey(1, "expert_fc1"), "n"),
-           "measured_unquantized": fc1.run_counts.get("blockwise", 0) == 0 and "forward" not in vars(fc1)}
+           "measured_unquantized": fc1.run_counts.get("blockwise", 0) == 0 and "forward" not in vars(fc1),
+           "local_experts": fc1.num_gemms, "dp_size": te_table.globals_["dp_size"]}
+    if wide:
+        import torch.distributed as dist
+
+        (Path(args.out) / f"rank{dist.get_rank()}.json").write_text(json.dumps(out))
+        runtime.destroy()
+        return
 
     for param in te_model.parameters():  # Megatron's DDP would give them: TE fuses wgrad into main_grad
         param.requires_grad_(True)

@@ -69,3 +69,18 @@ def test_te_grouped_experts_measure_as_sequential_mlp_and_pad_their_splits(tmp_p
     assert "not a multiple of 16" in r["unpadded"], r["unpadded"]
     assert r["padded_label"] == "blockwise" and all(n % 16 == 0 for n in r["padded_splits"]), r
     assert r["bf16_label"] == "high_precision" and any(n % 16 for n in r["bf16_splits"]), r
+
+
+def test_te_grouped_experts_measure_as_sequential_mlp_at_tp2_sp_ep2(tmp_path):
+    """The same comparison on two processes, TP=2 with sequence parallelism and EP=2 (expert TP 1):
+    each rank's two grouped experts, keyed by their global ids and reduced over the expert groups,
+    give the local spec's table at the same layout (which equals one process's:
+    tests/stats/test_measure_moe_parallel.py), every field to 1e-5 but the stochastic ones."""
+    run_distributed([MOE_WORKER, "--out", str(tmp_path), "--tp2-sp-ep2"], nproc=2, timeout=600,
+                    env={"PYTHONPATH": double_pythonpath(apex=True), "TE_DOUBLE_COMPUTE_CAPABILITY": "9.0"})
+    for rank in (0, 1):
+        r = json.loads((Path(tmp_path) / f"rank{rank}.json").read_text())
+        bad = {f: w for f, w in r["worst"].items() if not w <= (0.1 if f in STOCHASTIC else 1e-5)}
+        assert not bad, (rank, bad)
+        assert r["local_experts"] == 2 and r["dp_size"] == 1 and r["measured_unquantized"]
+        assert r["expert_n"] == 2 * 2 * 32 * 2  # every routed row of the step, once
