@@ -3,7 +3,9 @@
 One float64 tensor in the StatsTable layout ([rows + 1, fields], the run-level scalars in the last
 row) on the model's device receives every statistic as a 0-dim tensor, so no hook waits for the
 GPU; values the host already knows (token counts, shapes) go into a host array of the same
-layout, added in once by `tensor()`. A measurement moves its statistics to the host once, after
+layout, added in once by `tensor()`. Device values are queued and added in one `index_put_`
+(accumulate, in the order they came: a CPU run sums exactly as one add each would) when the sums
+are read: an indexed in-place add per statistic cost several tensor ops each. A measurement moves its statistics to the host once, after
 the last reduction (`to_table`).
 """
 
@@ -22,6 +24,7 @@ class Accumulator:
         shape = (len(self.layout.keys) + 1, len(self.layout.fields))
         self.values = torch.zeros(shape, dtype=torch.float64, device=self.device)
         self.host = np.zeros(shape)
+        self.pending: list = []  # (row, col, 0-dim device tensor) not yet added into `values`
 
     def row(self, key) -> int:
         return self.layout.row_index(key)
@@ -32,7 +35,7 @@ class Accumulator:
     def add(self, row: int, col: int, value) -> None:
         """Add a 0-dim tensor (stays on the device) or a host number."""
         if isinstance(value, torch.Tensor):
-            self.values[row, col] += value
+            self.pending.append((row, col, value))
         else:
             self.host[row, col] += value
 
@@ -41,6 +44,12 @@ class Accumulator:
 
     def tensor(self) -> torch.Tensor:
         """Device and host parts together, on the device."""
+        if self.pending:
+            rows, cols, vals = zip(*self.pending)
+            self.pending = []
+            index = torch.tensor([rows, cols], dtype=torch.int64).to(self.device)
+            self.values.index_put_((index[0], index[1]), torch.stack(vals).to(self.values.dtype),
+                                   accumulate=True)
         return self.values + torch.from_numpy(self.host).to(self.device)
 
 
