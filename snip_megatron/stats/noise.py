@@ -62,7 +62,8 @@ def token_positions(local_len: int, *, sp_rank: int = 0, sp_size: int = 1, cp_ra
 
 
 _ONE = 0x3F800000  # float32 1.0; setting bit 31 makes it -1.0
-_SHIFTS: dict = {}  # device -> arange(WORD_BITS) as int32, made once
+_SIGN = -(1 << 31)  # int32 with only bit 31 set
+_SHIFTS: dict = {}  # device -> 31 - arange(WORD_BITS) as int32, made once
 
 
 def _signs(words: torch.Tensor) -> torch.Tensor:
@@ -71,11 +72,11 @@ def _signs(words: torch.Tensor) -> torch.Tensor:
     bytes per entry, not 8."""
     w32 = words.to(torch.int32)
     shifts = _SHIFTS.get(words.device)
-    if shifts is None:
-        shifts = _SHIFTS[words.device] = torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)
-    bits = w32.unsqueeze(-1) >> shifts
+    if shifts is None:  # bit b moves to the sign bit
+        shifts = _SHIFTS[words.device] = WORD_BITS - 1 - torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)
+    bits = w32.unsqueeze(-1) << shifts
     del w32
-    bits.bitwise_and_(1).bitwise_left_shift_(31).bitwise_or_(_ONE)  # in place: one int32 per entry
+    bits.bitwise_and_(_SIGN).bitwise_or_(_ONE)  # in place: one int32 per entry
     return bits.view(torch.float32).reshape(*words.shape[:-1], -1)
 
 
