@@ -1,6 +1,8 @@
 """The estimator's oracle: does the predicted cost rank layers like the harm quantizing them does?
 
-Trains llama_tiny (6 layers, 24 planned linears) on the default corpus in BF16, and at an early and
+Trains llama_tiny (6 layers, 24 planned linears; `--model` another compact-loop preset, e.g. the MoE
+llama_tiny_moe8, whose RESULT adds the scores over its routed-expert units and over its attention
+linears apart) on the default corpus in BF16, and at an early and
 a later point measures, for every planned linear alone, by brute force:
   - one-step loss harm: held-out loss with only that layer quantized minus the BF16 loss, over
     `--val-batches` batches of each evaluation set (`--eval-sets`; two halves give the split-half
@@ -89,14 +91,15 @@ class Harness:
 
         self.args = args
         total = args.steps + 2 * args.long_steps + 8
-        self.tr = Trainer(TrainConfig(model="llama_tiny", steps=total, micro_batch_size=args.mbs,
+        self.tr = Trainer(TrainConfig(model=args.model, steps=total, micro_batch_size=args.mbs,
                                       global_batch_size=args.mbs * args.num_mb, eval_interval=None,
                                       lr=args.lr, seed=args.seed, progress=False, precision="bf16"))
         # the LR schedule ends at the later point (as a finished run would); the long-horizon
         # continuations run on at min_lr, on data the run has not seen
         self.tr.scheduler.lr_decay_steps = args.steps
-        self.linears = planned_linears(self.tr.modules)
-        self.keys = [k for k, _ in self.linears]
+        self.linears = planned_linears(self.tr.modules)  # an MoE expert unit: each local expert's module
+        self.keys = list(dict.fromkeys(k for k, _ in self.linears))
+        self.groups = unit_groups(self.tr.inventory)
         self.evals = {name: self.eval_batches(name) for name in args.eval_sets}
         from snip_megatron.stats.quant_error import formats_error_fn
 
@@ -165,6 +168,9 @@ class Harness:
             tr.current_batch = None
             if i == 0:
                 measure_s = time.perf_counter() - t0
+        if [str(k) for k in tables[0].keys] != [str(k) for k in self.keys]:  # every score pairs them by position
+            raise RuntimeError(f"the statistics table's units {list(map(str, tables[0].keys))[:4]}... are not in "
+                               f"the order of the planned linears {list(map(str, self.keys))[:4]}...")
         m_ew = self.momentum_dot_weight_error()
         out = {"measure_s": measure_s, "measure_config": repr(config),
                "stats": tables[0].to_array().tolist(), "stats_fields": list(tables[0].fields), "m_ew": m_ew,
@@ -201,6 +207,26 @@ class Harness:
         err = self.err
         return (x + err(x, p, "fprop_input")) @ (w + err(w, p, "fprop_weight")).t() - x @ w.t()
 
+    def frozen_routing_harm(self, name: str) -> list:
+        """The one-step FP4 harm of each unit alone with routing frozen: every MoE router replays the
+        top-k choices of the BF16 pass over the same batches (snip_megatron.stats.routing, as SNIP's
+        noise passes do), so the harm leaves out what quantizing a unit does through changed routing.
+        Per unit: (first half, second half) of the evaluation set."""
+        from snip_megatron.stats import routing
+
+        rows = []
+        with routing.frozen_routing(self.tr.modules) as routes:
+            self.set_only()
+            routes.record()
+            base = self.val_halves(name)
+            for k in self.keys:
+                self.set_only(k, FP4)
+                routes.replay()
+                a, b = self.val_halves(name)
+                rows.append((a - base[0], b - base[1]))
+        self.set_only()
+        return rows
+
     def first_order_terms(self, name: str) -> dict:
         """The first-order part of the one-step harm on an evaluation set: per precision and layer,
         <G_Y, dY> summed over the set's tokens with G_Y the gradient of the mean loss, for each
@@ -212,6 +238,8 @@ class Harness:
 
         def post(module, args, output, key):
             y = output[0] if isinstance(output, tuple) else output
+            if args[0].numel() == 0 or not y.requires_grad:  # an MoE expert no token chose: nothing to add
+                return
             x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
             w = module.weight.detach().float()
             dys = {p: self.output_errors(x, w, p) for p in (FP8, FP4)}
@@ -274,9 +302,9 @@ class Harness:
                 continue
             b1, _ = _group_of(inner, main_param)["betas"]
             m_hat = st["exp_avg"].double() / (1 - b1 ** float(st.get("step", 1)))
-            for p in (FP8, FP4):
+            for p in (FP8, FP4):  # an MoE expert unit: its experts' terms add
                 e = err(model_param.detach(), p, "fprop_weight").double()
-                out[p.value][k] = float((m_hat.reshape(e.shape) * e).sum())
+                out[p.value][k] = out[p.value].get(k, 0.0) + float((m_hat.reshape(e.shape) * e).sum())
         return {p: [v.get(k, math.nan) for k in self.keys] for p, v in out.items()}
 
     def error_direction_probe(self, batch) -> dict:
@@ -340,15 +368,16 @@ class Harness:
         return out
 
     def adam_update(self) -> dict:
-        """The AdamW update direction the next optimizer step would take for each planned weight,
-        from the gradient in main_grad (no step taken; lr, clipping and weight decay left out)."""
+        """The AdamW update direction the next optimizer step would take for each planned weight
+        (keyed by the weight: an MoE expert unit has several), from the gradient in main_grad (no step
+        taken; lr, clipping and weight decay left out)."""
         from snip_megatron.stats.adam import _group_of, _pairs
 
-        weights = {id(m.weight): k for k, m in self.linears}
+        weights = {id(m.weight) for _, m in self.linears}
         out = {}
         for model_param, main_param, inner in _pairs(self.tr.optimizer):
-            k = weights.get(id(model_param))
-            if k is None:
+            k = id(model_param)
+            if k not in weights:
                 continue
             st = inner.state.get(main_param, {})
             g = model_param.main_grad.double()
@@ -449,6 +478,10 @@ def measure_point(h: Harness, long_horizon: bool, log) -> dict:
                first_order=sets[primary]["first_order"])
     out["other_sets"] = {n: v for n, v in sets.items() if n != primary}
     log(f"  one-step harm ({', '.join(args.eval_sets)}): {time.perf_counter() - t0:.0f}s")
+    if "frozen" in args.truths:  # an MoE model: the FP4 harm without the routing changes it causes
+        t0 = time.perf_counter()
+        out["harm_frozen"] = h.frozen_routing_harm(primary)
+        log(f"  one-step FP4 harm, routing frozen ({primary}): {time.perf_counter() - t0:.0f}s")
 
     # truth 2: one-step update deviation, only that layer's backward quantized
     t0 = time.perf_counter()
@@ -547,6 +580,49 @@ def sampling_scores(r: dict) -> dict:
 
 
 # -- scores ----------------------------------------------------------------------------------------
+def unit_groups(inventory) -> dict:
+    """Each planned unit's kind, from the model's inventory: "attention" (the self-attention linears),
+    "experts" (an MoE layer's routed experts, one unit per linear and layer), "shared_experts", "mlp"."""
+    def kind(e):
+        if e.experts:
+            return "experts"
+        if e.suffix.startswith("self_attention."):
+            return "attention"
+        return "shared_experts" if ".shared_experts." in e.suffix else "mlp"
+
+    return {str(e.key): kind(e) for e in inventory}
+
+
+def group_scores(keys, r: dict, groups: dict) -> dict:
+    """Per kind of unit (unit_groups) with at least 3 units: Spearman of the predicted FP4 dL against
+    the one-step FP4 harm over that kind's units alone, the split-half ceiling of the harm over them,
+    and the same against the harm's second-order part (when the first-order terms were measured)."""
+    out = {}
+    harm = np.array(r["harm"]["fp4"]) if r.get("harm") else None
+    frozen = np.array(r["harm_frozen"]) if r.get("harm_frozen") else None
+    if (harm is None and frozen is None) or not groups:
+        return out
+    dl = np.array(r["pred"]["fp4"]["dL"])
+    fo = (r.get("first_order") or {}).get("fp4")
+    for g in dict.fromkeys(groups[k] for k in keys):
+        idx = [i for i, k in enumerate(keys) if groups[k] == g]
+        if len(idx) < 3:
+            continue
+        if harm is not None:
+            h = harm[idx]
+            out[f"fp4_{g}"] = spearman(dl[idx], h.mean(1))
+            out[f"ceiling_split_{g}"] = spearman(h[:, 0], h[:, 1])
+            if fo is not None:
+                out[f"fp4_second_order_{g}"] = spearman(dl[idx], (h - np.array(fo)[idx]).mean(1))
+        if frozen is not None:  # the truth with routing frozen (Harness.frozen_routing_harm)
+            out[f"fp4_frozen_routing_{g}"] = spearman(dl[idx], frozen[idx].mean(1))
+            out[f"ceiling_split_frozen_routing_{g}"] = spearman(frozen[idx][:, 0], frozen[idx][:, 1])
+            if harm is not None:
+                out[f"frozen_vs_free_{g}"] = spearman(frozen[idx].mean(1), harm[idx].mean(1))
+        out[f"units_{g}"] = len(idx)
+    return out
+
+
 def scores(r: dict, lambdas, default_lam) -> dict:
     s = {}
     if not r["harm"]:
@@ -651,13 +727,19 @@ def cache_path(args, point: str) -> "Path | None":
         return None
     import hashlib
 
-    key = json.dumps({a: getattr(args, a) for a in TRAINING_ARGS}, sort_keys=True)
+    settings = {a: getattr(args, a) for a in TRAINING_ARGS}
+    if getattr(args, "model", "llama_tiny") != "llama_tiny":  # llama_tiny's caches keep their names
+        settings["model"] = args.model
+    key = json.dumps(settings, sort_keys=True)
     return Path(args.cache_dir) / f"{point}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.pt"
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fp4-recipe", default="nvfp4", choices=["nvfp4", "mxfp4"])
+    ap.add_argument("--model", default="llama_tiny", help="compact-loop preset (snip_megatron.shapes.PRESETS); "
+                    "an MoE one (llama_tiny_moe8) adds the scores over its routed experts and its attention "
+                    "linears apart to RESULT")
     ap.add_argument("--steps", type=int, default=1000, help="BF16 training steps to the later point")
     ap.add_argument("--early", type=int, default=300, help="step of the early point")
     ap.add_argument("--mbs", type=int, default=8)
@@ -688,7 +770,8 @@ def main(argv=None) -> None:
     ap.add_argument("--long-precisions", default="fp4,fp8")
     ap.add_argument("--lambdas", default="0,0.3,1,3")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--truths", default="harm,dev,long", help="which truths to measure")
+    ap.add_argument("--truths", default="harm,dev,long", help="which truths to measure (and \"frozen\": "
+                    "the one-step FP4 harm with MoE routing frozen at the BF16 pass's choices)")
     ap.add_argument("--points", default="early,later", help="which points to measure")
     ap.add_argument("--rescore", default=None, help="recompute predictions and scores from a saved "
                     "--out JSON with the current estimator (the measurement and truths are reused)")
@@ -710,6 +793,11 @@ def main(argv=None) -> None:
         ap.error("--long-from joins long-horizon orders into a saved run: it needs --rescore FILE")
     if not 0 <= args.long_skip < args.long_orders:
         ap.error(f"--long-skip {args.long_skip} must leave at least one of the {args.long_orders} orders")
+    from snip_megatron.models.gpt import PRESET_MOE
+
+    if args.probe and args.model in PRESET_MOE:
+        ap.error(f"--probe with the MoE --model {args.model}: the probe injects one tensor per linear and "
+                 "micro-batch, and an expert unit has one per expert; run it on a dense model")
     if args.rescore:
         return rescore(args)
     if args.remeasure:
@@ -720,7 +808,7 @@ def main(argv=None) -> None:
         print(f"[{time.perf_counter() - start:7.0f}s] {msg}", flush=True)
 
     h = Harness(args)
-    log(f"llama_tiny, {len(h.keys)} planned linears, fp4 recipe {args.fp4_recipe}")
+    log(f"{args.model}, {len(h.keys)} planned units, fp4 recipe {args.fp4_recipe}")
     results = {}
     for name, step, long_horizon in (("early", args.early, False), ("later", args.steps, True)):
         if name not in args.points:
@@ -740,20 +828,22 @@ def main(argv=None) -> None:
         if args.out:  # keep what is done if a later phase is interrupted
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out + ".partial").write_text(json.dumps({"keys": [str(k) for k in h.keys],
-                                                               "results": results}))
+                                                               "groups": h.groups, "results": results}))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"args": {k: (v if not isinstance(v, list) else [str(x) for x in v])
                                                         for k, v in vars(args).items()},
-                                              "keys": [str(k) for k in h.keys], "results": results}))
+                                              "keys": [str(k) for k in h.keys], "groups": h.groups,
+                                              "results": results}))
     log("done")
-    report([str(k) for k in h.keys], results, args)
+    report([str(k) for k in h.keys], results, args, h.groups)
 
 
 def remeasure(args) -> None:
     saved = json.loads(Path(args.remeasure).read_text())
     for a in TRAINING_ARGS + ("fp4_recipe",):
         setattr(args, a, saved["args"][a])
+    args.model = saved["args"].get("model", "llama_tiny")  # runs from before --model: llama_tiny
     cached = cache_path(args, "later")
     if cached is None or not cached.exists():
         raise SystemExit(f"--remeasure needs the run's model in --cache-dir (no {cached}); "
@@ -768,7 +858,7 @@ def remeasure(args) -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(saved))
     print(f"remeasured {args.remeasure} with {r['measure_config']}")
-    report(saved["keys"], saved["results"], args)
+    report(saved["keys"], saved["results"], args, saved.get("groups"))
 
 
 def rescore(args) -> None:
@@ -787,7 +877,7 @@ def rescore(args) -> None:
     if args.out:  # e.g. the run with the long-horizon orders of --long-from joined in
         Path(args.out).write_text(json.dumps(saved))
     print(f"rescored {args.rescore} with the current estimator ({EstimateConfig()})")
-    report([str(k) for k in keys], results, args)
+    report([str(k) for k in keys], results, args, saved.get("groups"))
 
 
 def merge_long(r: dict, extra: dict, name: str) -> None:
@@ -813,7 +903,9 @@ def merge_long(r: dict, extra: dict, name: str) -> None:
     r["long_base"] = extra["long_base"]
 
 
-def report(keys, results: dict, args) -> None:
+def report(keys, results: dict, args, groups: "dict | None" = None) -> None:
+    """Print the tables and scores; `groups` (unit_groups) adds the scores over each kind of unit
+    (an MoE model: the routed experts and the attention linears apart) to RESULT."""
     default_lam = EstimateConfig().lam
     all_scores = {n: scores(r, args.lambdas, default_lam) for n, r in results.items()}
     other = {}  # the same predictions scored against the other evaluation sets' truths
@@ -852,10 +944,21 @@ def report(keys, results: dict, args) -> None:
                   f"({sc['seconds'][0]:.1f}s): dL FP4 vs all {sc['vs_all'][0]:.3f} +- {sc['vs_all'][1]:.3f}, "
                   f"WD FP4 vs all {sc['wd_vs_all'][0]:.3f} +- {sc['wd_vs_all'][1]:.3f}"
                   + (f", dL FP4 vs one-step truth {truth[0]:.3f} +- {truth[1]:.3f}" if truth else ""))
+    by_kind = {}
+    for n, r in results.items():
+        gs = group_scores(keys, r, groups or {})
+        if gs:
+            print(f"{n} by kind of unit: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                     for k, v in gs.items()))
+        if n == "later" or not by_kind:
+            by_kind = gs
+    kinds = "".join(f" spearman_{g}={v:.3f} ceiling_split_{g[4:]}={by_kind[f'ceiling_split_{g[4:]}']:.3f}"
+                    for g, v in by_kind.items() if g.startswith("fp4_") and not g.startswith("fp4_second_order_"))
     print(f"RESULT spearman_fp4={later['fp4']:.3f} spearman_marginal={later['marginal']:.3f} "
           f"spearman_long={later.get('long', math.nan):.3f} spearman_wd={later['wd']:.3f} "
           f"spearman_proxy={later['proxy_fp4']:.3f} ceiling_split={later['ceiling_split']:.3f} "
-          f"ceiling_long={later.get('ceiling_long', math.nan):.3f}")
+          f"ceiling_long={later.get('ceiling_long', math.nan):.3f}" + (kinds if groups and any(
+              v == "experts" for v in groups.values()) else ""))
 
 
 if __name__ == "__main__":

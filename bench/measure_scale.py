@@ -13,12 +13,15 @@
    CPU torch has no allocator statistics; live bytes are counted by a TorchDispatchMode that sees
    every tensor an ATen op returns (forward and backward) and follows its storage until the last
    tensor on it is freed (weakref finalizers). Scratch inside a single kernel is not seen.
-3. The model's figures for the 1B, 7B and 70B recipes: extra bytes per rank over a training step
-   (and over a bare frozen pass), host syncs, and the compute in training-step equivalents at the
-   assumed GPU's rates.
+3. The model's figures for the 1B, 7B and 70B recipes and a DeepSeek-V3-sized MoE (61 layers, MLA,
+   256 routed experts top-8 + 1 shared, EP=64: Megatron-Bridge's deepseek_v3_pretrain_config):
+   extra bytes per rank over a training step (and over a bare frozen pass), host syncs, and the
+   compute in training-step equivalents at the assumed GPU's rates.
 
     python bench/measure_scale.py [--quick]
-Last line: RESULT extra_gb_70b=<x> syncs_70b=<x> step_equiv_70b=<x> model_error=<x>
+Prints `RESULT extra_gb_dsv3=<x> syncs_dsv3=<x> dispatcher_syncs_dsv3=<x> step_equiv_dsv3=<x>
+units_dsv3=<x> local_experts_dsv3=<x> expert_rows_dsv3=<x>` (the MoE layout), then last
+RESULT extra_gb_70b=<x> syncs_70b=<x> step_equiv_70b=<x> model_error=<x>
 (model_error: the largest relative error of the validated quantities.)
 """
 
@@ -284,6 +287,31 @@ def validate(quant: dict, quick: bool) -> tuple[list, float]:
 
 
 # -- 3. the recipes ------------------------------------------------------------------------------
+DSV3 = "DeepSeek-V3 (TP2 PP16 EP64, DP32, SP, mbs 1, seq 4096, batch 4096)"
+
+
+def deepseek_v3(quant: dict) -> sm.MeasureLayout:
+    """DeepSeek-V3 as Megatron-Bridge 0.6's `deepseek_v3_pretrain_config` (recipes/deepseek/h100/
+    deepseek_v3.py: 1024 H100s, TP=2, PP=16, EP=64, ETP=1, SP, no recompute, micro-batch 1, global
+    batch 4096, distributed optimizer with BF16 moments) builds it from the Hugging Face config through
+    its DeepSeek-V3 bridge: 61 layers (the first 3 dense), hidden 7168, FFN 18432, 128 heads, MLA
+    (q_lora 1536, kv_lora 512, head dims 128 + 64 rope, v 128), 256 routed experts of FFN 2048 top-8
+    and one shared expert (FFN 2048), vocab 129280. Without its MTP layer (SNIP refuses MTP with
+    experts today)."""
+    from snip_megatron.models.gpt import MLADims, MoEDims
+
+    shape = ModelShape(name="deepseek_v3", num_layers=61, hidden_size=7168, ffn_hidden_size=18432,
+                       num_attention_heads=128, num_query_groups=128, vocab_size=129280, seq_length=4096,
+                       kv_channels=128)
+    return sm.MeasureLayout(
+        shape=shape, mla=MLADims(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
+                                 v_head_dim=128),
+        moe=MoEDims(num_experts=256, topk=8, ffn_hidden_size=2048, shared_ffn_hidden_size=2048,
+                    layer_freq=(0,) * 3 + (1,) * 58),
+        tp=2, pp=16, dp=32, ep=64, etp=1, sequence_parallel=True, micro_batch_size=1, global_batch=4096,
+        moment_bytes=2, quant_bytes=quant)
+
+
 def recipes(quant: dict) -> dict:
     return {
         "1B (TP1, DP8, mbs 4, seq 2048, batch 512)": sm.MeasureLayout(
@@ -300,6 +328,7 @@ def recipes(quant: dict) -> dict:
         "70B, every micro-batch measured (micro_batches=None)": sm.MeasureLayout(
             shape=get_shape("llama_70b"), tp=8, pp=8, dp=1, sequence_parallel=True, recompute="full",
             micro_batch_size=1, global_batch=1024, micro_batches=None, quant_bytes=quant),
+        DSV3: deepseek_v3(quant),
     }
 
 
@@ -339,7 +368,21 @@ def main(argv=None) -> None:
               f"host-to-device copies; compute {fl['step_equiv']:.4f} training steps "
               f"({fl['measure_s']:.2f} s at peak rates against a {fl['step_s']:.1f} s step; "
               f"elementwise {fl['elementwise_s']:.2f} s)")
+        if lay.moe is not None:
+            print(f"    MoE: {len(lay.inventory)} planned units, {lay.local_experts} local experts per MoE layer "
+                  f"(an expert unit's hooks run one expert at a time), {lay.expert_tokens} routed rows per "
+                  f"expert per micro-batch (balanced); {sm.measurement_passes(lay)} passes x "
+                  f"{lay.stage_layers()['moe']} MoE layers on the busiest stage: "
+                  f"{sm.dispatcher_syncs(lay)} syncs of Megatron's alltoall dispatcher (its own, one per MoE "
+                  f"layer forward, as in each training micro-batch)")
         result[name] = (mem, fl, syncs)
+    mem, fl, syncs = result[DSV3]
+    lay = recipes(quant)[DSV3]
+    print(f"RESULT extra_gb_dsv3={mem['extra_over_training'] / 1e9:.3f} "
+          f"syncs_dsv3={syncs['device_to_host'] + syncs['host_to_device']} "
+          f"dispatcher_syncs_dsv3={sm.dispatcher_syncs(lay)} step_equiv_dsv3={fl['step_equiv']:.4f} "
+          f"units_dsv3={len(lay.inventory)} local_experts_dsv3={lay.local_experts} "
+          f"expert_rows_dsv3={lay.expert_tokens}")
     mem, fl, syncs = result[next(n for n in result if n.startswith("70B (TP8"))]
     print(f"RESULT extra_gb_70b={mem['extra_over_training'] / 1e9:.3f} "
           f"syncs_70b={syncs['device_to_host'] + syncs['host_to_device']} step_equiv_70b={fl['step_equiv']:.4f} "

@@ -93,6 +93,8 @@ class RunSpec:
     """Steps of a shared BF16 prefix: every method of a seed continues from its checkpoint (0: none)."""
     fp4_linears: tuple = ()
     """single_fp4 and oracle: the linears ("3.linear_fc1") their pinned plan holds in FP4, the others FP8."""
+    moe: dict | None = None
+    """The MoE layers' experts (models.gpt.MoEDims as a dict; --model's), None: a dense model."""
 
     @property
     def name(self) -> str:
@@ -112,7 +114,8 @@ class RunSpec:
         """The checkpoint folder of this seed's shared prefix, named by every setting it depends on."""
         import hashlib
 
-        settings = json.dumps([self.model, self.steps, self.micro_batch_size, self.max_bytes], sort_keys=True)
+        settings = [self.model, self.steps, self.micro_batch_size, self.max_bytes] + ([self.moe] if self.moe else [])
+        settings = json.dumps(settings, sort_keys=True)
         tag = hashlib.sha1(settings.encode()).hexdigest()[:10]
         return at_root(self.run_dir) / f"prefix{self.prefix_steps}_{tag}_s{self.seed}"
 
@@ -141,6 +144,16 @@ def snip_config(spec: RunSpec):
     raise ValueError(f"unknown method {spec.method!r}")
 
 
+def moe_of(spec: RunSpec):
+    """The run's experts (models.gpt.MoEDims), None for a dense model."""
+    from snip_megatron.models.gpt import MoEDims
+
+    if not spec.moe:
+        return None
+    freq = spec.moe.get("layer_freq", 1)  # a per-layer list after the log's JSON: MoEDims keeps a tuple
+    return MoEDims(**{**spec.moe, "layer_freq": freq if isinstance(freq, int) else tuple(freq)})
+
+
 def train_config(spec: RunSpec, **overrides):
     """The TrainConfig of a run (and of its seed's prefix: the same schedule over the whole run)."""
     from snip_megatron.data.prepare import DataConfig
@@ -149,7 +162,7 @@ def train_config(spec: RunSpec, **overrides):
 
     shape = ModelShape(**spec.model)
     branch = spec.steps - spec.prefix_steps
-    settings = dict(model=shape, steps=spec.steps, micro_batch_size=spec.micro_batch_size,
+    settings = dict(model=shape, moe=moe_of(spec), steps=spec.steps, micro_batch_size=spec.micro_batch_size,
                     lr=3e-3, min_lr=3e-4, seed=spec.seed, eval_interval=max(1, branch // 4),
                     eval_batches=4, progress=False,
                     precision="bf16" if spec.method == "bf16" or spec.prefix_steps else "fp8",
@@ -216,14 +229,15 @@ def run_one(spec: RunSpec) -> dict:
         pinned_plan(shape.num_layers, spec.fp4_linears).save(spec.plan_path)
     train = train_config(spec, metrics_path=str(run_dir / "metrics.jsonl"))
     ctrl = SnipController(snip_config(spec), shape, total_steps=spec.steps, run_dir=run_dir,
-                          tokens_per_step=spec.micro_batch_size * shape.seq_length, log=lambda m: None)
+                          tokens_per_step=spec.micro_batch_size * shape.seq_length, log=lambda m: None,
+                          inventory=train.inventory)
     start = time.perf_counter()
     trainer = Trainer(train, hooks=[ctrl])
     history = trainer.fit()
     trainer.config = _with_eval_batches(trainer.config, 32)  # the final evaluations: more batches
     final_plan = ctrl.plan
     val_plan = trainer.evaluate()
-    trainer.set_plan(Plan.uniform(shape.num_layers, Precision.BF16))
+    trainer.set_plan(Plan.uniform(trainer.inventory, Precision.BF16))
     val_bf16 = trainer.evaluate()
     trainer.close()
     losses = [m["loss"] for m in history if m.get("loss") is not None]
@@ -258,6 +272,7 @@ def load_finished(path: Path, specs: list[RunSpec]) -> list[dict]:
             continue  # an invocation record (load_invocations)
         r["spec"].setdefault("prefix_steps", 0)  # logs written before the shared prefix existed
         r["spec"].setdefault("fp4_linears", [])  # ... and before the oracle
+        r["spec"].setdefault("moe", None)  # ... and before MoE models
         if wanted.get(r.get("name")) == r["spec"]:
             finished[r["name"]] = r
     return list(finished.values())
@@ -311,7 +326,7 @@ def common_settings(args) -> dict:
                  vocab_size=args.vocab, seq_length=args.seq)
     return dict(steps=args.steps, warmup=warmup_of(args), model=model, data_cache=args.data_cache,
                 max_bytes=args.max_bytes, micro_batch_size=args.micro_batch_size,
-                run_dir=args.run_dir, prefix_steps=args.prefix_steps)
+                run_dir=args.run_dir, prefix_steps=args.prefix_steps, moe=args.moe)
 
 
 def build_specs(args) -> list[RunSpec]:
@@ -573,23 +588,28 @@ def write_results(path: Path, args, results, summaries, lines) -> None:
     docs = path.parent
     docs.mkdir(parents=True, exist_ok=True)
     main_fmt = args.formats[0]
-    curves = draw_curves(results, main_fmt, 0.75, docs / "quality_curves.png")
+    # the main report's figures keep their names; a companion report's are named after it
+    figures = "quality" if path.name == "results.md" else path.stem
+    curves = draw_curves(results, main_fmt, 0.75, docs / f"{figures}_curves.png")
     heat = None
     snip_runs = [r for r in results if r["spec"]["method"] == "snip_periodic" and r["spec"]["fp4_recipe"] == main_fmt
                  and r["spec"]["seed"] == 0 and r["spec"]["budget"] == 0.75]
     if snip_runs and (at_root(snip_runs[0]["run_dir"]) / PLANS_FILE).exists():  # a report from the log alone: none
-        heat = draw_heatmap(load_plan_history(at_root(snip_runs[0]["run_dir"])), docs / "quality_snip_heatmap.png",
+        heat = draw_heatmap(load_plan_history(at_root(snip_runs[0]["run_dir"])), docs / f"{figures}_snip_heatmap.png",
                             args.steps)
     cpu = _cpu_name()
+    # a companion report (--model) is a section of docs/results.md (write_results appends it there)
+    h = "#" if args.model is None else "##"
+    title = "Quality at equal FP4 budgets" + (f", {args.model}" if args.model else "")
     text = [
-        "# Quality at equal FP4 budgets (written by `bench/quality.py`)",
+        f"{h} {title} (written by `bench/quality.py`)",
         "",
         f"Command: `{' '.join(['python bench/quality.py'] + [a for a in args.argv if a not in ('--report-only', '--resume')])}`  ",
         f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; "
         + timing_text(args, results),
         f"Model: {args.layers} layers, hidden {args.hidden}, FFN {args.ffn}, {args.heads} heads "
-        f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; "
-        f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; "
+        f"({args.groups} query groups), seq {args.seq}, vocab {args.vocab}; " + experts_text(args.moe)
+        + f"{args.steps} steps, micro-batch {args.micro_batch_size}; {args.seeds} seeds; "
         + (f"a shared BF16 prefix of {args.prefix_steps} steps per seed (checkpointed once; every method "
            f"continues from it, SNIP measures at step {warmup_of(args)}). " if args.prefix_steps else
            f"warm-up (all FP8) {warmup_of(args)} steps. ")
@@ -609,7 +629,7 @@ def write_results(path: Path, args, results, summaries, lines) -> None:
                  "runs them); the tables below hold the runs that have.", ""]
     for fmt, summary in summaries.items():
         oracle = format_oracle(summary, budgets_of(args, fmt))
-        text += [f"## {fmt}", "", format_table(summary), ""]
+        text += [f"{h}# {fmt}", "", format_table(summary), ""]
         if oracle:
             text += ["The oracle: each linear alone in FP4 from the prefix checkpoint over the quantized "
                      "phase (the others FP8), then the knapsack over those harms at each budget, trained "
@@ -622,10 +642,29 @@ def write_results(path: Path, args, results, summaries, lines) -> None:
         text += [f"![validation loss]({curves.name})", ""]
     if heat:
         text += [f"![SNIP plan over training]({heat.name})", ""]
-    regimes = docs / "quality_regimes.md"  # bench/quality_regimes.py's map, beside this report
-    if regimes.exists():
-        text += [regimes.read_text()]
+    if args.model is None:
+        for part in companions(docs, path):
+            text += [part.read_text()]
     path.write_text("\n".join(text))
+
+
+def companions(docs: Path, path: Path) -> list[Path]:
+    """The reports the main one ends with: bench/quality_regimes.py's map of where FP4 hurts, then
+    every docs/results_*.md (this benchmark's --model runs, and the MoE evidence of the other
+    benchmarks), each kept where it is and appended whole."""
+    parts = [docs / "quality_regimes.md"] + sorted(docs.glob("results_*.md"))
+    return [q for q in parts if q.exists() and q.resolve() != path.resolve()]
+
+
+def experts_text(moe: "dict | None") -> str:
+    """The experts of an MoE model, for the report's model line ("" for a dense model)."""
+    if not moe:
+        return ""
+    freq = moe["layer_freq"]
+    where = "every layer" if freq == 1 else (f"every {freq}th layer" if isinstance(freq, int) else f"layers {freq}")
+    return (f"MoE ({where}): {moe['num_experts']} experts of FFN {moe['ffn_hidden_size']}, top-{moe['topk']}"
+            + (f", shared experts of FFN {moe['shared_ffn_hidden_size']}" if moe.get("shared_ffn_hidden_size") else "")
+            + "; ")
 
 
 def process_minutes(results: list[dict]) -> float:
@@ -647,6 +686,36 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+DIMS = (("--layers", 6, "transformer layers"), ("--hidden", 128, "hidden size"), ("--ffn", 352, "FFN hidden size"),
+        ("--heads", 4, "attention heads"), ("--groups", 2, "query groups (GQA)"), ("--seq", 128, "sequence length"))
+"""The model dimension flags and the dense model's defaults."""
+_SHAPE_FIELD = {"--layers": "num_layers", "--hidden": "hidden_size", "--ffn": "ffn_hidden_size",
+                "--heads": "num_attention_heads", "--groups": "num_query_groups", "--seq": "seq_length"}
+
+
+def model_defaults(p: argparse.ArgumentParser, args) -> None:
+    """Fill the dimensions not given from --model's preset (or the dense defaults), its experts into
+    args.moe, and the run folder and report named after it."""
+    from dataclasses import asdict as fields_of
+
+    from snip_megatron.models.gpt import PRESET_MOE
+    from snip_megatron.shapes import PRESETS
+
+    shape = None
+    if args.model is not None:
+        if args.model not in PRESETS:
+            p.error(f"--model {args.model}: unknown; presets: {', '.join(PRESETS)}")
+        shape = PRESETS[args.model]
+    for flag, dense, _ in DIMS:
+        dest = flag[2:]
+        if getattr(args, dest) is None:
+            setattr(args, dest, dense if shape is None else getattr(shape, _SHAPE_FIELD[flag]))
+    moe = PRESET_MOE.get(args.model) if args.model else None
+    args.moe = fields_of(moe) if moe is not None else None
+    args.run_dir = args.run_dir or ("runs/quality" if args.model is None else f"runs/quality_{args.model}")
+    args.out = args.out or ("docs/results.md" if args.model is None else f"docs/results_{args.model}.md")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -672,22 +741,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train the first N steps once per seed in BF16 and continue every method from that "
                         "checkpoint (the paper's setting: SNIP applied to a pretrained checkpoint; default 400); "
                         "0: none, every method trains from step 0")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--ffn", type=int, default=352)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--groups", type=int, default=2, help="query groups (GQA)")
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--model", default=None,
+                   help="a compact-loop preset (snip_megatron.shapes.PRESETS) whose dimensions are the defaults "
+                        "of --layers ... --seq and whose experts (models.gpt.PRESET_MOE), if any, every run has: "
+                        "e.g. llama_tiny_moe8 (8 experts, top-2, every layer MoE); default: the dense model below")
+    for flag, dense, what in DIMS:
+        p.add_argument(flag, type=int, default=None, help=f"{what} (default {dense}, or --model's)")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--max-bytes", type=int, default=6_000_000)
     p.add_argument("--jobs", type=int, default=2)
     # Relative paths are taken from the repository root (and stored so in the results log).
     p.add_argument("--data-cache", default=".cache/snip-data")
-    p.add_argument("--run-dir", default="runs/quality")
-    p.add_argument("--out", default="docs/results.md", help="the report (relative paths from the repository root)")
+    p.add_argument("--run-dir", default=None, help="default runs/quality (with --model: runs/quality_<model>)")
+    p.add_argument("--out", default=None, help="the report (relative paths from the repository root; default "
+                   "docs/results.md, with --model docs/results_<model>.md, which docs/results.md includes)")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    model_defaults(p, args)
     args.formats = (args.formats or ("nvfp4" if args.quick else "nvfp4,mxfp4")).split(",")
     args.budgets = [float(b) for b in (args.budgets or ("0.75,0.8" if args.quick else "0.5,0.75,0.8,0.9")).split(",")]
     args.other_budgets = [float(b) for b in args.other_budgets.split(",")]
@@ -699,6 +770,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         unknown = [m for m in args.methods if m not in METHODS]
         if unknown or not args.methods:
             p.error(f"--methods: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(METHODS)}")
+    if args.moe is not None and wants_oracle(args):
+        p.error(f"the oracle (--methods ...,oracle, or the full benchmark) lists a dense model's linears; with "
+                f"the MoE --model {args.model} pass --quick or --methods without oracle")
     args.log_path = at_root(args.log) if args.log else at_root(args.run_dir) / "results.jsonl"
     if args.fresh and (args.resume or args.report_only):
         p.error("--fresh deletes the results log; it cannot go with --resume or --report-only")

@@ -74,6 +74,9 @@ PRESETS: dict[str, ModelShape] = {
     # llama_tiny with MoE layers (4 experts, top-2, every other layer; models.gpt.PRESET_MOE).
     "llama_tiny_moe": ModelShape(name="llama_tiny_moe", num_layers=6, hidden_size=128, ffn_hidden_size=352,
                                  num_attention_heads=4, num_query_groups=2, vocab_size=4096, seq_length=128),
+    # llama_tiny with every layer MoE (8 experts, top-2; models.gpt.PRESET_MOE): bench/quality.py's MoE model.
+    "llama_tiny_moe8": ModelShape(name="llama_tiny_moe8", num_layers=6, hidden_size=128, ffn_hidden_size=352,
+                                  num_attention_heads=4, num_query_groups=2, vocab_size=4096, seq_length=128),
     # TinyLlama-1.1B.
     "llama_1b": ModelShape(name="llama_1b", num_layers=22, hidden_size=2048, ffn_hidden_size=5632,
                            num_attention_heads=32, num_query_groups=4),

@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         symbols = hybrid.layer_symbols(args.pattern)
     except ValueError as e:
         ap.error(str(e))
+    if hybrid.MOE in symbols:
+        ap.error(f"--pattern {args.pattern!r} has MoE (E) layers: this check passes no --num-experts; CPU runs "
+                 "cover E layers over the TE double (tests/pretrain/test_hybrid_runs.py)")
     if not any(c in KERNELS for c in symbols):
         ap.error(f"--pattern {args.pattern!r} has no Mamba (M) or GDN (G) layer; CPU runs cover '*' and '-' "
                  "(tests/pretrain/test_hybrid_runs.py)")

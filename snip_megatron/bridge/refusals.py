@@ -90,9 +90,16 @@ def hybrid_refusals(model, backend: str) -> list[str]:
     if getattr(model, "mtp_hybrid_override_pattern", None):
         return ["model.mtp_hybrid_override_pattern (multi-token prediction of a HybridModel): SNIP does not "
                 "plan MTP layers of a HybridModel yet; set it None"]
-    return refused(model.hybrid_layer_pattern or model.hybrid_override_pattern, backend,
-                   entry="HybridModelProvider", field="model.hybrid_layer_pattern",
-                   te_fix="set model.transformer_impl='transformer_engine'")
+    pattern = model.hybrid_layer_pattern or model.hybrid_override_pattern
+    out = refused(pattern, backend, entry="HybridModelProvider", field="model.hybrid_layer_pattern",
+                  te_fix="set model.transformer_impl='transformer_engine'")
+    if isinstance(pattern, str) and "E" in pattern:
+        # Megatron's hybrid spec builds TE grouped experts only, and their split padding
+        # (megatron/grouped_padding.py) is put in by the step seam of snip-pretrain-hybrid/-gpt only
+        out.insert(0, f"model.hybrid_layer_pattern {pattern!r}: MoE layers (E) through Bridge: Megatron's hybrid "
+                      "spec builds TE grouped experts, whose token splits SNIP pads in snip-pretrain-hybrid only "
+                      "(not through Bridge yet); run snip-pretrain-hybrid, or use '-' (dense MLP) layers")
+    return out
 
 
 def refusals(cfg, snip, backend: "str | None" = None) -> list[str]:

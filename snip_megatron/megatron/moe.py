@@ -8,8 +8,8 @@ from __future__ import annotations
 def moe_refusals(args) -> list[str]:
     """What an MoE run (--num-experts) cannot do with SNIP yet, one line each naming the flag. SNIP
     plans, measures and re-plans MoE GPTs on Megatron's local spec (SequentialMLP experts with SNIP's
-    emulated linears) and on the TE spec with grouped experts (TEGroupedMLP, --moe-grouped-gemm) at one
-    process (docs/moe.md)."""
+    emulated linears) at one process and at expert, pipeline and data parallelism, and on the TE spec
+    with grouped experts (TEGroupedMLP, --moe-grouped-gemm) at one process (docs/moe.md)."""
     out = []
 
     def refuse(when, text):
@@ -17,11 +17,9 @@ def moe_refusals(args) -> list[str]:
             out.append(text)
 
     world = int(getattr(args, "world_size", 1) or 1)
-    refuse(int(getattr(args, "expert_model_parallel_size", 1) or 1) > 1,
-           "--expert-model-parallel-size > 1: SNIP does not yet reduce expert statistics over expert "
-           "parallelism; run MoE at --expert-model-parallel-size 1")
-    refuse(world > 1, f"--num-experts on {world} processes: SNIP measures MoE models at one process so far "
-           "(expert statistics over TP/EP/DP/PP are not reduced yet); run one process, or drop --snip")
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1) or 1)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     te = args.transformer_impl == "transformer_engine"
     grouped = bool(getattr(args, "moe_grouped_gemm", False))
     refuse(grouped and not te,
@@ -30,6 +28,27 @@ def moe_refusals(args) -> list[str]:
     refuse(te and not grouped,
            "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm: SNIP pads "
            "expert token splits for per-module FP8/FP4 on TE's grouped GEMM only; add --moe-grouped-gemm")
+    refuse(te and world > 1,
+           f"--num-experts with --transformer-impl transformer_engine on {world} processes: SNIP's grouped-expert "
+           "padding and measurement are tested at one process only so far; run one process, or the local spec "
+           "(--transformer-impl local) at expert, pipeline and data parallelism")
+    refuse(not te and tp > 1, "--tensor-model-parallel-size > 1 with --num-experts: Megatron's MoE layer trains at "
+           "TP > 1 only with --sequence-parallel, which the local spec's torch norms refuse; SNIP's expert "
+           "statistics at TP=2 with sequence parallelism are tested against one process, but no such run is; run "
+           "MoE at --tensor-model-parallel-size 1 (expert and data parallelism instead)")
+    refuse(tp == 1 and etp > 1, "--expert-tensor-parallel-size > 1 with --num-experts: SNIP measures expert TP "
+           "(tested at ETP = TP = 2), but no run at expert TP is tested yet; run MoE at --expert-tensor-parallel-size 1")
+    refuse(int(getattr(args, "context_parallel_size", 1) or 1) > 1,
+           "--context-parallel-size > 1 with --num-experts: SNIP does not measure experts over context "
+           "parallelism yet (untested); run MoE at --context-parallel-size 1")
+    refuse(getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(args, "num_virtual_stages_per_pipeline_rank", None),
+           "--num-layers-per-virtual-pipeline-stage with --num-experts: SNIP does not measure MoE under the "
+           "interleaved pipeline schedule yet (untested); drop it")
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+    refuse(ep * etp > 1 and dispatcher != "allgather" and not _cuda(),
+           f"--moe-token-dispatcher-type {dispatcher} on CPU: Megatron's {dispatcher} dispatcher hands gloo its "
+           "all-to-all split sizes as tensors (it turns them into lists only off a GPU copy); use "
+           "--moe-token-dispatcher-type allgather")
     refuse(getattr(args, "moe_router_fusion", False),
            "--moe-router-fusion: the fused top-k bypasses Megatron's router-replay hook, which SNIP uses to "
            "keep routing fixed across its measurement passes; drop it")
@@ -47,3 +66,9 @@ def moe_refusals(args) -> list[str]:
            "--mtp-num-layers with --num-experts: SNIP plans MoE layers in the decoder, not in "
            "multi-token-prediction layers yet; drop one of them")
     return out
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -53,8 +53,9 @@ def _free_port() -> int:
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None,
-                              seed: int = 1234) -> None:
-    """Set up Megatron's parallel_state (TP x PP x DP over the world) and its RNG streams."""
+                              seed: int = 1234, ep: int = 1, etp: int | None = None) -> None:
+    """Set up Megatron's parallel_state (TP x PP x DP over the world, and for MoE experts ETP x EP x
+    expert-DP x PP; `etp` None: TP) and its RNG streams."""
     quiet_megatron_warnings()
     _, world = init_process_group()
     for name, value in (("tp", tp), ("pp", pp)):
@@ -70,7 +71,8 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None,
     destroy()
     before = set(_registered_groups())
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp)
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
     _megatron_groups[:] = [g for g in _registered_groups() if g not in before]
     seed_all(seed)
 

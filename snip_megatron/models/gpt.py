@@ -216,8 +216,11 @@ class MoEDims:
         return (MOE_ROUTER,) + ((SHARED_EXPERT_GATE,) if self.shared_ffn_hidden_size and self.shared_gate else ())
 
 
-PRESET_MOE = {"llama_tiny_moe": MoEDims(num_experts=4, topk=2, ffn_hidden_size=176, layer_freq=2)}
-"""The experts of the model presets that have them (snip_megatron.shapes.PRESETS; layers 1, 3, 5 MoE)."""
+PRESET_MOE = {"llama_tiny_moe": MoEDims(num_experts=4, topk=2, ffn_hidden_size=176, layer_freq=2),
+              "llama_tiny_moe8": MoEDims(num_experts=8, topk=2, ffn_hidden_size=176, layer_freq=1)}
+"""The experts of the model presets that have them (snip_megatron.shapes.PRESETS): llama_tiny_moe's layers
+1, 3, 5 MoE; every layer of llama_tiny_moe8 (its two routed experts per token cost what the dense FFN of
+llama_tiny does)."""
 
 
 def layer_slots(mla: "MLADims | None" = None, moe: "MoEDims | None" = None) -> tuple[LinearSlot, ...]:

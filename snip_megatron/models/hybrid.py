@@ -2,11 +2,13 @@
 
 `*` attention layer (self_attention.linear_qkv, linear_proj), `-` MLP layer (mlp.linear_fc1,
 linear_fc2), `M` Mamba layer (mixer.in_proj, out_proj), `G` gated delta net (self_attention.in_proj,
-out_proj); `|` cuts pipeline segments. Layer i of a segment has `layer_number = i + 1 + offset`,
-the offset being the layers of the segments before it (Megatron's `select_pipeline_segment`).
-MoE (`E`), MLA (`+`), DSA (`D`) and MTP (`/`) layers are refused by name until SNIP plans them here. An
-attention layer's keys are a GPT layer's (GPT layer L is hybrid layers 2L-1 and 2L of `*-*-...`).
-Pure: the pattern and the config's widths give the inventory; Megatron is not imported.
+out_proj), `E` MoE layer (MoETransformerLayer: its routed experts as the GPT adapter's units
+`expert_fc1`/`expert_fc2` at mlp.experts.linear_fc1/2, TE's grouped linears, and its shared experts
+if any; the router is never planned); `|` cuts pipeline segments. Layer i of a segment has
+`layer_number = i + 1 + offset`, the offset being the layers of the segments before it (Megatron's
+`select_pipeline_segment`). MLA (`+`), DSA (`D`) and MTP (`/`) layers are refused by name until
+SNIP plans them here. An attention layer's keys are a GPT layer's (GPT layer L is hybrid layers
+2L-1 and 2L of `*-*-...`). Pure: the pattern and the config's widths give the inventory; Megatron is not imported.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from snip_megatron.shapes import ModelShape
 
 FAMILY = "hybrid"
 PIPE = "|"
+MOE = "E"
 
 LINEARS: dict[str, tuple[LinearSlot, ...]] = {
     # an attention layer and an MLP layer are the two halves of a GPT layer, with its names
@@ -31,12 +34,12 @@ LINEARS: dict[str, tuple[LinearSlot, ...]] = {
           LinearSlot("out_proj", "mixer.out_proj", ParallelKind.ROW)),
     "G": (LinearSlot("in_proj", "self_attention.in_proj", ParallelKind.COLUMN),
           LinearSlot("out_proj", "self_attention.out_proj", ParallelKind.ROW)),
+    # the GPT adapter's MoE linears; a layer has its shared experts only if the config has them
+    MOE: gpt.MOE_LINEARS,
 }
-"""Each planned layer symbol's linears, in forward order."""
-LAYER_NAMES = {"*": "attention", "-": "MLP", "M": "Mamba", "G": "gated delta net"}
+"""Each planned layer symbol's linears, in forward order (an MoE layer's: `layer_slots`)."""
+LAYER_NAMES = {"*": "attention", "-": "MLP", "M": "Mamba", "G": "gated delta net", MOE: "MoE"}
 REFUSED = {
-    "E": "MoE layers (E): SNIP plans MoE experts on GPTModel (snip-pretrain-gpt --num-experts, local spec, "
-         "one process), not yet as hybrid layers; use '-' (dense MLP) layers",
     "+": "multi-latent attention layers (+): SNIP plans MLA on GPTModel (snip-pretrain-gpt "
          "--multi-latent-attention), not yet as hybrid layers; use '*' attention layers",
     "D": "DeepSeek sparse attention layers (D): SNIP does not plan DSA yet; use '*' attention layers",
@@ -142,10 +145,22 @@ def stage_of_layers(pattern: str, pp: int, vpp: "int | None" = None) -> dict[int
     return out
 
 
-def linear_shapes(shape: ModelShape, dims: HybridDims = HybridDims()) -> dict[str, dict[str, tuple[int, int]]]:
-    """{symbol: {linear name: (out_features, in_features)}}, unsharded."""
+def layer_slots(symbol: str, moe: "gpt.MoEDims | None" = None) -> tuple[LinearSlot, ...]:
+    """The planned linears of a layer of `symbol`, in forward order (an MoE layer's from `moe`)."""
+    if symbol != MOE:
+        return LINEARS[symbol]
+    if moe is None:
+        raise ValueError("--hybrid-layer-pattern has MoE (E) layers but the model has no experts "
+                         "(num_moe_experts / --num-experts)")
+    return moe.slots()
+
+
+def linear_shapes(shape: ModelShape, dims: HybridDims = HybridDims(),
+                  moe: "gpt.MoEDims | None" = None) -> dict[str, dict[str, tuple[int, int]]]:
+    """{symbol: {linear name: (out_features, in_features)}}, unsharded (an MoE layer's, with `moe`:
+    one expert's for a routed-expert unit)."""
     h = shape.hidden_size
-    dense = gpt.linear_shapes(shape)
+    dense = gpt.linear_shapes(shape, moe=moe)
     d_inner = (dims.mamba_num_heads * dims.mamba_head_dim if dims.mamba_num_heads
                else dims.mamba_expand * h)
     nheads = d_inner // dims.mamba_head_dim
@@ -158,23 +173,29 @@ def linear_shapes(shape: ModelShape, dims: HybridDims = HybridDims()) -> dict[st
               "out_proj": (h, d_inner)},
         # GatedDeltaNet's in_proj packs q, k, v, z, beta, alpha
         "G": {"in_proj": (2 * qk + 2 * v + 2 * dims.linear_num_value_heads, h), "out_proj": (h, v)},
+        MOE: {s.name: dense[s.name] for s in (moe.slots() if moe is not None else ())},
     }
 
 
 def inventory(shape: ModelShape, pattern: str, dims: HybridDims = HybridDims(), *,
-              sequence_parallel: bool = False) -> Inventory:
-    """Every planned linear of a HybridModel of `pattern` with `shape`'s widths, without building it."""
+              moe: "gpt.MoEDims | None" = None, sequence_parallel: bool = False) -> Inventory:
+    """Every planned linear of a HybridModel of `pattern` with `shape`'s widths (its MoE layers'
+    experts `moe`; every `E` layer is an MoE layer, whatever moe_layer_freq says), without building it."""
     symbols = layer_symbols(pattern)
     if shape.num_layers != len(symbols):
         raise ValueError(f"the model has num_layers={shape.num_layers} but --hybrid-layer-pattern {pattern!r} "
                          f"has {len(symbols)} layers; they must agree")
-    shapes = linear_shapes(shape, dims)
+    shapes = linear_shapes(shape, dims, moe)
     entries = []
     for i, symbol in enumerate(symbols):
-        for slot in LINEARS[symbol]:
-            entries.append(InventoryEntry(LayerKey(i + 1, slot.name), slot.suffix, shapes[symbol][slot.name],
-                                          slot.kind, sequence_parallel and slot.kind is not ParallelKind.ROW))
-    return Inventory(FAMILY, entries, UNPLANNED)
+        for slot in layer_slots(symbol, moe):
+            out_in = shapes[symbol][slot.name]
+            entries.append(gpt.entry(i + 1, slot.name, out_in, sequence_parallel=sequence_parallel, moe=moe)
+                           if symbol == MOE else
+                           InventoryEntry(LayerKey(i + 1, slot.name), slot.suffix, out_in, slot.kind,
+                                          sequence_parallel and slot.kind is not ParallelKind.ROW))
+    unplanned = UNPLANNED + (moe.unplanned() if MOE in symbols else ())
+    return Inventory(FAMILY, entries, unplanned)
 
 
 def parse_path(module_path: str) -> "tuple[int, str] | None":
@@ -228,10 +249,18 @@ def planned_modules(chunk):
         slot = _SUFFIX[m.group(2)]
         config = getattr(module, "config", None)
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
-        out_f, in_f = (int(d) for d in module.weight.shape)
+        expert = slot in gpt.EXPERT_LINEARS
+        if expert:  # experts are split over the expert TP group
+            tp = int(getattr(config, "expert_tensor_parallel_size", None) or tp)
+        out_f, in_f = (int(d) for d in gpt.gemm_weight(module).shape)  # a grouped linear: one expert's
         whole = (out_f * tp, in_f) if slot.kind is ParallelKind.COLUMN else (out_f, in_f * tp)
-        sp = bool(getattr(config, "sequence_parallel", False)) and slot.kind is not ParallelKind.ROW
-        yield path, module, InventoryEntry(LayerKey(number, slot.name), slot.suffix, whole, slot.kind, sp)
+        sp = bool(getattr(config, "sequence_parallel", False))
+        if slot in gpt.MOE_LINEARS:
+            yield path, module, gpt.entry(number, slot.name, whole, sequence_parallel=sp,
+                                          moe=gpt.MoEDims.of(config) if expert else None)
+            continue
+        yield path, module, InventoryEntry(LayerKey(number, slot.name), slot.suffix, whole, slot.kind,
+                                           sp and slot.kind is not ParallelKind.ROW)
 
 
 def discover(model_chunks) -> Inventory:
@@ -248,6 +277,10 @@ def discover(model_chunks) -> Inventory:
             if callable(getattr(module, "finish_init", None)):
                 found.append(e)
         for path, module in chunk.named_modules():
+            if path.endswith("mlp.router"):  # an MoE layer's: never planned, as in the GPT adapter
+                unplanned[gpt.MOE_ROUTER] = None
+            if path.endswith("mlp.shared_experts") and getattr(module, "gate_weight", None) is not None:
+                unplanned[gpt.SHARED_EXPERT_GATE] = None
             if callable(getattr(module, "finish_init", None)) and path not in planned:
                 unplanned[Unplanned(re.sub(r"\.\d+(?=\.|$)", ".*", path),
                                     "takes a quant_recipe but the hybrid adapter does not plan it")] = None

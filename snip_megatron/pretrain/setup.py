@@ -73,6 +73,12 @@ def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[
            "snip-pretrain-hybrid needs --hybrid-layer-pattern (e.g. '*-*-': attention, MLP, ...)")
     if family == "hybrid" and getattr(args, "hybrid_layer_pattern", None):
         out += hybrid_refusals(args.hybrid_layer_pattern, backend)
+        moe_layers = "E" in args.hybrid_layer_pattern
+        refuse(moe_layers and not getattr(args, "num_experts", None),
+               f"--hybrid-layer-pattern {args.hybrid_layer_pattern!r} has MoE (E) layers: add --num-experts "
+               "(and --moe-grouped-gemm: SNIP plans a hybrid MoE layer's experts as TE grouped linears)")
+        refuse(getattr(args, "num_experts", None) and getattr(args, "moe_layer_freq", 1) != 1,
+               "--moe-layer-freq has no effect on a HybridModel (its pattern's E symbols are the MoE layers); drop it")
     refuse(args.transformer_impl not in ("local", "transformer_engine"),
            f"--transformer-impl {args.transformer_impl}: SNIP needs local or transformer_engine")
     refuse(backend == "emulated" and args.transformer_impl == "transformer_engine",
@@ -295,7 +301,8 @@ def expected_inventory(args, transformer_config=None, family: str = "gpt"):
     sp = bool(getattr(transformer_config, "sequence_parallel", getattr(args, "sequence_parallel", False)))
     if family == hybrid.FAMILY:
         dims = hybrid.HybridDims.of(transformer_config if transformer_config is not None else args)
-        return hybrid.inventory(shape, args.hybrid_layer_pattern, dims, sequence_parallel=sp)
+        moe = gpt.MoEDims.of(transformer_config) if transformer_config is not None else None
+        return hybrid.inventory(shape, args.hybrid_layer_pattern, dims, moe=moe, sequence_parallel=sp)
     return gpt.inventory(shape, sequence_parallel=sp)
 
 

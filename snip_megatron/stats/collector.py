@@ -36,6 +36,7 @@ What it costs at scale (docs/method.md, "The measurement at scale"):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 
 import torch
@@ -103,23 +104,35 @@ class _MicrobatchIds:
 class LinearProbe:
     """The hooks of one planned linear (a Megatron Column/RowParallelLinear or subclass)."""
 
-    def __init__(self, key: LayerKey, module, collector: "Collector", noise_key: "LayerKey | None" = None):
+    def __init__(self, key: LayerKey, module, collector: "Collector", noise_key: "LayerKey | None" = None,
+                 expert: bool = False):
         self.key, self.module, self.c = key, module, collector
         # the key of its noise streams: the unit's, or for one expert of an MoE unit its own
         self.noise_key = key if noise_key is None else noise_key
         kind = ParallelKind(collector.kinds[key])
         self.column = kind is ParallelKind.COLUMN
         self.row = kind is ParallelKind.ROW
+        # the group sharding its features: TP, or for a routed expert the expert-TP group. An
+        # expert's rows are the tokens routed to it, whole on every expert-TP rank (Megatron's
+        # dispatcher gathers them), so neither sequence nor context parallelism splits them; its
+        # row-parallel output is a partial sum (the dispatcher's combine reduces it).
+        g = collector.expert_group if expert else collector.dense_group
+        self.tp_rank, self.tp_size, self.tp_group = g.rank, g.size, g.group
+        self.cp_rank, self.cp_size = (0, 1) if expert else (collector.cp_rank, collector.cp_size)
+        self.partial_y = expert and self.row and self.tp_size > 1
+        # ... and its column-parallel input gradient too (the dispatcher's backward reduces it)
+        self.partial_gx = expert and self.column and self.tp_size > 1
         # duplicated (MLA's down-projections in the TE spec): the whole weight on every TP rank,
         # nothing sharded by features; under SP both X and Y hold this rank's tokens only
         w = module.weight
-        tp = collector.tp_size
+        tp = self.tp_size
         self.stride = int(getattr(w, "partition_stride", 1) or 1)
         self.k = w.shape[1] * (tp if self.row else 1)
         self.m = w.shape[0] * (tp if self.column else 1)
         # sequence parallelism: which operand is token-sharded
-        self.x_local = collector.sequence_parallel and not self.row
-        self.y_local = collector.sequence_parallel and not self.column
+        sp = collector.sequence_parallel and not expert
+        self.x_local = sp and not self.row
+        self.y_local = sp and not self.column
         self.reset()
         self.handles = [module.register_forward_pre_hook(self._hook(self._pre)),
                         module.register_forward_hook(self._hook(self._post))]
@@ -144,10 +157,10 @@ class LinearProbe:
 
     def _weight_group(self):
         """The TP group a weight's shards span (None: whole on this rank, as a duplicated one)."""
-        return self.c.tp_group if self.c.tp_size > 1 and (self.column or self.row) else None
+        return self.tp_group if self.tp_size > 1 and (self.column or self.row) else None
 
     def _err(self, t: torch.Tensor, p: Precision, role: str, sharded: bool) -> torch.Tensor:
-        group = self.c.tp_group if sharded and self.c.tp_size > 1 else None
+        group = self.tp_group if sharded and self.tp_size > 1 else None
         return self.c.error_fn(t, p, role, group=group)
 
     def _field(self, shape, mb: int, stream: int, side: str, device) -> noise.NoiseField:
@@ -155,23 +168,22 @@ class LinearProbe:
         c = self.c
         features = self.column if side == "y" else self.row  # column: Y's features sharded; row: X's
         local = self.x_local if side == "x" else self.y_local
-        positions = noise.token_positions(shape[0], sp_rank=c.tp_rank if local else 0,
-                                          sp_size=c.tp_size if local else 1, cp_rank=c.cp_rank,
-                                          cp_size=c.cp_size, device=device)
-        full_len = shape[0] * (c.tp_size if local else 1) * c.cp_size
+        positions = noise.token_positions(shape[0], sp_rank=self.tp_rank if local else 0,
+                                          sp_size=self.tp_size if local else 1, cp_rank=self.cp_rank,
+                                          cp_size=self.cp_size, device=device)
+        full_len = shape[0] * (self.tp_size if local else 1) * self.cp_size
         return noise.NoiseField(seed=c.seed, key=self.noise_key, microbatch=mb, stream=stream,
-                                local_shape=tuple(int(d) for d in shape), tp_rank=c.tp_rank,
-                                tp_size=c.tp_size, sharded=features,
+                                local_shape=tuple(int(d) for d in shape), tp_rank=self.tp_rank,
+                                tp_size=self.tp_size, sharded=features,
                                 stride=self.stride if side == "y" else 1,
                                 positions=positions, full_len=full_len)
 
     def _gather(self, t2: torch.Tensor) -> torch.Tensor:
         """Rows of every TP rank, in rank order (= token order under sequence parallelism)."""
-        c = self.c
-        if c.tp_size == 1:
+        if self.tp_size == 1:
             return t2
-        out = t2.new_empty((t2.shape[0] * c.tp_size, t2.shape[1]))
-        dist.all_gather_into_tensor(out, t2.contiguous(), group=c.tp_group)
+        out = t2.new_empty((t2.shape[0] * self.tp_size, t2.shape[1]))
+        dist.all_gather_into_tensor(out, t2.contiguous(), group=self.tp_group)
         return out
 
     def _noise_dot(self, field: noise.NoiseField, g: torch.Tensor) -> torch.Tensor:
@@ -221,8 +233,9 @@ class LinearProbe:
         elif mode == "bwd_noise":
             t = c.scales[c.acc.row(self.key), 1]
             self._add("bwd_eta_sq", t * t * float(x.numel()))  # +-1 entries: ||t eta||^2 = t^2 numel
-            field = self._field(x.shape, mb, noise.BACKWARD, "x", x.device)
-            x.register_hook(self._hook(lambda g: self._plus_noise(g, field, t)))
+            if not (self.partial_gx and self.tp_rank > 0):  # partial sums: the noise goes in once
+                field = self._field(x.shape, mb, noise.BACKWARD, "x", x.device)
+                x.register_hook(self._hook(lambda g: self._plus_noise(g, field, t)))
         return (x,) + tuple(args[1:])
 
     def _post(self, module, args, output):
@@ -233,6 +246,8 @@ class LinearProbe:
         mb, grad = self.current
         mode = c.mode_of(mb)
         if mode == "fwd_noise":  # in both forwards of a checkpointed layer, so the recompute matches
+            if self.partial_y and self.tp_rank > 0:  # a partial sum: the noise goes in once, on rank 0
+                return None
             field = self._field(y.shape, mb, noise.FORWARD, "y", y.device)
             y = self._plus_noise(y, field, c.scales[c.acc.row(self.key), 0])
             if grad:
@@ -243,11 +258,20 @@ class LinearProbe:
             return None
         x = args[0]
         if mode == "clean":
-            self._add("y_sq", tokens.sum_sq(y.detach()))
+            self._add("y_sq", tokens.sum_sq(self._full_output(y.detach())))
             y.register_hook(self._hook(functools.partial(self._on_gy_clean, mb, x)))
         else:  # bwd_noise: G_Y is the propagated noise only (zero loss gradient)
             y.register_hook(self._hook(functools.partial(self._on_gy_bwd_noise, x)))
         return None
+
+    def _full_output(self, y: torch.Tensor) -> torch.Tensor:
+        """Y itself, or an expert's row-parallel partial sums added over expert TP (Megatron's
+        experts leave that reduction to the token dispatcher's combine)."""
+        if not self.partial_y:
+            return y
+        y = y.clone()
+        dist.all_reduce(y, group=self.tp_group)
+        return y
 
     # -- backward: the clean pass --------------------------------------------------------------
     def _full_tokens(self, x, g):
@@ -299,15 +323,15 @@ class LinearProbe:
                 self._add("gw_ew", gw_sample.scale * tokens.dot(gw_blk, e), p)
                 # dY = Q(X) Q(W)^T - X W^T on the token sample, these output features
                 dy = torch.addmm(xs @ e.t(), ex[p], (w_blk + e).t())  # fused: no third temporary
-                if self.row and c.tp_size > 1:  # a row-parallel layer's partial products
-                    dist.all_reduce(dy, group=c.tp_group)
+                if self.row and self.tp_size > 1:  # a row-parallel layer's partial products
+                    dist.all_reduce(dy, group=self.tp_group)
                 self._add("dy_sq", fwd.scale * tokens.sum_sq(dy), p)
                 along[p] += (gs[:, rows] * dy).sum(1)  # <G_Y,t, dY_t> per sampled token
                 del dy  # before the next precision's
             del gw_blk, errs
         for p in c.precisions:
-            if self.column and c.tp_size > 1:  # G_Y and dY are column shards
-                dist.all_reduce(along[p], group=c.tp_group)
+            if self.column and self.tp_size > 1:  # G_Y and dY are column shards
+                dist.all_reduce(along[p], group=self.tp_group)
             self._add("gdy_sq", fwd.scale * tokens.sum_sq(along[p]), p)
         self._add("gw_sq", gw_norm.value(gw_sampled_sq))
 
@@ -329,6 +353,9 @@ class LinearProbe:
             self._weight_norms(w_blk, errs)
 
     def _on_gx_clean(self, mb: int, g: torch.Tensor) -> None:
+        if self.partial_gx:  # an expert's partial input gradient: the whole one
+            g = g.clone()
+            dist.all_reduce(g, group=self.tp_group)
         self._add("gx_sq", tokens.sum_sq(g))
         if self.pending_ex is None:
             return
@@ -336,7 +363,7 @@ class LinearProbe:
         self.pending_ex = None
         g2 = _rows(g)
         if self.x_local:  # this rank's tokens are rows [off, off + n) of the gathered sample
-            off = self.c.tp_rank * g2.shape[0]
+            off = self.tp_rank * g2.shape[0]
             j0, j1 = sample.count_below(off), sample.count_below(off + g2.shape[0])
             idx = None if sample.rows is None else sample.rows[j0:j1] - off
             ex = {p: e[j0:j1] for p, e in ex.items()}
@@ -363,6 +390,14 @@ class LinearProbe:
         self._add("bwd_dgw_sq", estimate.value(sampled_sq))
 
 
+@dataclasses.dataclass(frozen=True)
+class ShardGroup:
+    """The process group that shards a linear's features (TP, or expert TP), and this rank's place."""
+    rank: int
+    size: int
+    group: object
+
+
 class Collector:
     """Attach probes to a rank's planned linears; `begin(mode)` ... run a pass ... `end()`."""
 
@@ -371,7 +406,8 @@ class Collector:
                  tp_group=None, token_stride: int = 1, grad_token_stride: int = 1,
                  interleave_noise: bool = False, noise_on_halves: bool = False,
                  sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, device=None,
-                 step_positions: "list[int] | None" = None):
+                 step_positions: "list[int] | None" = None, expert_keys=(),
+                 expert_group: "ShardGroup | None" = None, ep_rank: int = 0):
         from snip_megatron.stats.table import CANDIDATES
 
         self.precisions = tuple(Precision.parse(p) for p in (precisions or CANDIDATES))
@@ -379,6 +415,11 @@ class Collector:
         self.kinds = dict(kinds)  # LayerKey -> ParallelKind of this rank's linears
         self.error_fn, self.seed, self.first_order = error_fn, seed, first_order
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.dense_group = ShardGroup(tp_rank, tp_size, tp_group)
+        # routed experts: their keys, the expert-TP group, and the EP rank, whose local expert i is
+        # global expert ep_rank x (local experts) + i (Megatron's numbering), which keys its noise
+        self.expert_keys = {LayerKey(*k) for k in expert_keys}
+        self.expert_group = expert_group or ShardGroup(0, 1, None)
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.token_stride, self.grad_token_stride = token_stride, grad_token_stride
@@ -404,9 +445,13 @@ class Collector:
         self.probes = []
         for k, m in linears:
             k = LayerKey(*k)
-            noise_key = None if counts[k] == 1 else LayerKey(k.layer, f"{k.name}_{seen[k]}")
+            expert = k in self.expert_keys
+            if expert:  # numbered globally, so any EP layout draws the noise one process draws
+                noise_key = LayerKey(k.layer, f"{k.name}_{ep_rank * counts[k] + seen[k]}")
+            else:
+                noise_key = None if counts[k] == 1 else LayerKey(k.layer, f"{k.name}_{seen[k]}")
             seen[k] += 1
-            self.probes.append(LinearProbe(k, m, self, noise_key))
+            self.probes.append(LinearProbe(k, m, self, noise_key, expert=expert))
 
     def begin(self, mode: str, acc: "Accumulator | None" = None) -> Accumulator:
         """Start a pass; statistics accumulate into `acc` (a fresh one by default)."""

@@ -40,8 +40,9 @@ from snip_megatron.models import gpt
 from snip_megatron.stats.discover import _unwrap
 from snip_megatron.stats.microbatches import sample_microbatches, step_positions, summed_mask
 from snip_megatron.stats.quant_error import ErrorFn, formats_error_fn
-from snip_megatron.stats.reduce import (ADAM_FIELDS, gather_pp_tensor, megatron_groups, reduce_tp_dp_tensor,
-                                        tp_sharded_mask)
+from snip_megatron.stats.collector import ShardGroup
+from snip_megatron.stats.reduce import (ADAM_FIELDS, expert_groups, gather_pp_tensor, megatron_groups,
+                                        reduce_experts_tensor, reduce_tp_dp_tensor, tp_sharded_mask)
 from snip_megatron.stats.table import GLOBAL_FIELDS, StatsTable
 
 NOISE_FIELDS = ("fwd_zg_noisy", "fwd_z_sq", "bwd_dgw_sq", "bwd_eta_sq")
@@ -268,8 +269,18 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
             group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
                 if len(chunks) > 1 else 1
-            picked, k_total = sample_microbatches(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
-            positions = step_positions(len(batches), dp_rank, dp, config.micro_batches, multiple=group)
+            keys = gpt.of_config(mconfig).keys() if keys is None else keys
+            experts = [k for k in keys if gpt.is_expert(k)]  # routed experts: the expert grid's groups
+            # an expert group wider than TP (EP over data-parallel replicas) runs every replica's
+            # tokens through each expert in one forward: every replica measures alike (the same
+            # number of micro-batches, the same pass at a time)
+            spans = bool(experts) and tp % (ps.get_expert_tensor_parallel_world_size()
+                                             * ps.get_expert_model_parallel_world_size()) != 0
+            k_wanted = config.micro_batches
+            if spans and k_wanted:
+                k_wanted = -(-k_wanted // dp) * dp
+            picked, k_total = sample_microbatches(len(batches), dp_rank, dp, k_wanted, multiple=group)
+            positions = step_positions(len(batches), dp_rank, dp, k_wanted, multiple=group)
             measured = [batches[i] for i in picked]
             per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
             loss_factor = 1.0 if per_token else len(measured) / len(batches)
@@ -277,7 +288,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # the noise pass: alternate micro-batches of the step's sample, or the two halves of a
             # lone one (decided for the whole sample, so every replica interleaves alike)
             noise_batches, noise_mbs = measured, micro_batch_size
-            interleave, halves = config.interleave_noise and k_total >= 2, False
+            # (interleaving would put one replica's tokens into another's pass mode)
+            interleave, halves = config.interleave_noise and k_total >= 2 and not spans, False
             # an MoE layer's experts see routed rows, not [s, b] halves: MoE models keep whole micro-batches
             moe = bool(routing.routers(chunks))
             if config.interleave_noise and k_total == 1 and len(measured) == 1 and not moe:
@@ -285,7 +297,10 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 if cut is not None:
                     noise_batches, noise_mbs, interleave, halves = cut, micro_batch_size // 2, True, True
             device = next(iter(chunks[0].parameters())).device
-            collector = Collector(linears, keys=gpt.of_config(mconfig).keys() if keys is None else keys,
+            etp = ShardGroup(ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                             ps.get_expert_tensor_parallel_group()) if experts else None
+            collector = Collector(linears, keys=keys, expert_keys=experts, expert_group=etp,
+                                  ep_rank=ps.get_expert_model_parallel_rank() if experts else 0,
                                   kinds=kinds, error_fn=error_fn,
                                   precisions=config.precisions, seed=config.seed, first_order=config.first_order,
                                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
@@ -304,6 +319,11 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             tp_group, dp_group, pp_group = megatron_groups()
             tp_mask = torch.from_numpy(tp_sharded_mask(layout, kinds, sp)).to(device)
             adam_cols = [layout.col(f) for f in ADAM_FIELDS]
+            expert_rows = [layout.row_index(k) for k in experts]
+            if expert_rows:
+                etp_group, ep_group, edp_group = expert_groups()
+                etp_mask = torch.from_numpy(tp_sharded_mask(layout, {k: v for k, v in kinds.items()
+                                                                     if k in set(experts)})).to(device)
         summed = torch.from_numpy(summed_mask(layout)).to(device)
 
         def finish(t: torch.Tensor, adam_dp_sharded: bool = False) -> torch.Tensor:
@@ -311,8 +331,15 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             t = torch.where(summed, t * step_factor, t)
             if not reducing:
                 return t
-            return reduce_tp_dp_tensor(t, tp_mask, adam_cols, tp_group=tp_group, dp_group=dp_group,
-                                       adam_dp_sharded=adam_dp_sharded)
+            dense = reduce_tp_dp_tensor(t, tp_mask, adam_cols, tp_group=tp_group, dp_group=dp_group,
+                                        adam_dp_sharded=adam_dp_sharded)
+            if not expert_rows:
+                return dense
+            experts_t = reduce_experts_tensor(t, expert_rows, etp_mask, summed, adam_cols, etp_group=etp_group,
+                                              ep_group=ep_group, edp_group=edp_group, dense_dp=dp * cp,
+                                              adam_dp_sharded=adam_dp_sharded)
+            rows = torch.tensor(expert_rows, device=t.device)
+            return dense.index_copy(0, rows, experts_t.index_select(0, rows))
 
         run = dict(seq_length=seq_length, micro_batch_size=micro_batch_size, loss_factor=loss_factor)
         snap = _rng_snapshot()

@@ -12,6 +12,14 @@
   ranks hold different tokens of the same sequences and are reduced like DP replicas, as
   Megatron reduces gradients over DP x CP). AdamW state of a distributed optimizer is sharded
   over that group: summed.
+- Routed experts (an MoE layer's expert units) live on the expert grid ETP x EP x EDP x PP
+  instead (Megatron's MoE parallel folding): each rank's local experts have added into the unit's
+  row; expert TP (ETP) is reduced like TP (the experts' tokens are whole on every ETP rank: no
+  sequence parallelism), expert parallelism (EP) sums the disjoint experts (the unit's shape and
+  presence counted once), and the expert-data-parallel group (EDP) sums the tokens of its
+  replicas; sums over tokens are then divided by the dense DP x CP size, so an expert row is in
+  the dense rows' units (a replica's sums, averaged). Weight and optimizer fields are averaged
+  over EDP (summed when the distributed optimizer shards them over it).
 - PP: every stage fills its own rows; a sum over the PP group gathers them on the first stage
   (or on every stage with `pp_to_all`). Global rank 0 then holds the whole table.
 
@@ -26,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from snip_megatron.models.inventory import ParallelKind
-from snip_megatron.stats.table import StatsTable
+from snip_megatron.stats.table import BASE_FIELDS, StatsTable
 
 # Fields that are sums over a TP-sharded tensor, per kind of layer (anything else is replicated).
 # dY of a row-parallel layer and the per-token <G_Y, dY> are all-reduced in the hooks (they are
@@ -101,6 +109,51 @@ def reduce_tp_dp_tensor(t: torch.Tensor, tp_mask: torch.Tensor, adam_cols: list,
         dist.all_reduce(t, group=dp_group)
         t /= dp
     return t
+
+
+# Fields of an expert unit's row that every EP rank holds alike (the others add over its experts).
+_EP_REPLICATED = {"present", "k", "m", "noise_scale"}
+
+
+def expert_groups():
+    """(expert-TP group, expert-parallel group, expert-data-parallel group) of Megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_expert_tensor_parallel_group(), ps.get_expert_model_parallel_group(),
+            ps.get_expert_data_parallel_group())
+
+
+def reduce_experts_tensor(t: torch.Tensor, rows: list, etp_mask: torch.Tensor, summed: torch.Tensor,
+                          adam_cols: list, *, etp_group, ep_group, edp_group, dense_dp: int,
+                          adam_dp_sharded: bool = False) -> torch.Tensor:
+    """The expert rows `rows` of a table tensor `t` (local sums, before any reduction) reduced over
+    ETP, EP and EDP (module docstring); the other rows come back as they are. `etp_mask`: the
+    TP-sharded fields, `summed`: the fields that are sums over tokens, both masks over `t`."""
+    out = t.clone()
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=t.device)
+    e = t.index_select(0, idx)
+    if dist.get_rank(etp_group) > 0:
+        e = torch.where(etp_mask.index_select(0, idx), e, torch.zeros_like(e))
+    if dist.get_world_size(etp_group) > 1:
+        dist.all_reduce(e, group=etp_group)
+    if dist.get_world_size(ep_group) > 1:
+        if dist.get_rank(ep_group) > 0:
+            cols = torch.tensor([BASE_FIELDS.index(f) for f in sorted(_EP_REPLICATED)], device=t.device)
+            keep = torch.ones(e.shape[1], dtype=torch.bool, device=t.device)
+            keep[cols] = False
+            e = torch.where(keep, e, torch.zeros_like(e))
+        dist.all_reduce(e, group=ep_group)
+    edp = dist.get_world_size(edp_group)
+    if edp > 1:
+        dist.all_reduce(e, group=edp_group)
+    scale = torch.full((e.shape[1],), 1.0 / edp, dtype=e.dtype, device=e.device)
+    scale[summed.index_select(0, idx)[0]] = 1.0 / dense_dp  # tokens of every replica: the dense units
+    if adam_dp_sharded:
+        scale[adam_cols] = 1.0  # the optimizer's shards over EDP add up
+    out[idx] = e * scale
+    return out
 
 
 def gather_pp_tensor(t: torch.Tensor, *, pp_group, to_all: bool = False) -> torch.Tensor:

@@ -27,8 +27,10 @@ plan's rate), with the pipeline bubble of each pass.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from snip_megatron.models import gpt
 from snip_megatron.models.inventory import ParallelKind
@@ -102,12 +104,27 @@ class MeasureLayout:
     quant_bytes: dict = field(default_factory=lambda: dict(DEFAULT_QUANT_BYTES))
     weight_block_elems: int = WEIGHT_BLOCK_ELEMS
     """weights.MAX_BLOCK_ELEMS (the validation lowers it to make small models block)."""
+    mla: "gpt.MLADims | None" = None
+    """Multi-latent attention's widths (None: grouped-query attention)."""
+    moe: "gpt.MoEDims | None" = None
+    """The MoE layers' experts (None: a dense model)."""
+    ep: int = 1
+    """Expert-parallel size: each rank holds num_experts / ep experts of every MoE layer."""
+    etp: int = 1
+    """Expert tensor-parallel size (shards one expert's linears as TP shards a dense one's)."""
+    expert_imbalance: float = 1.0
+    """Routed rows of the busiest local expert over the balanced share (1.0: balanced routing)."""
 
     def __post_init__(self):
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"MeasureLayout.recompute must be none, selective or full, got {self.recompute!r}")
         if self.global_batch % (self.micro_batch_size * self.dp):
             raise ValueError("MeasureLayout.global_batch must be a multiple of micro_batch_size * dp")
+        if self.moe is not None and self.moe.num_experts % self.ep:
+            raise ValueError(f"MeasureLayout.ep={self.ep} must divide the {self.moe.num_experts} experts")
+        if self.moe is not None and (self.tp * self.dp * self.cp) % (self.etp * self.ep):
+            raise ValueError(f"MeasureLayout: etp x ep = {self.etp * self.ep} must divide tp x dp x cp = "
+                             f"{self.tp * self.dp * self.cp} (Megatron's expert groups fold the dense ones)")
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -133,24 +150,82 @@ class MeasureLayout:
 
     @property
     def layers(self) -> int:
-        return self.shape.num_layers // self.pp
+        """Layers of the busiest pipeline stage."""
+        return math.ceil(self.shape.num_layers / self.pp)
+
+    @cached_property
+    def inventory(self):
+        """The planned units of the whole model (models.gpt.inventory)."""
+        return gpt.inventory(self.shape, mla=self.mla, moe=self.moe)
+
+    @cached_property
+    def _entries(self) -> dict:
+        """name -> the inventory entry of that linear (one layer's; every layer of a kind alike)."""
+        return {e.key.name: e for e in self.inventory}
 
     def column(self, name: str) -> bool:
         """Whether TP shards the output dim of a layer's linear `name`."""
-        return self._kinds()[name] is ParallelKind.COLUMN
+        return self._entries[name].kind is ParallelKind.COLUMN
 
-    def _kinds(self) -> dict:
-        return {e.key.name: e.kind for e in gpt.inventory(self.shape.with_(num_layers=1))}
+    def is_expert(self, name: str) -> bool:
+        """Whether `name` is an MoE layer's routed-expert unit (its entry has one expert's shape)."""
+        return self._entries[name].experts > 0
 
     def linears(self) -> dict:
-        """name -> (weight rows, weight cols, X features, G_Y features) on this rank."""
+        """name -> (weight rows, weight cols, X features, G_Y features) on this rank, for one expert of
+        an expert unit (ETP shards it; TP every other linear)."""
         out = {}
-        for e in gpt.inventory(self.shape.with_(num_layers=1)):
-            name, (m, k) = e.key.name, e.shape
+        for name, e in self._entries.items():
+            (m, k), tp = e.shape, self.etp if e.experts else self.tp
             if e.kind is ParallelKind.COLUMN:
-                out[name] = (m // self.tp, k, k, m // self.tp)
-            else:
-                out[name] = (m, k // self.tp, k // self.tp, m)
+                out[name] = (m // tp, k, k, m // tp)
+            elif e.kind is ParallelKind.ROW:
+                out[name] = (m, k // tp, k // tp, m)
+            else:  # duplicated over TP (MLA's down-projections)
+                out[name] = (m, k, k, m)
+        return out
+
+    @property
+    def local_experts(self) -> int:
+        return self.moe.num_experts // self.ep if self.moe is not None else 0
+
+    @property
+    def expert_tokens(self) -> int:
+        """Routed rows one local expert gets from one micro-batch: every rank of the EP group
+        dispatches its tokens (SP-sharded over TP) x top-k over all experts, and ETP gathers them."""
+        if self.moe is None:
+            return 0
+        local = self.tokens // self.tp if _sp(self) else self.tokens
+        return math.ceil(local * self.moe.topk * self.ep * self.etp / self.moe.num_experts * self.expert_imbalance)
+
+    def view(self, name: str) -> "MeasureLayout":
+        """The layout a hook of linear `name` sees: itself, or for an expert unit one expert's GEMM
+        (its routed rows as one sequence, ETP as the TP, no sequence-parallel gather)."""
+        if not self.is_expert(name):
+            return self
+        return dataclasses.replace(self, tp=self.etp, sequence_parallel=False, cp=1, dp=1, micro_batch_size=1,
+                                   global_batch=1, seq_length=self.expert_tokens, ep=1, etp=self.etp)
+
+    def stage_layers(self) -> dict:
+        """Layers of each kind on the busiest stage: as many MoE layers as fit (an upper bound)."""
+        layers = self.shape.num_layers
+        moe_layers = sum(self.moe.is_moe_layer(i, layers) for i in range(1, layers + 1)) if self.moe is not None else 0
+        moe = min(self.layers, moe_layers)
+        return {"moe": moe, "dense": self.layers - moe}
+
+    def layer_names(self, kind: str) -> list:
+        """The linears of one layer of `kind` ("moe" or "dense")."""
+        if kind == "dense":
+            return [s.name for s in gpt.layer_slots(self.mla, None)]
+        return [s.name for s in gpt.layer_slots(self.mla, self.moe)]
+
+    def copies(self) -> dict:
+        """name -> how many GEMMs of that linear run per micro-batch on the busiest stage (layers x
+        local experts for an expert unit)."""
+        out = {}
+        for kind, n in self.stage_layers().items():
+            for name in self.layer_names(kind) if n else ():
+                out[name] = out.get(name, 0) + n * (self.local_experts if self.is_expert(name) else 1)
         return out
 
 
@@ -285,15 +360,22 @@ def noise_add_bytes(lay: MeasureLayout, name: str) -> int:
 
 
 def held_bytes(lay: MeasureLayout) -> int:
-    """Layer inputs the hooks keep per micro-batch in flight (see the module docstring)."""
+    """Layer inputs the hooks keep per micro-batch in flight (see the module docstring); an expert
+    unit's: every local expert's routed rows."""
     if lay.recompute == "full":
         return 0
     sp = lay.sequence_parallel and lay.tp > 1
     total = 0
-    for name, (_, _, kx, _) in lay.linears().items():
-        tokens = lay.tokens // lay.tp if (sp and lay.column(name)) else lay.tokens
-        total += tokens * kx * lay.act_bytes
-    return total * lay.layers
+    lin = lay.linears()
+    for name, n in lay.copies().items():
+        kx = lin[name][2]
+        if lay.is_expert(name):
+            tokens = lay.expert_tokens
+        else:  # SP hands a column-parallel linear (and MLA's duplicated down-projections) a token shard
+            sharded = lay.column(name) or lay._entries[name].kind is ParallelKind.DUPLICATED
+            tokens = lay.tokens // lay.tp if (sp and sharded) else lay.tokens
+        total += n * tokens * kx * lay.act_bytes
+    return total
 
 
 def in_flight(lay: MeasureLayout) -> int:
@@ -303,10 +385,13 @@ def in_flight(lay: MeasureLayout) -> int:
 
 def adam_bytes(lay: MeasureLayout) -> int:
     """Reading AdamW's state of the largest weight shard: float64 blocks, and a float32 copy of
-    each moment when they are stored scaled (FP16/FP8)."""
-    largest = max(r * c for r, c, _, _ in lay.linears().values())
-    if lay.distributed_optimizer:
-        largest = math.ceil(largest / (lay.dp * lay.cp))
+    each moment when they are stored scaled (FP16/FP8). The distributed optimizer shards a dense
+    weight over DP x CP, an expert's over the expert-data-parallel group."""
+    edp = max(1, lay.tp * lay.dp * lay.cp // (lay.etp * lay.ep))
+    shards = [math.ceil(r * c / ((edp if lay.is_expert(name) else lay.dp * lay.cp)
+                                 if lay.distributed_optimizer else 1))
+              for name, (r, c, _, _) in lay.linears().items()]
+    largest = max(shards)
     # five float64 blocks live at once in adam.py's loop (v_hat, denom, scale, and the update's
     # two temporaries; the moments themselves are read through views, not copied)
     blocks = 5 * 8 * min(largest, BLOCK_ELEMS)
@@ -315,7 +400,7 @@ def adam_bytes(lay: MeasureLayout) -> int:
 
 def persistent_bytes(lay: MeasureLayout) -> int:
     """Two device tables (clean, noise), their reductions' copies, masks and noise scales."""
-    rows = len(gpt.inventory(lay.shape)) + 1
+    rows = len(lay.inventory) + 1
     return rows * FIELDS * (8 * 6 + 2) + rows * 2 * 8
 
 
@@ -323,10 +408,13 @@ def memory(lay: MeasureLayout) -> dict:
     """Bytes per rank: held (per micro-batch in flight, x in_flight), the largest transient, and
     the extra over training and over a bare frozen pass."""
     hooks = {}
-    noise_tokens = lay.tokens // 2 if lay.measured == 1 and lay.micro_batch_size % 2 == 0 else lay.tokens
+    # a lone measured micro-batch's noise pass runs on its halves (an MoE model keeps it whole)
+    halves = lay.measured == 1 and lay.micro_batch_size % 2 == 0 and lay.moe is None
     for name in lay.linears():
-        hooks[name] = max(clean_hook_bytes(lay, name), bwd_noise_hook_bytes(lay, name, noise_tokens),
-                          gx_hook_bytes(lay, name), noise_add_bytes(lay, name))
+        v = lay.view(name)  # an expert unit's hooks run one expert at a time, on its routed rows
+        noise_tokens = v.tokens // 2 if halves else v.tokens
+        hooks[name] = max(clean_hook_bytes(v, name), bwd_noise_hook_bytes(v, name, noise_tokens),
+                          gx_hook_bytes(v, name), noise_add_bytes(v, name))
     transient = max(max(hooks.values()), adam_bytes(lay))
     held = held_bytes(lay) * in_flight(lay)
     persistent = persistent_bytes(lay)
@@ -342,12 +430,34 @@ def host_syncs(lay: MeasureLayout) -> dict:
     return {"device_to_host": 1, "host_to_device": 5}
 
 
+def measurement_passes(lay: MeasureLayout) -> int:
+    """Passes over the measured micro-batches: the clean one, then one noise pass over alternate
+    micro-batches when the step's sample has two or more, else a forward- and a backward-noise pass
+    (a dense model's lone micro-batch split into halves: one)."""
+    total = lay.num_microbatches * lay.dp
+    k_total = min(lay.micro_batches, total) if lay.micro_batches else total  # the step's whole sample
+    halves = k_total == 1 and lay.micro_batch_size % 2 == 0 and lay.moe is None
+    return 2 if k_total >= 2 or halves else 3
+
+
+def dispatcher_syncs(lay: MeasureLayout) -> int:
+    """Megatron's own host syncs in the measurement's passes: the alltoall token dispatcher reads its
+    split sizes on the host once per MoE layer forward when EP or TP > 1 (dropless,
+    `cuda_sync_point` "before_ep_alltoall"), as every training micro-batch does too."""
+    if lay.moe is None or (lay.ep == 1 and lay.tp == 1):
+        return 0
+    return measurement_passes(lay) * lay.measured * lay.stage_layers()["moe"]
+
+
 def flops(lay: MeasureLayout, rates: GPURates = GPURates()) -> dict:
-    """Extra compute of one measurement in training-step equivalents of this layout."""
+    """Extra compute of one measurement in training-step equivalents of this layout (the busiest
+    stage; an expert unit counts its local experts' GEMMs on their routed rows)."""
     lin = lay.linears()
+    copies = lay.copies()
     n = lay.tokens
-    params = sum(r * c for r, c, _, _ in lin.values()) * lay.layers  # planned-linear weights on the rank
-    fwd_lin = 2 * n * params  # one micro-batch's forward GEMMs
+    tokens = {name: lay.expert_tokens if lay.is_expert(name) else n for name in copies}
+    params = sum(lin[name][0] * lin[name][1] * c for name, c in copies.items())  # planned-linear weights on the rank
+    fwd_lin = 2 * sum(tokens[name] * lin[name][0] * lin[name][1] * c for name, c in copies.items())  # one mb's forward GEMMs
     # attention core (QK^T and AV, causal: half), per micro-batch on the rank, BF16 always
     heads_dim = lay.shape.num_attention_heads * lay.shape.head_dim // lay.tp
     fwd_attn = 2 * 2 * n * (lay.seq // lay.cp) * heads_dim * lay.layers * 0.5
@@ -363,15 +473,16 @@ def flops(lay: MeasureLayout, rates: GPURates = GPURates()) -> dict:
     pass_gemm = kd * ((2 + recompute_fwd) * fwd_lin + (3 + attn_recompute) * fwd_attn)
     # hooks: G_W on the sample (clean: every mb; noise: the backward-noise half), dY (2 GEMMs per
     # precision), chunk Grams
-    nf = _kept(n, lay.token_stride)
-    sample_lin = 2 * nf * params
-    hook_gemm = kd * (sample_lin * (1 + 0.5 + 2 * lay.precisions)
-                      + 2 * 2 * n * TOKEN_CHUNK * sum(kx + my for _, _, kx, my in lin.values()) * lay.layers)
+    sample_lin = 2 * sum(_kept(tokens[name], lay.token_stride) * lin[name][0] * lin[name][1] * c
+                         for name, c in copies.items())
+    grams = 2 * 2 * TOKEN_CHUNK * sum(tokens[name] * (lin[name][2] + lin[name][3]) * c for name, c in copies.items())
+    hook_gemm = kd * (sample_lin * (1 + 0.5 + 2 * lay.precisions) + grams)
     # elementwise: quantizers (weights each measured mb, the sampled activations), noise, norms
-    nb = _kept(n, lay.grad_token_stride)
-    quantized = params * lay.precisions + lay.precisions * lay.layers * sum(
-        nf * kx + nb * (kx + 2 * my) for _, _, kx, my in lin.values())
-    streamed = 6 * n * lay.layers * sum(kx + my for _, _, kx, my in lin.values())  # norms, noise (x2), gathers
+    quantized = params * lay.precisions + lay.precisions * sum(
+        c * (_kept(tokens[name], lay.token_stride) * lin[name][2]
+             + _kept(tokens[name], lay.grad_token_stride) * (lin[name][2] + 2 * lin[name][3]))
+        for name, c in copies.items())
+    streamed = 6 * sum(tokens[name] * c * (lin[name][2] + lin[name][3]) for name, c in copies.items())  # norms, noise (x2), gathers
     elementwise_s = kd * (quantized * rates.elementwise_bytes + streamed * rates.streamed_bytes) / (rates.hbm_tb_s * 1e12)
     bubble = (kd + lay.pp - 1) / kd
     measure_s = (2 * pass_gemm + hook_gemm) / bf16 * bubble + elementwise_s

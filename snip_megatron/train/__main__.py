@@ -40,7 +40,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict, dict]:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama_tiny", choices=list(PRESETS),
                    help="model preset (snip_megatron.shapes.PRESETS; llama_tiny_mla: multi-latent attention, "
-                        "llama_tiny_moe: MoE layers)")
+                        "llama_tiny_moe, llama_tiny_moe8: MoE layers)")
     train = add_dataclass_flags(p, TrainConfig, exclude=("model", "mla", "moe", "data", "formats"),
                                 flag_of=lambda n: _TRAIN_FLAGS.get(n, "--" + n.replace("_", "-")),
                                 choices={"backend": BACKENDS, "params_dtype": PARAM_DTYPES})

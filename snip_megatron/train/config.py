@@ -172,12 +172,17 @@ class TrainConfig(TrainingSchedule):
 
     def check_moe(self, world_size: int) -> None:
         """Refuse the MoE runs SNIP cannot measure yet, for the reasons Megatron-LM's loop gives
-        (megatron.moe.moe_refusals): here, more than one process; and the TE backend, whose grouped
-        experts only Megatron-LM's loop builds."""
+        (megatron.moe.moe_refusals): here, more than one process, which the compact loop does not run
+        MoE at (Megatron-LM's loop does); and the TE backend, whose grouped experts only Megatron-LM's
+        loop builds."""
         if self.moe is None:
             return
         args = SimpleNamespace(world_size=world_size, transformer_impl="local")
         reasons = moe_refusals(args)
+        if world_size > 1:
+            reasons.insert(0, f"--num-experts on {world_size} processes: the compact loop runs MoE at one "
+                              "process; snip-pretrain-gpt runs it at expert, pipeline and data parallelism "
+                              "(docs/moe.md)")
         if self.backend == "te":  # the compact loop builds no grouped experts
             reasons.append("backend='te': the compact loop runs MoE on the local spec only; Megatron-LM's loop "
                            "runs TE's grouped experts (snip-pretrain-gpt --transformer-impl transformer_engine "

@@ -31,3 +31,4 @@ regimes = _bench_fixture("regimes", "bench_quality_regimes", "quality_regimes.py
 planner_scale = _bench_fixture("planner_scale", "bench_planner_scale", "planner_scale.py")
 fidelity = _bench_fixture("fidelity", "bench_fidelity", "estimator_fidelity.py")
 emulation_profile = _bench_fixture("emulation_profile", "bench_emulation_profile", "emulation_profile.py")
+measure_scale = _bench_fixture("measure_scale", "bench_measure_scale", "measure_scale.py")

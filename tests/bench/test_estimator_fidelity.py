@@ -2,6 +2,7 @@
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -163,3 +164,48 @@ def test_merge_long_refuses_other_layers_or_precisions(fidelity):
     extra["long"]["fp8"] = extra["long"]["fp4"]
     with pytest.raises(SystemExit, match="other precisions or layers"):
         fidelity.merge_long(_long_run([0, 1], [3.1, 3.2], float), extra, "extra.json")
+
+
+def test_moe_units_are_scored_by_kind(fidelity, capsys):
+    """An MoE model's RESULT adds the Spearman over its routed-expert units and over its attention
+    linears apart (llama_tiny_moe8: every layer MoE, 12 of each), each ranked within its kind."""
+    from snip_megatron.train.config import TrainConfig
+
+    groups = fidelity.unit_groups(TrainConfig(model="llama_tiny_moe8").inventory)
+    keys = list(groups)
+    assert sum(g == "experts" for g in groups.values()) == 12 and sum(g == "attention" for g in groups.values()) == 12
+    assert {groups["1.expert_fc1"], groups["6.expert_fc2"], groups["3.linear_qkv"]} == {"experts", "attention"}
+    r = _result(n=len(keys))
+    experts = [i for i, k in enumerate(keys) if groups[k] == "experts"]
+    for i in experts:  # the predictions rank the experts backwards, the attention linears right
+        r["pred"]["fp4"]["dL"][i] = -r["pred"]["fp4"]["dL"][i]
+    r["harm_frozen"] = [[-h, -h] if i in experts else [h, h] for i, (h, _) in enumerate(r["harm"]["fp4"])]
+    gs = fidelity.group_scores(keys, r, groups)
+    assert gs["fp4_experts"] == pytest.approx(-1.0) and gs["fp4_attention"] == pytest.approx(1.0)
+    # against the harm with routing frozen (here: the experts' reversed) and how it ranks against the free one
+    assert gs["fp4_frozen_routing_experts"] == pytest.approx(1.0) and gs["frozen_vs_free_experts"] == pytest.approx(-1.0)
+    assert gs["units_experts"] == gs["units_attention"] == 12 and gs["ceiling_split_experts"] == pytest.approx(1.0)
+    fidelity.report(keys, {"later": r}, SimpleNamespace(lambdas=[0.0], fp4_recipe="nvfp4"), groups)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    values = dict(kv.split("=") for kv in last.split()[1:])
+    assert float(values["spearman_fp4_experts"]) == pytest.approx(-1.0)
+    assert float(values["spearman_fp4_attention"]) == pytest.approx(1.0)
+    assert {"ceiling_split_experts", "ceiling_split_attention"} <= set(values)
+    assert float(values["spearman_fp4_frozen_routing_experts"]) == pytest.approx(1.0)
+    # a dense model's RESULT keeps its fields
+    dense = {k: ("attention" if g == "experts" else g) for k, g in groups.items()}
+    fidelity.report(keys, {"later": r}, SimpleNamespace(lambdas=[0.0], fp4_recipe="nvfp4"), dense)
+    assert "spearman_fp4_attention" not in capsys.readouterr().out.strip().splitlines()[-1]
+    with pytest.raises(SystemExit):  # the probe injects one tensor per module: refused for experts
+        fidelity.main(["--model", "llama_tiny_moe8", "--probe"])
+
+
+def test_rescore_the_moe_run_keeps_its_kinds_of_unit(fidelity, capsys):
+    """docs/fidelity/moe8.json (llama_tiny_moe8, docs/results.md): rescored, its RESULT scores the
+    routed experts and the attention linears apart, with the recorded truths' ceilings."""
+    fidelity.main(["--rescore", str(ROOT / "docs" / "fidelity" / "moe8.json")])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    values = {k: float(v) for k, v in (kv.split("=") for kv in last.split()[1:])}
+    assert {"spearman_fp4_experts", "spearman_fp4_attention"} <= set(values)
+    assert values["ceiling_split_experts"] == pytest.approx(0.818, abs=1e-3)
+    assert values["ceiling_split_attention"] == pytest.approx(0.406, abs=1e-3)

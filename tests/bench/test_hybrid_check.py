@@ -28,7 +28,7 @@ def test_the_script_refuses_without_a_gpu():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--pattern", "*E*E"], "MoE layers (E)"),
+    (["--pattern", "*E*E"], "has MoE (E) layers"), (["--pattern", "+-+-"], "multi-latent attention layers (+)"),
     (["--pattern", "*-*-"], "has no Mamba (M) or GDN (G) layer"),
     (["--steps", "3"], "--steps must be at least 4"),
 ])

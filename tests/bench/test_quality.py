@@ -341,3 +341,65 @@ def test_a_log_with_finished_runs_is_only_replaced_with_fresh(quality, tmp_path)
         quality.refuse_to_replace(quality.parse_args(["--log", str(log), flag]))
     with pytest.raises(SystemExit):
         quality.parse_args(["--log", str(log), "--fresh", "--resume"])
+
+
+def test_model_option_runs_a_preset_with_its_experts(quality):
+    """--model llama_tiny_moe8: its dimensions and experts (models.gpt.PRESET_MOE) in every run, its
+    own run folder, log and report (a companion of docs/results.md); the oracle lists a dense model's
+    linears, so it is refused by name."""
+    from snip_megatron.models.gpt import PRESET_MOE
+    from snip_megatron.shapes import PRESETS
+
+    args = quality.parse_args(["--model", "llama_tiny_moe8", "--quick", "--hidden", "64"])
+    preset = PRESETS["llama_tiny_moe8"]
+    assert (args.layers, args.ffn, args.heads, args.hidden) == (preset.num_layers, preset.ffn_hidden_size,
+                                                                preset.num_attention_heads, 64)
+    assert args.moe == asdict(PRESET_MOE["llama_tiny_moe8"]) and args.moe["num_experts"] == 8
+    assert (args.run_dir, args.out) == ("runs/quality_llama_tiny_moe8", "docs/results_llama_tiny_moe8.md")
+    specs = quality.build_specs(args)
+    assert specs and all(quality.moe_of(s) == PRESET_MOE["llama_tiny_moe8"] for s in specs)
+    dense = quality.build_specs(quality.parse_args(["--quick", "--hidden", "64"]))
+    assert all(s.moe is None for s in dense) and quality.parse_args([]).out == "docs/results.md"
+    assert specs[0].prefix_dir != quality.RunSpec(**{**asdict(specs[0]), "moe": None}).prefix_dir
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--model", "llama_tiny_moe8"])  # the full benchmark runs the oracle
+    with pytest.raises(SystemExit):
+        quality.parse_args(["--model", "llama_tiny_moe9"])
+    assert quality.experts_text(args.moe).startswith("MoE (every layer): 8 experts of FFN 176, top-2")
+
+
+def test_the_main_report_appends_its_companions(quality, tmp_path):
+    (tmp_path / "quality_regimes.md").write_text("regimes")
+    (tmp_path / "results_llama_tiny_moe8.md").write_text("moe")
+    main = tmp_path / "results.md"
+    assert [p.name for p in quality.companions(tmp_path, main)] == ["quality_regimes.md", "results_llama_tiny_moe8.md"]
+    assert quality.companions(tmp_path, tmp_path / "results_llama_tiny_moe8.md")[-1].name == "quality_regimes.md"
+
+
+def test_an_moe_run_trains_measures_and_plans_its_expert_units(quality, tmp_path):
+    """The MoE model option end to end on a tiny size: SNIP from a shared BF16 prefix, planned at step 2
+    of 3; its plan holds the expert units and meets the budget."""
+    import torch
+
+    from snip_megatron.models.gpt import PRESET_MOE
+    from snip_megatron.report import load_plan_history
+
+    threads = torch.get_num_threads()
+    model = dict(name="quality_test", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                 num_query_groups=2, vocab_size=512, seq_length=32)
+    moe = {**asdict(PRESET_MOE["llama_tiny_moe8"]), "ffn_hidden_size": 64}
+    base = dict(seed=0, fp4_recipe="nvfp4", steps=3, warmup=2, prefix_steps=1, model=model, moe=moe,
+                data_cache=str(tmp_path / "data"), max_bytes=300_000, micro_batch_size=2, run_dir=str(tmp_path / "runs"))
+    from snip_megatron.data.prepare import DataConfig, prepare
+
+    prepare(DataConfig(corpus="stdlib", vocab_size=512, max_bytes=300_000, cache_dir=base["data_cache"]))
+    try:
+        spec = quality.RunSpec(method="snip_periodic", budget=0.75, **base)
+        assert not quality.train_prefix(spec)["reused"]
+        snip = quality.run_one(spec)
+    finally:
+        torch.set_num_threads(threads)
+    history = load_plan_history(tmp_path / "runs" / snip["name"])
+    plan = history[-1][1]
+    assert {str(k) for k in plan if "expert" in k.name} == {f"{l}.expert_fc{i}" for l in (1, 2) for i in (1, 2)}
+    assert 0.7 <= snip["fp4_fraction"] <= 0.8 and math.isfinite(snip["val_bf16"]) and not snip["diverged"]

@@ -176,7 +176,10 @@ def test_a_hybrid_model_is_refused_where_snip_pretrain_hybrid_refuses_it():
     assert hybrid_refusals(model, "te")[0].startswith("model.hybrid_layer_pattern 'M*-*': Mamba (M) layers run "
                                                       "CUDA kernels")
     model.hybrid_layer_pattern = "*E*E"
-    assert hybrid_refusals(model, "te")[0].startswith("model.hybrid_layer_pattern '*E*E': MoE layers (E)")
+    assert hybrid_refusals(model, "te") == [  # refused by name: Bridge lacks SNIP's grouped split padding
+        "model.hybrid_layer_pattern '*E*E': MoE layers (E) through Bridge: Megatron's hybrid spec builds TE grouped "
+        "experts, whose token splits SNIP pads in snip-pretrain-hybrid only (not through Bridge yet); run "
+        "snip-pretrain-hybrid, or use '-' (dense MLP) layers"]
     model.hybrid_layer_pattern, model.mtp_hybrid_override_pattern = "*-*-", "*-"
     assert hybrid_refusals(model, "te")[0].startswith("model.mtp_hybrid_override_pattern")
     cfg = tiny.tiny_hybrid_config("*-*-")

@@ -4,6 +4,7 @@ shapes. The 70B-class pattern's planning time is tests/bench/test_planner_scale.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -43,8 +44,44 @@ def test_mamba_and_gdn_layers_and_their_shapes():
     assert Plan.from_json(plan.to_json()) == plan and plan.to_dict()["version"] == 2
 
 
+def test_an_moe_layer_plans_the_gpt_adapters_expert_units():
+    """`*E*-`: layer 2's routed experts are one unit per linear (one expert's shape, all experts,
+    top-k routed FLOPs), exactly the GPT adapter's for the same experts; shared experts when the
+    config has them; the router is never planned."""
+    moe = gpt.MoEDims(num_experts=4, topk=2, ffn_hidden_size=48)
+    inv = hybrid.inventory(TINY.with_(num_layers=4), "*E*-", moe=moe)
+    assert [str(k) for k in inv.keys()] == ["1.linear_qkv", "1.linear_proj", "2.expert_fc1", "2.expert_fc2",
+                                           "3.linear_qkv", "3.linear_proj", "4.linear_fc1", "4.linear_fc2"]
+    fc1, fc2 = inv.entry("2.expert_fc1"), inv.entry("2.expert_fc2")
+    assert (fc1.suffix, fc1.shape, fc1.experts, fc1.topk) == \
+        ("mlp.experts.linear_fc1", (2 * 48, TINY.hidden_size), 4, 2)
+    assert fc1.flops_per_token == 6 * 2 * 48 * TINY.hidden_size * 2 and fc2.kind is ParallelKind.ROW
+    as_gpt = gpt.inventory(TINY.with_(num_layers=2), moe=dataclasses.replace(moe, layer_freq=(1, 0)))
+    assert [inv.entry(f"2.{n}") for n in ("expert_fc1", "expert_fc2")] == \
+        [dataclasses.replace(as_gpt.entry(f"1.{n}"), key=LayerKey(2, n)) for n in ("expert_fc1", "expert_fc2")]
+    assert gpt.MOE_ROUTER in inv.unplanned and list(inv.keys()) == sorted(inv.keys(), key=forward_order)
+    # SP: the dispatcher hands experts whole tokens, never sequence-sharded
+    assert not hybrid.inventory(TINY.with_(num_layers=4), "*E*-", moe=moe, sequence_parallel=True).entry(
+        "2.expert_fc1").sp_shards_input
+    shared = hybrid.inventory(TINY.with_(num_layers=2), "*E",
+                              moe=dataclasses.replace(moe, shared_ffn_hidden_size=64, shared_gate=True))
+    assert [str(k) for k in shared.keys()][2:] == ["2.expert_fc1", "2.expert_fc2", "2.shared_expert_fc1",
+                                                   "2.shared_expert_fc2"]
+    assert shared.entry("2.shared_expert_fc1").shape == (128, TINY.hidden_size)
+    assert shared.entry("2.shared_expert_fc1").experts == 0 and gpt.SHARED_EXPERT_GATE in shared.unplanned
+    assert hybrid.key_for_path("module.decoder.layers.1.mlp.experts.linear_fc1") == LayerKey(2, "expert_fc1")
+    assert hybrid.key_for_path("decoder.layers.0.mlp.shared_experts.linear_fc2", 2) == LayerKey(3, "shared_expert_fc2")
+    assert hybrid.key_for_path("decoder.layers.1.mlp.router") is None
+    assert [hybrid.module_path(e) for e in inv][2:4] == ["decoder.layers.1.mlp.experts.linear_fc1",
+                                                          "decoder.layers.1.mlp.experts.linear_fc2"]
+    plan = Plan.uniform(inv, "fp8")
+    assert Plan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match=r"MoE \(E\) layers but the model has no experts"):
+        hybrid.inventory(TINY.with_(num_layers=4), "*E*-")
+
+
 @pytest.mark.parametrize("pattern, words", [
-    ("*E*E", "MoE layers .E."), ("+-+-", r"multi-latent attention layers \(\+\)"),
+("+-+-", r"multi-latent attention layers \(\+\)"),
     ("D-D-", r"sparse attention layers \(D\)"), ("*-*-/*-", "multi-token prediction"),
     ("*-X-", "unknown layer symbol.s. X"), ("||", "has no layers"),
 ])
@@ -104,13 +141,11 @@ def test_segments_are_megatrons(monkeypatch, pattern, pp, vpp):
 def test_module_names_are_those_of_megatrons_hybrid_spec():
     specs = pytest.importorskip("megatron.core.models.hybrid.hybrid_layer_specs")
     stack = specs.hybrid_stack_spec.submodules
-    layer_of = {"*": stack.attention_layer, "-": stack.mlp_layer, "M": stack.mamba_layer, "G": stack.gdn_layer}
+    layer_of = {"*": stack.attention_layer, "-": stack.mlp_layer, "M": stack.mamba_layer, "G": stack.gdn_layer,
+                "E": stack.moe_layer}
     for symbol, slots in hybrid.LINEARS.items():
         for slot in slots:
-            parent, leaf = slot.suffix.split(".")
-            module_spec = getattr(layer_of[symbol].submodules, parent)
-            subs = module_spec.keywords["submodules"] if hasattr(module_spec, "keywords") else module_spec.submodules
-            assert hasattr(subs, leaf), (symbol, slot.suffix)
+            assert gpt.spec_linear_class(layer_of[symbol], slot.suffix) is not None, (symbol, slot.suffix)
 
 
 def _fake_hybrid_stage(pattern: str, pp_rank: int, pp: int, *, tp: int = 1):

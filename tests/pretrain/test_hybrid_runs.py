@@ -3,7 +3,8 @@
 --hybrid-layer-pattern trains, SNIP measures and re-plans its attention (`*`) and MLP (`-`) layers,
 keyed by hybrid layer number, every TE linear runs its plan after every step, and the plan is saved
 and resumed. Runs: one process `*-*-` with a save and a resume (beside it, a `M*-*` pattern refused
-at start-up: Mamba needs CUDA kernels), TP=2 `*-*-` with a save and a resume, and PP=2 `*-|*-` with a save and a resume
+at start-up: Mamba needs CUDA kernels), one process `*E` (an MoE layer of TE grouped experts) with a
+save and a resume, TP=2 `*-*-` with a save and a resume, and PP=2 `*-|*-` with a save and a resume
 through the patched Megatron-LM pretrain_hybrid.py main (patches/megatron-lm-pretrain_hybrid.patch's
 lines). Statistics
 at TP=2 / PP=2 against one process are tests/stats/test_measure_hybrid.py's."""
@@ -99,6 +100,48 @@ def test_tp2_hybrid_measures_replans_and_resumes_every_te_linear(tmp_path):
     out = probed(tmp_path, tmp_path / "q", "*-*-", *common, "--load", str(ckpt), nproc=2)
     assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in snip_lines(out))
     check_resumed_ranks(tmp_path / "q", plan, [5, 6])
+
+
+@needs_training
+def test_one_process_hybrid_moe_layer_with_grouped_experts_measures_replans_and_resumes(tmp_path):
+    """`*E`: an attention layer, then an MoE layer (4 experts, top-2, TEGroupedMLP over the TE
+    double's GroupedLinear, SNIP's split padding, and shared experts): its grouped expert_fc1/fc2
+    are planned units (the GPT adapter's), its shared experts planned linears, the router never
+    planned; measured, re-planned at step 1 (an expert unit to
+    BF16), saved, and resumed with the checkpoint's plan."""
+    from tests.pretrain.test_moe_runs import replans
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm",
+              "--moe-shared-expert-intermediate-size", "32", "--moe-aux-loss-coeff", "1e-2",
+              *DATA, "--snip", "--snip-warmup", "1", "--snip-interval", "2",
+              "--snip-lag", "0", "--snip-fp8-budget", "0.5", "--save-interval", "2", "--save", str(ckpt),
+              "--train-iters", "3"]
+    out = probed(tmp_path, tmp_path / "p", "*E", *common, "--exit-interval", "2")
+    lines = snip_lines(out)
+    assert any(line.startswith("[snip] MoE: 2 routed-expert units planned") and "decoder.layers.*.mlp.router" in line
+               for line in lines), lines
+    assert "[snip] rank 0 runs the plan on its 6 planned linears: {'bf16': 0, 'fp8': 6, 'fp4': 0}" in lines, lines
+    assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2]
+    probe = json.loads((tmp_path / "p" / "rank0.json").read_text())
+    assert "MoETransformerLayer" in probe["module_types"] and "TEGroupedMLP" in probe["module_types"]
+    assert sorted(probe["planned"]) == ["1.linear_proj", "1.linear_qkv", "2.expert_fc1", "2.expert_fc2",
+                                        "2.shared_expert_fc1", "2.shared_expert_fc2"]
+    rows = te_rows(tmp_path / "p")
+    assert [r["step"] for r in rows] == [1, 2]
+    check_linears_follow_the_plan(rows)
+    check_runtime(rows)
+    assert any(rows[0]["plan"][k] == "bf16" for k in ("2.expert_fc1", "2.expert_fc2")), rows[0]["plan"]
+    plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
+    assert {str(k): p.value for k, p in plan.items()} == rows[-1]["plan"]
+
+    out = probed(tmp_path, tmp_path / "q", "*E", *common, "--load", str(ckpt))
+    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
+    assert sorted(losses(out)) == [3]
+    resumed = te_rows(tmp_path / "q")
+    assert resumed[0]["plan"] == {str(k): p.value for k, p in plan.items()}
+    check_linears_follow_the_plan(resumed)
+    check_runtime(resumed)
 
 
 # The main block of Megatron-LM's pretrain_hybrid.py (core_v0.19.0) with the patch's SNIP lines, on

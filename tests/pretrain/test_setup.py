@@ -25,8 +25,15 @@ def megatron_args(*argv):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--num-experts", "4", "--expert-model-parallel-size", "2"], "--expert-model-parallel-size > 1"),
     (["--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm with --transformer-impl local"),
+    (["--num-experts", "4", "--context-parallel-size", "2"], "--context-parallel-size > 1 with --num-experts"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--tensor-model-parallel-size > 1 with --num-experts"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size > 1 with --num-experts"),
+    (["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage with --num-experts"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+     "--moe-token-dispatcher-type alltoall on CPU"),
     (["--num-experts", "4", "--transformer-impl", "transformer_engine", "--snip-backend", "te"],
      "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm"),
     (["--num-experts", "4", "--moe-router-fusion"], "--moe-router-fusion"),
@@ -60,8 +67,12 @@ def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
 
 @pytest.mark.parametrize("argv, line", [
     (["--transformer-impl", "transformer_engine"], "snip-pretrain-hybrid needs --hybrid-layer-pattern"),
-    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E"], "--hybrid-layer-pattern "
-                                                                                     "'*E*E': MoE layers (E)"),
+    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E"],
+     "--hybrid-layer-pattern '*E*E' has MoE (E) layers: add --num-experts"),
+    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4"],
+     "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm"),
+    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4",
+      "--moe-grouped-gemm", "--moe-layer-freq", "2"], "--moe-layer-freq has no effect on a HybridModel"),
     (["--hybrid-layer-pattern", "*-*-"], "snip-pretrain-hybrid plans Transformer Engine linears"),
     (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "M*G-"],
      "--hybrid-layer-pattern 'M*G-': Mamba (M) and gated delta net (G) layers run CUDA kernels"),
@@ -95,14 +106,16 @@ def test_a_model_that_is_not_the_one_planned_is_refused_before_the_first_step(me
         run.check_inventory([model])
 
 
-def test_moe_on_the_local_spec_at_one_process_is_planned_not_refused():
+def test_moe_on_the_local_spec_is_planned_not_refused():
     args = megatron_args("--snip", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]",
                          "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
                          "--moe-router-score-function", "sigmoid")
     assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == []
-    args.world_size = 2  # any parallelism: expert statistics are not reduced over ranks yet
-    assert [line.split(":")[0] for line in refusals(args, snip_config_from_args(args), resolve_backend(args))] == \
-        ["--num-experts on 2 processes"]
+    for argv in (["--expert-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):
+        # measured over the expert groups (docs/moe.md)
+        args = megatron_args("--snip", "--num-experts", "4", "--moe-router-topk", "2", *argv)
+        args.world_size = 2
+        assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv
 
 
 def test_multi_latent_attention_and_multi_token_prediction_are_planned_not_refused():

@@ -62,6 +62,20 @@ MTP = dict(mtp_num_layers=1)
 LAYOUTS.update({"mtpmla_single": (1, 1, True, dict(mla=MLA, **MTP), None),
                 "mtpmla_tp2_sp": (2, 1, True, dict(mla=MLA, sequence_parallel=True, **MTP), None),
                 "mtp_single": (1, 1, False, MTP, None), "mtp_pp2": (1, 2, False, MTP, None)})
+# mixture of experts (layer 1: 4 experts top-2 and a gated shared expert, layer 2 dense; expert bias,
+# aux and z losses on): every matrix drawn from its global name ("global"), so each layout of TP,
+# ETP (expert TP), EP and PP holds the single process's model. With TP > 1 Megatron's MoE layer
+# needs sequence parallelism; its tokens then reach the experts in the single process's order.
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0],
+           moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+           moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_shared_expert_intermediate_size=32,
+           moe_shared_expert_gate=True)
+SP = dict(sequence_parallel=True)
+LAYOUTS.update({"moe_single": (1, 1, "global", MOE, None), "moe_pp2": (1, 2, "global", MOE, None),
+                "moe_tp2_sp_ep2": (2, 1, "global", dict(MOE, ep=2, etp=1, **SP), None),
+                # EP=2 over two data-parallel replicas (TP=1): each expert sees both replicas' tokens
+                "moe_ep2": (1, 1, "global", dict(MOE, ep=2), None), "moe_single4": (1, 1, "global", MOE, None),
+                "moe_tp2_sp_etp2": (2, 1, "global", dict(MOE, **SP), None)})
 DP2_STEP = 4
 """Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
 micro-batches r, r + 2, ...)."""
@@ -99,13 +113,18 @@ def cpu_current_device():
         torch.cuda.current_device = saved
 
 
-def build(tp=1, pp=1, seed=1234, reinit=True, **overrides):
+def build(tp=1, pp=1, seed=1234, reinit=True, ep=1, etp=None, **overrides):
     from snip_megatron.megatron.model import build_model_chunks
 
-    runtime.initialize_model_parallel(tp=tp, pp=pp, seed=seed)
+    runtime.initialize_model_parallel(tp=tp, pp=pp, seed=seed, ep=ep, etp=etp)
     runtime.seed_all(seed)
+    if ep > 1 or etp is not None:
+        overrides.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
     with sp_tolerant_norms() if overrides.get("sequence_parallel") else contextlib.nullcontext():
         chunks = build_model_chunks(SHAPE, backend="local", **overrides)
+    if reinit == "global":
+        draw_by_global_name(chunks)
+        return chunks
     if tp == 1 and reinit:
         # Pipeline stages initialise their layers from different RNG states: give every matrix
         # weights that depend only on its global name, as a single process would have (an MTP
@@ -120,6 +139,70 @@ def build(tp=1, pp=1, seed=1234, reinit=True, **overrides):
                     with torch.no_grad():
                         p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     return chunks
+
+
+def draw_by_global_name(chunks) -> None:
+    """Every matrix re-drawn whole from its global name (layer number, global expert id) and cut
+    as Megatron shards it: TP (ETP for experts) rank r holds rows (column-parallel; a gated fc1:
+    rows r of its gate and of its up half) or columns (row-parallel) r of tp equal slices. So any
+    layout of TP, ETP, EP and PP computes the model one process computes."""
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    def global_name(layer, name):
+        m = re.search(r"local_experts\.(\d+)\.", name)
+        if m is None:
+            return f"{layer.layer_number}.{name}"
+        experts = layer.mlp.experts
+        first = ps.get_expert_model_parallel_rank() * experts.num_local_experts
+        return f"{layer.layer_number}.{name[:m.start(1)]}{first + int(m.group(1))}{name[m.end(1):]}"
+
+    gated = chunks[0].config.gated_linear_unit
+    for chunk in chunks:
+        named = [(n, n, p) for n, p in chunk.named_parameters() if not n.startswith("decoder.layers")]
+        for layer in chunk.decoder.layers:
+            named += [(global_name(layer, n), n, p) for n, p in layer.named_parameters()]
+        for name, local_name, p in named:
+            if p.dim() != 2:
+                continue
+            expert = "experts.local_experts" in local_name
+            sharded = getattr(p, "tensor_model_parallel", False)
+            size = (ps.get_expert_tensor_parallel_world_size() if expert else
+                    ps.get_tensor_model_parallel_world_size()) if sharded else 1
+            rank = (ps.get_expert_tensor_parallel_rank() if expert else
+                    ps.get_tensor_model_parallel_rank()) if sharded else 0
+            dim = getattr(p, "partition_dim", 0) if sharded else 0
+            full = list(p.shape)
+            full[dim] *= size
+            g = torch.Generator().manual_seed(sum(map(ord, name)) * 7919 + p.numel() * size)
+            w = torch.randn(full, generator=g) * 0.05
+            halves = 2 if gated and local_name.endswith("linear_fc1.weight") else 1
+            w = torch.cat([h.chunk(size, dim)[rank] for h in w.chunk(halves, 0)], 0)
+            with torch.no_grad():
+                p.copy_(w)
+
+
+def padded_blockwise_error_fn():
+    """blockwise_error_fn on operands zero-padded to whole blocks along the contraction dim: an
+    expert's wgrad operands contract over its routed rows, any number of them (zeros change no
+    block's amax, so the error of every real element is the unpadded block's)."""
+    from snip_megatron.stats.quant_error import blockwise_error_fn
+
+    inner = blockwise_error_fn()
+
+    def error(t, precision, role, group=None):
+        contract_last = role in ("fprop_input", "fprop_weight", "dgrad_grad_output")
+        dim = 1 if contract_last else 0
+        pad = -t.shape[dim] % 16
+        if not pad:
+            return inner(t, precision, role, group)
+        shape = list(t.shape)
+        shape[dim] = pad
+        e = inner(torch.cat([t, t.new_zeros(shape)], dim), precision, role, group)
+        return e.narrow(dim, 0, t.shape[dim])
+
+    return error
 
 
 def main():
@@ -147,19 +230,20 @@ def measure_layout(name: str):
     # "<layout>_lone": a step of one micro-batch of 4, whose noise pass runs its two halves
     base, lone = (name[:-5], True) if name.endswith("_lone") else (name, False)
     tp, pp, megatron_init, overrides, k = LAYOUTS[base]
-    chunks = build(tp, pp, reinit=not megatron_init, **overrides)
+    chunks = build(tp, pp, reinit="global" if megatron_init == "global" else not megatron_init, **overrides)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
-    if base in ("dp2", "dp2_k2", "single4", "pair"):
+    if base in ("dp2", "dp2_k2", "single4", "pair", "moe_ep2", "moe_single4"):
         data = batches(num=DP2_STEP)
-        if base.startswith("dp2"):
+        if base.startswith("dp2") or base == "moe_ep2":
             data = data[dist.get_rank()::dist.get_world_size()]
         elif base == "pair":
             data = data[2:]
     try:
-        with cpu_current_device() if overrides.get("sequence_parallel") else contextlib.nullcontext():
+        with cpu_current_device() if overrides.get("sequence_parallel") or "ep" in overrides else contextlib.nullcontext():
             return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
                                   micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05, micro_batches=k),
-                                  error_fn=blockwise_error_fn())
+                                  error_fn=padded_blockwise_error_fn() if "num_moe_experts" in overrides
+                                  else blockwise_error_fn())
     finally:
         runtime.destroy()
 

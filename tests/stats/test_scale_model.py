@@ -1,5 +1,7 @@
 """The measurement's cost model reads its block sizes off the code and behaves as the code does."""
 
+import pytest
+
 from snip_megatron.shapes import get_shape
 from snip_megatron.stats import adam, noise, scale_model as sm, table, tokens, weights
 
@@ -31,3 +33,36 @@ def test_memory_and_compute_follow_the_layout():
     assert sm.flops(_70b())["measured_microbatches"] == 8 and sm.flops(every)["microbatches"] == 1024
     # sequence parallelism gathers the token-sharded operand in the hook
     assert sm.clean_hook_bytes(_70b(), "linear_fc1") > sm.clean_hook_bytes(_70b(sequence_parallel=False), "linear_fc1")
+
+
+def test_an_moe_layout_counts_its_local_experts_on_their_routed_rows():
+    """EP=4 over 8 experts top-2, TP=2 with SP: each rank holds 2 experts per MoE layer; an expert's
+    hooks see its routed rows (the EP group's SP-sharded tokens x top-k over the experts), one expert
+    at a time; its held inputs count every local expert; an expert's AdamW shard is the expert-data-
+    parallel group's; Megatron's dispatcher syncs once per MoE layer forward in each pass."""
+    from snip_megatron.models.gpt import MoEDims
+
+    moe = MoEDims(num_experts=8, topk=2, ffn_hidden_size=256, layer_freq=2)
+    shape = get_shape("llama_tiny").with_(num_layers=4, seq_length=1024)
+    lay = sm.MeasureLayout(shape=shape, moe=moe, tp=2, dp=4, ep=4, sequence_parallel=True, micro_batch_size=2,
+                           global_batch=64, recompute="none", distributed_optimizer=True)
+    assert lay.local_experts == 2 and lay.expert_tokens == (2048 // 2) * 2 * 4 // 8
+    assert len(lay.inventory) == 2 * 4 + 2 * 4  # layers 1, 3 MoE (attention + 2 expert units), 2, 4 dense
+    assert lay.stage_layers() == {"moe": 2, "dense": 2}
+    copies = lay.copies()
+    assert copies["expert_fc1"] == 2 * 2 and copies["linear_fc1"] == 2 and copies["linear_qkv"] == 4
+    view = lay.view("expert_fc1")
+    assert view.tokens == lay.expert_tokens and not view.sequence_parallel and lay.view("linear_qkv") is lay
+    rows, cols, kx, my = lay.linears()["expert_fc1"]
+    assert (rows, cols) == (2 * 256, 128)  # one expert's (gate and up), not sharded at ETP=1
+    dense_only = sm.MeasureLayout(**{**{f: getattr(lay, f) for f in ("shape", "tp", "dp", "sequence_parallel",
+                                                                      "micro_batch_size", "global_batch")}})
+    assert sm.held_bytes(lay) - sm.held_bytes(dense_only) == 2 * (
+        2 * lay.expert_tokens * (128 + 256) - lay.tokens // 2 * 128 - lay.tokens * 352 // 2) * 2
+    edp = 2 * 4 // 4  # tp x dp / (etp x ep)
+    assert sm.adam_bytes(lay) == 5 * 8 * (512 * 128 // edp)  # the largest shard: one expert's fc1 over EDP=2
+    assert sm.dispatcher_syncs(lay) == sm.measurement_passes(lay) * lay.measured * 2 and sm.dispatcher_syncs(dense_only) == 0
+    assert sm.measurement_passes(lay) == 2  # 8 micro-batches measured in the step: one noise pass
+    assert sm.memory(lay)["persistent"] == (len(lay.inventory) + 1) * (sm.FIELDS * 50 + 16)
+    with pytest.raises(ValueError, match="ep=3"):
+        sm.MeasureLayout(shape=shape, moe=moe, ep=3, tp=1, dp=3, global_batch=3)

@@ -38,9 +38,11 @@ def test_multi_latent_attention_needs_one_tensor_parallel_rank():
 
 
 def test_moe_runs_at_one_process_on_the_local_spec():
-    """Expert statistics are not reduced over ranks yet: MoE at tp/pp > 1 (and dp > 1, at the
-    Trainer's start-up) or on the TE backend is refused with Megatron-LM's loop's reasons."""
-    with pytest.raises(ValueError, match=r"TrainConfig.moe \(MoE\) at tp=2, .*--num-experts on 2 processes"):
+    """The compact loop runs MoE at one process (Megatron-LM's loop runs it at EP/PP/DP): tp/pp > 1
+    (and dp > 1, at the Trainer's start-up) are refused, and the TE backend with Megatron-LM's
+    loop's reason."""
+    with pytest.raises(ValueError, match=r"TrainConfig.moe \(MoE\) at tp=2, .*--num-experts on 2 processes: "
+                                         r"the compact loop runs MoE at one process; snip-pretrain-gpt"):
         TrainConfig(model="llama_tiny_moe", tp=2)
     with pytest.raises(ValueError, match=r"TrainConfig.moe .*--transformer-impl transformer_engine"):
         TrainConfig(model="llama_tiny_moe", backend="te")

@@ -1,0 +1,92 @@
+"""MoE statistics over two processes equal one process's (same weights, drawn from each matrix's global
+name, and data): expert parallelism (EP=2) with TP=2 and sequence parallelism, expert TP (ETP=2,
+Megatron's default ETP = TP), and PP=2, to 1e-5. An expert unit's row adds its local experts, then
+ETP, EP and the expert-data-parallel group reduce it (stats/reduce.py); routing stays frozen across
+the passes at every layout (the dispatcher's gathers see the clean pass's routing again).
+
+EP=2 at TP=1 spreads each expert's tokens over two data-parallel replicas: an expert's forward
+runs both replicas' micro-batches at once, so its statistics per forward (G_W, noise) are another
+sample than one process's; its token sums (norms, counts, per-token errors) are compared, in the
+dense rows' units (a replica's sums averaged, as a DP=2 run reports them)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from snip_megatron.models import gpt
+from snip_megatron.stats.table import StatsTable
+from tests.distributed import run_distributed
+from tests.stats.test_measure_parallel import assert_same
+
+WORKER = str(Path(__file__).with_name("measure_worker.py"))
+DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2"]
+
+
+def _keys():
+    from tests.stats.measure_worker import MOE, SHAPE
+
+    from snip_megatron.models.gpt import MoEDims
+
+    moe = MoEDims(num_experts=MOE["num_moe_experts"], topk=MOE["moe_router_topk"],
+                  ffn_hidden_size=MOE["moe_ffn_hidden_size"], layer_freq=tuple(MOE["moe_layer_freq"]),
+                  shared_ffn_hidden_size=MOE["moe_shared_expert_intermediate_size"])
+    return list(gpt.inventory(SHAPE, moe=moe).keys())
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory):
+    from snip_megatron.megatron import runtime
+    from tests.stats.measure_worker import measure_layout
+
+    d = tmp_path_factory.mktemp("moe_stats")
+    run_distributed([WORKER, "--layouts", ",".join(DISTRIBUTED), "--out", str(d)], nproc=2, timeout=900)
+    keys = _keys()
+    out = {p.stem: StatsTable.from_array(keys, np.load(p)) for p in d.glob("*.npy")}
+    runtime.init_process_group()
+    for name in ("moe_single", "moe_single4"):
+        out[name] = measure_layout(name)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2"])
+def test_moe_statistics_equal_single_process(tables, layout):
+    reference, table = tables["moe_single"], tables[layout]
+    assert [str(k) for k in table.keys][2:4] == ["1.expert_fc1", "1.expert_fc2"]
+    assert_same(reference, table)
+    for f in ("x_sq", "w_sq", "gw_sq", "fwd_z_sq", "bwd_dgw_sq", "ex.fp4", "egy_w.fp4"):
+        assert (table.column(f)[:-1] > 0).all(), f
+    assert table.globals_["dp_size"] == 1
+
+
+# an expert's token sums: each row of the step once, whichever rank's expert took it
+TOKEN_SUMS = ("x_sq", "y_sq", "gy_sq", "gx_sq", "n", "egy_d.fp8", "egy_d.fp4")
+WEIGHTS = ("w_sq", "k", "m", "present", "ew.fp8", "ew.fp4", "ew_d.fp8", "ew_d.fp4", "noise_scale")
+
+
+def test_ep2_over_data_parallel_replicas_reduces_experts_into_the_dense_units(tables):
+    one, ep2 = tables["moe_single4"], tables["moe_ep2"]  # one process measures the step's 4 micro-batches
+    assert ep2.globals_["dp_size"] == 2 and ep2.nonfinite() == {}
+    dense = gpt.LayerKey(1, "shared_expert_fc1")  # the same tokens, on the dense groups
+    for f in TOKEN_SUMS + WEIGHTS:
+        unit = ep2.get(dense, f) / one.get(dense, f)  # a DP=2 run's units against one process's
+        for name in ("expert_fc1", "expert_fc2"):
+            key = gpt.LayerKey(1, name)
+            assert ep2.get(key, f) == pytest.approx(unit * one.get(key, f), rel=1e-5), (name, f)
+    assert ep2.get(dense, "x_sq") == pytest.approx(one.get(dense, "x_sq") / 2, rel=1e-5)
+    for f in ("gw_sq", "fwd_z_sq", "bwd_dgw_sq", "bwd_eta_sq", "ex.fp4", "egy_w.fp4"):
+        assert (ep2.column(f)[:-1] > 0).all(), f
+
+
+def test_a_measurement_leaves_ep2_training_bit_identical(tmp_path):
+    """EP=2 over two replicas, expert bias and aux losses on: three steps with a measurement before
+    the second (of other micro-batches) leave every rank's parameters and router buffers as three
+    steps without one (the routers' token counts of every rank's experts included)."""
+    import json
+
+    run_distributed([str(Path(__file__).with_name("moe_untouched_worker.py")), "--out", str(tmp_path)], nproc=2,
+                    timeout=600)
+    for rank in (0, 1):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert any("expert_bias" in n for n in found["names"]) and any("local_experts.1" in n for n in found["names"])
+        assert found["differ"] == [], (rank, found["differ"])
