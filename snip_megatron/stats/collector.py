@@ -187,11 +187,12 @@ class LinearProbe:
         return out
 
     def _noise_dot(self, field: noise.NoiseField, g: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=g.device)
         if g.numel() == 0:  # an MoE expert routed no tokens
-            return total
+            return torch.zeros((), dtype=torch.float32, device=g.device)
+        total = None
         for rows, z in field.chunks(g.device):
-            total = total + torch.dot(z.reshape(-1), g[rows].reshape(-1).float())
+            d = torch.dot(z.reshape(-1), g[rows].reshape(-1).float())
+            total = d if total is None else total + d
         return total
 
     @staticmethod
@@ -199,9 +200,15 @@ class LinearProbe:
         """t + scale * noise, the noise assembled block by block in t's dtype (+-1 is exact)."""
         if t.numel() == 0:  # an MoE expert routed no tokens
             return t
-        z = torch.empty_like(t)
-        for rows, part in field.chunks(t.device):
+        blocks = field.chunks(t.device)
+        rows, part = next(blocks)
+        if rows.stop == t.shape[0] and t.is_contiguous():  # one block: it is the noise tensor
+            z = part.to(t.dtype)
+        else:
+            z = torch.empty_like(t)
             z[rows] = part.to(t.dtype)
+            for rows, part in blocks:
+                z[rows] = part.to(t.dtype)
         return z.mul_(scale).add_(t)  # in place: one tensor the size of t
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -315,7 +322,7 @@ class LinearProbe:
                 e = errs[p]["fprop_weight"]
                 self._add("gw_ew", gw_sample.scale * tokens.dot(gw_blk, e), p)
                 # dY = Q(X) Q(W)^T - X W^T on the token sample, these output features
-                dy = ex[p] @ (w_blk + e).t() + xs @ e.t()
+                dy = torch.addmm(xs @ e.t(), ex[p], (w_blk + e).t())  # fused: no third temporary
                 if self.row and self.tp_size > 1:  # a row-parallel layer's partial products
                     dist.all_reduce(dy, group=self.tp_group)
                 self._add("dy_sq", fwd.scale * tokens.sum_sq(dy), p)

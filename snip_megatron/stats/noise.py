@@ -62,6 +62,8 @@ def token_positions(local_len: int, *, sp_rank: int = 0, sp_size: int = 1, cp_ra
 
 
 _ONE = 0x3F800000  # float32 1.0; setting bit 31 makes it -1.0
+_SIGN = -(1 << 31)  # int32 with only bit 31 set
+_SHIFTS: dict = {}  # device -> 31 - arange(WORD_BITS) as int32, made once
 
 
 def _signs(words: torch.Tensor) -> torch.Tensor:
@@ -69,9 +71,12 @@ def _signs(words: torch.Tensor) -> torch.Tensor:
     32 i + b. The low 32 bits go through int32 (the same bit pattern), so the unpacking costs 4
     bytes per entry, not 8."""
     w32 = words.to(torch.int32)
-    bits = w32.unsqueeze(-1) >> torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)
+    shifts = _SHIFTS.get(words.device)
+    if shifts is None:  # bit b moves to the sign bit
+        shifts = _SHIFTS[words.device] = WORD_BITS - 1 - torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)
+    bits = w32.unsqueeze(-1) << shifts
     del w32
-    bits.bitwise_and_(1).bitwise_left_shift_(31).bitwise_or_(_ONE)  # in place: one int32 per entry
+    bits.bitwise_and_(_SIGN).bitwise_or_(_ONE)  # in place: one int32 per entry
     return bits.view(torch.float32).reshape(*words.shape[:-1], -1)
 
 
@@ -125,7 +130,8 @@ class NoiseField:
         return full
 
     def chunks(self, device=None, max_elems: int = CHUNK_ELEMS):
-        """Yield (row slice of dim 0, float32 noise of those rows) covering the local tensor."""
+        """Yield (row slice of dim 0, float32 noise of those rows) covering the local tensor; the
+        caller may overwrite a block (no two share memory, and none is used again)."""
         full = self._full_shape()
         lead = full[0] if full else 1
         inner = 1
@@ -144,17 +150,18 @@ class NoiseField:
         whole = None if aligned else _signs(words.unsqueeze(0)).reshape(-1)[:lead * inner].view(lead, inner)
         for r0 in range(0, rows_local, step):
             r1 = min(rows_local, r0 + step)
-            rows = pos[r0:r1] if pos is not None else torch.arange(r0, r1, device=words.device)
+            rows = pos[r0:r1] if pos is not None else None
             if aligned:  # whole words per row and per shard: unpack only this rank's words
-                w = words.view(lead, inner // WORD_BITS).index_select(0, rows)
+                w = words.view(lead, inner // WORD_BITS)
+                w = w[r0:r1] if rows is None else w.index_select(0, rows)  # local rows: a view
                 if cols is not None:
                     wcols = cols.view(-1, WORD_BITS)[:, 0] // WORD_BITS
-                    w = w.view(len(rows), -1, width // WORD_BITS).index_select(-1, wcols)
+                    w = w.view(r1 - r0, -1, width // WORD_BITS).index_select(-1, wcols)
                 z = _signs(w)
             else:  # small or odd shapes: every word unpacked once, then sliced
-                z = whole.index_select(0, rows)
+                z = whole[r0:r1] if rows is None else whole.index_select(0, rows)  # rows of its own
                 if cols is not None:
-                    z = z.view(len(rows), -1, width).index_select(-1, cols)
+                    z = z.view(r1 - r0, -1, width).index_select(-1, cols)
             yield slice(r0, r1), z.reshape(r1 - r0, *self.local_shape[1:])
 
     def full(self, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
