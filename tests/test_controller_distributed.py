@@ -2,8 +2,11 @@
 same step as one process; kill-and-resume keeps plan, schedule and losses; no collective on
 ordinary steps. TP and DP initialise the same weights as one process; PP initialises differently,
 so the PP run continues from a single-process checkpoint (resharded on load). The layout
-comparisons train in BF16 before the measurement: emulated FP8 blocks of this small model straddle
-TP shards, so FP8 training itself would differ slightly between layouts (see emulation tests)."""
+comparisons train in BF16 before the measurement and measure MXFP8 and NVFP4, whose blocks (32 and
+16 elements) lie inside this small model's TP shards: blockwise FP8's 128-element blocks would
+straddle them, so its errors, and with them a near-tie of the plan, would differ between layouts
+(see emulation tests). Stochastic rounding draws the whole tensor's noise at each shard's columns,
+so TP=2 measures what one process measures."""
 
 import json
 import sys
@@ -15,6 +18,7 @@ from tests.distributed import ROOT, run_distributed
 
 WORKER = str(ROOT / "tests" / "workers" / "controller_worker.py")
 MEASURE_STEP, APPLY_STEP = 4, 5  # warmup 4, lag 1
+ALIGNED = ("--fp8-recipe", "mxfp8")  # formats whose blocks lie inside TP=2 shards
 
 
 def _run(out, cache, nproc=1, extra=()):
@@ -35,7 +39,7 @@ def start(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(start):
     root, cache, ckpt = start
-    return _run(root / "single", cache, extra=["--steps", "6", "--initial", "bf16"])[0]
+    return _run(root / "single", cache, extra=["--steps", "6", "--initial", "bf16", *ALIGNED])[0]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,7 @@ def _same_plans_everywhere(ranks, reference, nproc):
 
 def test_tp_ranks_apply_the_single_process_plan(start, single, tmp_path):
     root, cache, ckpt = start
-    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--tp", "2", "--initial", "bf16"])
+    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--tp", "2", "--initial", "bf16", *ALIGNED])
     _same_plans_everywhere(ranks, single, 2)
 
 
@@ -76,7 +80,7 @@ def test_dp_replicas_apply_one_plan_at_the_same_step(start, single, tmp_path):
     # is checked on the statistics themselves in tests/stats/test_measure_parallel.py. Here: every
     # replica switches to the identical plan at the same step as one process does.
     root, cache, ckpt = start
-    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--initial", "bf16"])
+    ranks = _run(tmp_path, cache, nproc=2, extra=["--steps", "6", "--initial", "bf16", *ALIGNED])
     assert ranks[0]["final"] == ranks[1]["final"] and _plans(ranks[0]) == _plans(ranks[1])
     assert [s for s, _ in ranks[0]["applied"]] == [s for s, _ in single["applied"]]
 

@@ -156,7 +156,8 @@ class _QuantLinearMixin:
         return QuantRuntime(
             input_group=pick("input"), weight_group=pick("weight"),
             grad_output_group=pick("grad_output"),
-            grad_output_shard=(rank, world) if "grad_output" in sharded else (0, 1),
+            grad_output_shard=((rank, world, int(getattr(self.weight, "partition_stride", 1) or 1))
+                               if "grad_output" in sharded else (0, 1, 1)),
             generator=self.sr_generator(device), accumulate_into_main_grad=accumulate)
 
     def _warn_if_shards_split_blocks(self) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from snip_megatron.formats import FormatSpec, Role, Rounding, quantize_for_role
-from snip_megatron.formats.sr_noise import CounterNoise, draw_seed
+from snip_megatron.formats.sr_noise import CounterNoise, draw_seed, shard_noise
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,10 +39,10 @@ class QuantRuntime:
     """Process group W is sharded over; None: whole."""
     grad_output_group: Any = None
     """Process group G_Y is sharded over; None: whole."""
-    grad_output_shard: tuple[int, int] = (0, 1)
-    """(rank, world) of G_Y's sharded last dim: stochastic-rounding noise is the whole G_Y's, at this
-    shard's columns (formats/sr_noise.py counts columns from the full tensor's first), so TP=N
-    rounds exactly as TP=1."""
+    grad_output_shard: tuple[int, int, int] = (0, 1, 1)
+    """(rank, world, partition stride) of G_Y's sharded last dim: stochastic-rounding noise is the
+    whole G_Y's, at this shard's columns (formats/sr_noise.py shard_noise), so TP=N rounds exactly
+    as TP=1."""
     generator: torch.Generator | None = None
     """Dedicated generator for stochastic rounding (never the global RNG); on G_Y's device."""
     accumulate_into_main_grad: bool = False
@@ -131,14 +131,15 @@ def _q(tensor, spec, role, group, runtime: QuantRuntime | None = None):
                              amax_group=group)
 
 
-def _shard_noise(grad_output: torch.Tensor, runtime: QuantRuntime) -> CounterNoise:
+def _shard_noise(grad_output: torch.Tensor, runtime: QuantRuntime) -> "CounterNoise | torch.Tensor":
     """This shard's columns of the whole G_Y's counter-based noise, seeded by one draw from the
     layer's generator (the same draw on every TP rank)."""
     if runtime.generator is None:
         raise ValueError("this FormatSpec rounds gradients stochastically: QuantRuntime.generator "
                          "must be a torch.Generator")
-    rank, _ = runtime.grad_output_shard
-    return CounterNoise(draw_seed(runtime.generator), col_offset=rank * grad_output.shape[-1])
+    rank, world, stride = runtime.grad_output_shard
+    return shard_noise(draw_seed(runtime.generator), grad_output.shape, rank=rank, world=world,
+                       stride=stride, device=grad_output.device)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,9 @@ full avalanche) and all arithmetic mod 2**32. u takes the 2**24 values k * 2**-2
 `torch.rand`'s float32 draws do, which is all the E2M1 rounding reads (floor(|y| / step + u)).
 The seed enters every round, so two seeds give unrelated streams, not shifted copies of one.
 `col_offset` is the shard's first column in the full last dim: a tensor-parallel shard draws the
-full tensor's noise for its columns without drawing the rest (TP=N rounds as TP=1).
+full tensor's noise for its columns without drawing the rest (TP=N rounds as TP=1). A strided
+shard (Megatron's `partition_stride`, e.g. the [gate, up] halves of a gated fc1) holds several
+column chunks: `shard_noise` draws each at its own offset.
 
 The compiled CPU kernel (csrc/quantize_cpu.cpp, `noise_bits`) computes the same formula;
 `uniform` here is its torch form (any device), used by the reference and the eager paths.
@@ -52,6 +54,23 @@ class CounterNoise(NamedTuple):
         c = torch.arange(self.col_offset, self.col_offset + cols, dtype=torch.int64, device=device)
         bits = _mix(_mix(c[None, :] ^ k0[:, None]) ^ k1[:, None])
         return ((bits >> 8).to(torch.float32) * 2.0**-24).reshape(shape)
+
+
+def shard_noise(seed: int, shape, *, rank: int = 0, world: int = 1, stride: int = 1,
+                device="cpu") -> "CounterNoise | torch.Tensor":
+    """The whole tensor's noise at the columns of this tensor-parallel shard of `shape`, as Megatron
+    lays a partitioned dim out (`stats/noise.py` shard_indices: world * stride chunks, rank r
+    holding chunks r, r + world, ...). Contiguous columns (stride 1) stay a CounterNoise (the
+    kernel draws it); a strided shard's noise is the U[0, 1) tensor, one chunk at a time."""
+    cols = shape[-1]
+    if stride == 1 or world == 1:
+        return CounterNoise(seed, col_offset=rank * cols)
+    if cols % stride:
+        raise ValueError(f"a shard of {cols} columns cannot hold {stride} equal chunks")
+    chunk = cols // stride
+    lead = tuple(shape[:-1])
+    return torch.cat([CounterNoise(seed, col_offset=(s * world + rank) * chunk).uniform((*lead, chunk), device)
+                      for s in range(stride)], dim=-1)
 
 
 def draw_seed(generator: torch.Generator) -> int:

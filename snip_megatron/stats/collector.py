@@ -160,8 +160,13 @@ class LinearProbe:
         return self.tp_group if self.tp_size > 1 and (self.column or self.row) else None
 
     def _err(self, t: torch.Tensor, p: Precision, role: str, sharded: bool) -> torch.Tensor:
-        group = self.tp_group if sharded and self.tp_size > 1 else None
-        return self.c.error_fn(t, p, role, group=group)
+        if not (sharded and self.tp_size > 1):
+            return self.c.error_fn(t, p, role)
+        if not self.column:  # a row-parallel X: sharded along the contraction dim
+            return self.c.error_fn(t, p, role, group=self.tp_group)
+        # a column-parallel G_Y: its columns are this rank's features (stochastic rounding draws
+        # the whole G_Y's noise at them)
+        return self.c.error_fn(t, p, role, group=self.tp_group, shard=(self.tp_rank, self.tp_size, self.stride))
 
     def _field(self, shape, mb: int, stream: int, side: str, device) -> noise.NoiseField:
         """The noise of this rank's part of the layer's X (side "x") or Y (side "y")."""

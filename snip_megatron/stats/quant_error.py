@@ -2,8 +2,9 @@
 
 The collector calls an `ErrorFn(tensor_2d, precision, role) -> error tensor` on operands in their
 natural 2D layout (X: n x k, W: m x k, G_Y: n x m; `Role.contraction_dim` says which dim a GEMM
-contracts). The default quantizes with `snip_megatron.formats` (the same fake quantizers the
-emulated linears use); tests and benchmarks may pass their own.
+contracts), with `group`, the TP group of a sharded operand, and `shard`, (rank, world, partition
+stride) of a G_Y whose columns are TP-sharded. The default quantizes with `snip_megatron.formats`
+(the same fake quantizers the emulated linears use); tests and benchmarks may pass their own.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from snip_megatron.formats.precision import Formats, Precision
 
-ErrorFn = Callable[..., torch.Tensor]  # (tensor_2d, precision, role, group=None) -> error
+ErrorFn = Callable[..., torch.Tensor]  # (tensor_2d, precision, role, group=None, shard=(0, 1, 1)) -> error
 
 # Stats field of each role's squared error (table.ERROR_ROLES), by formats.Role value.
 ROLE_FIELDS = {
@@ -39,16 +40,19 @@ def _layout_free(cast) -> bool:
 
 def formats_error_fn(formats: Formats = Formats(), seed: int = 0) -> ErrorFn:
     """E = Q(T) - T with the project's fake quantizers; stochastic rounding draws from a dedicated
-    generator on the tensor's device (seeded once per device), never from the global RNG. The error of the last tensor under a
-    layout-free cast is kept, so a weight's dgrad error is not recomputed when it equals fprop's."""
+    generator on the tensor's device (seeded once per device), never from the global RNG, the
+    whole tensor's noise at a shard's columns (so TP=N measures as TP=1). The error of the last
+    tensor under a layout-free cast is kept, so a weight's dgrad error is not recomputed when it
+    equals fprop's."""
     from snip_megatron.formats.quantize import quantize_for_role as quantize
-    from snip_megatron.formats.spec import Role
+    from snip_megatron.formats.spec import Role, Rounding
+    from snip_megatron.formats.sr_noise import draw_seed, shard_noise
 
     specs = {p: formats.spec(p) for p in (Precision.FP8, Precision.FP4)}
     generators: dict = {}  # one per device: stochastic rounding draws where the tensor is (no host copy)
     last: list = []  # [tensor, version, cast, group, error]: the tensor is held, so `is` is safe
 
-    def error(t: torch.Tensor, precision: Precision, role: str, group=None) -> torch.Tensor:
+    def error(t: torch.Tensor, precision: Precision, role: str, group=None, shard=(0, 1, 1)) -> torch.Tensor:
         # group: the TP group of a sharded operand, so per-tensor scales see the whole tensor
         spec, role = specs[Precision.parse(precision)], Role(role)
         cast = spec.cast(role)
@@ -59,7 +63,12 @@ def formats_error_fn(formats: Formats = Formats(), seed: int = 0) -> ErrorFn:
         generator = generators.get(tf.device)
         if generator is None:
             generator = generators[tf.device] = torch.Generator(device=tf.device).manual_seed(seed)
-        e = quantize(tf, spec, role, out_dtype=torch.float32, generator=generator, amax_group=group) - tf
+        noise = None
+        if cast is not None and cast.rounding is Rounding.STOCHASTIC:
+            rank, world, stride = shard
+            noise = shard_noise(draw_seed(generator), tf.shape, rank=rank, world=world, stride=stride,
+                                device=tf.device)
+        e = quantize(tf, spec, role, out_dtype=torch.float32, noise=noise, amax_group=group) - tf
         last[:] = [t, t._version, cast, group, e] if reuse else []
         return e
 
@@ -73,7 +82,7 @@ def blockwise_error_fn(block: dict | None = None, mantissa_bits: dict | None = N
     block = block or {Precision.FP8: 16, Precision.FP4: 16}
     bits = mantissa_bits or {Precision.FP8: 6, Precision.FP4: 2}
 
-    def error(t: torch.Tensor, precision: Precision, role: str, group=None) -> torch.Tensor:
+    def error(t: torch.Tensor, precision: Precision, role: str, group=None, shard=(0, 1, 1)) -> torch.Tensor:
         p = Precision.parse(precision)
         t = t.float()
         contract_last = role in ("fprop_input", "fprop_weight", "dgrad_grad_output")

@@ -1,7 +1,9 @@
 """torchrun worker (2 processes): a Column->Row linear pair at TP=2 against the same pair at TP=1,
 for every recipe, without and with sequence parallelism. Shapes align shards with blocks
 (k=256, m=512: shards 128 and 256 wide), which TP == TP=1 requires. Rank 0 prints one JSON line
-per case: the max deviation of each tensor relative to its max."""
+per case: the max deviation of each tensor relative to its max. A last case lays the column
+linear out as Megatron's gated fc1 (partition stride 2: rank r holds column chunks r and r + 2 of
+four), whose stochastically rounded G_Y draws the whole tensor's noise at those columns."""
 
 import itertools
 import json
@@ -11,6 +13,7 @@ import torch.distributed as dist
 
 from snip_megatron.megatron import runtime
 from snip_megatron.formats.precision import Formats
+from snip_megatron.stats.noise import shard_indices
 
 RECIPES = [("bf16", {}), ("fp8", {"fp8_recipe": "blockwise"}), ("fp8", {"fp8_recipe": "tensorwise"}),
            ("fp8", {"fp8_recipe": "mxfp8"}), ("fp4", {"fp4_recipe": "nvfp4"}),
@@ -24,7 +27,7 @@ def _gather(t, dim, group):
     return torch.cat(parts, dim)
 
 
-def run_pair(tp, precision, recipe, data, sequence_parallel):
+def run_pair(tp, precision, recipe, data, sequence_parallel, stride=1):
     from megatron.core import parallel_state as ps
 
     from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
@@ -35,15 +38,16 @@ def run_pair(tp, precision, recipe, data, sequence_parallel):
                        num_query_groups=4, vocab_size=64, seq_length=S)
     config = make_transformer_config(shape, tp=tp, sequence_parallel=sequence_parallel)
     col = QuantColumnParallelLinear(K, M, config=config, init_method=config.init_method, bias=False,
-                                    gather_output=False, skip_bias_add=True)
+                                    gather_output=False, skip_bias_add=True, stride=stride)
     row = QuantRowParallelLinear(M, K, config=config, init_method=config.init_method, bias=False,
                                  input_is_parallel=True, skip_bias_add=True)
     group = ps.get_tensor_model_parallel_group()
-    r, m_local = ps.get_tensor_model_parallel_rank(), M // tp
+    r = ps.get_tensor_model_parallel_rank()
+    cols = shard_indices(M, r, tp, stride)  # this rank's features, in Megatron's layout
     x_full, w_col, w_row, gy_full = data
     with torch.no_grad():
-        col.weight.copy_(w_col[r * m_local:(r + 1) * m_local])
-        row.weight.copy_(w_row[:, r * m_local:(r + 1) * m_local])
+        col.weight.copy_(w_col[cols])
+        row.weight.copy_(w_row[:, cols])
     for layer, seed in ((col, 11), (row, 12)):
         layer.set_precision(precision, Formats(**recipe))
         layer.set_sr_seed(seed)
@@ -58,9 +62,10 @@ def run_pair(tp, precision, recipe, data, sequence_parallel):
     y.backward(gy)
     out = {"h": h.detach(), "y": y.detach(), "gx": x.grad, "gh": h.grad,
            "gw_col": col.weight.grad, "gw_row": row.weight.grad}
-    if tp > 1:
-        out["h"], out["gh"] = _gather(out["h"], -1, group), _gather(out["gh"], -1, group)
-        out["gw_col"], out["gw_row"] = _gather(out["gw_col"], 0, group), _gather(out["gw_row"], 1, group)
+    if tp > 1:  # gathered in rank order, then put back in feature order
+        order = torch.argsort(torch.cat([shard_indices(M, i, tp, stride) for i in range(tp)]))
+        out["h"], out["gh"] = _gather(out["h"], -1, group)[..., order], _gather(out["gh"], -1, group)[..., order]
+        out["gw_col"], out["gw_row"] = _gather(out["gw_col"], 0, group)[order], _gather(out["gw_row"], 1, group)[:, order]
         if sp:
             out["y"], out["gx"] = _gather(out["y"], 0, group), _gather(out["gx"], 0, group)
     return out
@@ -76,12 +81,14 @@ def main():
     g = torch.Generator().manual_seed(0)
     data = (torch.randn(S, B, K, generator=g), torch.randn(M, K, generator=g) / K**0.5,
             torch.randn(K, M, generator=g) / M**0.5, torch.randn(S, B, K, generator=g))
-    for sequence_parallel, (precision, recipe) in itertools.product((False, True), RECIPES):
+    cases = [(sp, precision, recipe, 1) for sp, (precision, recipe) in itertools.product((False, True), RECIPES)]
+    cases.append((False, "fp4", {"fp4_recipe": "nvfp4"}, 2))
+    for sequence_parallel, precision, recipe, stride in cases:
         res = {}
         for tp in (1, 2):
             with runtime.megatron_runtime(tp=tp):
-                res[tp] = run_pair(tp, precision, recipe, data, sequence_parallel)
-        report = {"recipe": precision + ":" + next(iter(recipe.values()), "bf16"),
+                res[tp] = run_pair(tp, precision, recipe, data, sequence_parallel, stride)
+        report = {"recipe": precision + ":" + next(iter(recipe.values()), "bf16") + (f":stride{stride}" if stride > 1 else ""),
                   "sequence_parallel": sequence_parallel}
         for name in res[1]:
             a, b = res[1][name], res[2][name]

@@ -7,7 +7,7 @@ import torch
 
 import snip_megatron.formats.fused as fused
 from snip_megatron.formats import Formats, Role, Rounding, quantize_for_role
-from snip_megatron.formats.sr_noise import CounterNoise, draw_seed
+from snip_megatron.formats.sr_noise import CounterNoise, draw_seed, shard_noise
 
 NVFP4 = Formats().spec("fp4")
 SR_ROLES = [r for r in Role if NVFP4.cast(r) is not None and NVFP4.cast(r).rounding is Rounding.STOCHASTIC]
@@ -84,3 +84,17 @@ def test_kernel_eager_and_reference_draw_the_same_noise(shape, role):
             eager = quantize_for_role(x, NVFP4, role, noise=noise)
         assert torch.equal(ref.view(torch.int32), fast.view(torch.int32))
         assert torch.equal(ref.view(torch.int32), eager.view(torch.int32))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_shard_draws_the_whole_tensors_noise_at_its_columns(stride):
+    from snip_megatron.stats.noise import shard_indices
+
+    seed, world, shape = 2**33 + 5, 2, (6, 64)
+    whole = CounterNoise(seed).uniform(shape)
+    for rank in range(world):
+        local = shard_noise(seed, (6, 64 // world), rank=rank, world=world, stride=stride)
+        if stride == 1:  # contiguous columns: the kernel's counter form, offset to the shard
+            assert local == CounterNoise(seed, col_offset=rank * 32)
+            local = local.uniform((6, 32))
+        assert torch.equal(local, whole[:, shard_indices(64, rank, world, stride)])

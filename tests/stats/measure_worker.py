@@ -191,15 +191,15 @@ def padded_blockwise_error_fn():
 
     inner = blockwise_error_fn()
 
-    def error(t, precision, role, group=None):
+    def error(t, precision, role, group=None, shard=(0, 1, 1)):
         contract_last = role in ("fprop_input", "fprop_weight", "dgrad_grad_output")
         dim = 1 if contract_last else 0
         pad = -t.shape[dim] % 16
         if not pad:
-            return inner(t, precision, role, group)
+            return inner(t, precision, role, group, shard)
         shape = list(t.shape)
         shape[dim] = pad
-        e = inner(torch.cat([t, t.new_zeros(shape)], dim), precision, role, group)
+        e = inner(torch.cat([t, t.new_zeros(shape)], dim), precision, role, group, shard)
         return e.narrow(dim, 0, t.shape[dim])
 
     return error

@@ -45,3 +45,21 @@ def test_no_reuse_across_tensors_layouts_or_changes():
     torch.testing.assert_close(err(w, FP4, "dgrad_weight"), _direct(w, FP4, "dgrad_weight", "nvfp4"),
                                rtol=0, atol=0)
     assert not torch.equal(e1, err(w, FP4, "dgrad_weight"))
+
+
+def test_a_column_shard_rounds_with_the_whole_tensors_noise():
+    # NVFP4 G_Y roles round stochastically. Every column chunk holds the same values, so each
+    # shard's per-tensor amax is the whole tensor's (no group needed) and only the noise tells the
+    # columns apart: a strided shard's error is the whole tensor's error at its columns.
+    from snip_megatron.stats.noise import shard_indices
+
+    chunk = torch.randn(32, 16, generator=torch.Generator().manual_seed(3))
+    g = chunk.repeat(1, 4)  # 4 chunks: TP=2 with partition stride 2
+    for role in ("dgrad_grad_output", "wgrad_grad_output"):
+        whole = formats_error_fn(Formats())(g, FP4, role)
+        for rank in range(2):
+            cols = shard_indices(64, rank, 2, 2)
+            local = formats_error_fn(Formats())(g[:, cols], FP4, role, shard=(rank, 2, 2))
+            torch.testing.assert_close(local, whole[:, cols], rtol=0, atol=0)
+        unsharded = formats_error_fn(Formats())(g[:, shard_indices(64, 1, 2, 2)], FP4, role)
+        assert not torch.equal(unsharded, whole[:, shard_indices(64, 1, 2, 2)])  # the noise matters

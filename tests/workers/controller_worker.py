@@ -21,6 +21,7 @@ import torch.distributed as dist  # noqa: E402
 from snip_megatron.config import SnipConfig  # noqa: E402
 from snip_megatron.controller import SnipController  # noqa: E402
 from snip_megatron.data.prepare import DataConfig  # noqa: E402
+from snip_megatron.formats.precision import Formats  # noqa: E402
 from snip_megatron.shapes import ModelShape  # noqa: E402
 from snip_megatron.train.config import TrainConfig  # noqa: E402
 from snip_megatron.train.loop import Trainer  # noqa: E402
@@ -110,6 +111,7 @@ def main():
     p.add_argument("--interval", type=int, default=100)
     p.add_argument("--lag", type=int, default=1)
     p.add_argument("--initial", default="fp8", help="precision before the first plan")
+    p.add_argument("--fp8-recipe", default="blockwise", help="SnipConfig.fp8_recipe")
     p.add_argument("--fail-measure-rank", type=int, default=None,
                    help="this rank's first measurement raises (a failure injected for the test)")
     p.add_argument("--fail-apply-rank", type=int, default=None,
@@ -123,11 +125,13 @@ def main():
                         tp=args.tp, pp=args.pp, seed=7, save_dir=args.save, save_interval=args.save_interval,
                         load_dir=args.load, load_step=args.load_step,
                         data=DataConfig(corpus="stdlib", vocab_size=SHAPE.vocab_size, max_bytes=400_000,
-                                        cache_dir=args.data_cache))
+                                        cache_dir=args.data_cache),
+                        formats=Formats(fp8_recipe=args.fp8_recipe))
     hooks = []
     if not args.no_snip:
         snip = SnipConfig(enabled=True, fp4_budget=0.5, warmup=args.warmup, interval=args.interval,
-                          lag=args.lag, solver_time_limit_s=60, initial_precision=args.initial)
+                          lag=args.lag, solver_time_limit_s=60, initial_precision=args.initial,
+                          fp8_recipe=args.fp8_recipe)
         ctrl = CountingController(snip, SHAPE, total_steps=args.steps, log=print,
                                   tokens_per_step=train.seq_len * 4)
         inject_failures(ctrl, args.fail_measure_rank, args.fail_apply_rank)
