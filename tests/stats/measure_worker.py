@@ -75,7 +75,9 @@ LAYOUTS.update({"moe_single": (1, 1, "global", MOE, None), "moe_pp2": (1, 2, "gl
                 "moe_tp2_sp_ep2": (2, 1, "global", dict(MOE, ep=2, etp=1, **SP), None),
                 # EP=2 over two data-parallel replicas (TP=1): each expert sees both replicas' tokens
                 "moe_ep2": (1, 1, "global", dict(MOE, ep=2), None), "moe_single4": (1, 1, "global", MOE, None),
-                "moe_tp2_sp_etp2": (2, 1, "global", dict(MOE, **SP), None)})
+                "moe_tp2_sp_etp2": (2, 1, "global", dict(MOE, **SP), None),
+                # 4 processes: TP=2 with SP over two data-parallel replicas, experts on ETP=2 x EP=2
+                "moe_tp2_sp_etp2_ep2": (2, 1, "global", dict(MOE, ep=2, etp=2, **SP), None)})
 DP2_STEP = 4
 """Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
 micro-batches r, r + 2, ...)."""
@@ -232,10 +234,12 @@ def measure_layout(name: str):
     tp, pp, megatron_init, overrides, k = LAYOUTS[base]
     chunks = build(tp, pp, reinit="global" if megatron_init == "global" else not megatron_init, **overrides)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
-    if base in ("dp2", "dp2_k2", "single4", "pair", "moe_ep2", "moe_single4"):
+    if base in ("dp2", "dp2_k2", "single4", "pair", "moe_ep2", "moe_single4", "moe_tp2_sp_etp2_ep2"):
         data = batches(num=DP2_STEP)
-        if base.startswith("dp2") or base == "moe_ep2":
-            data = data[dist.get_rank()::dist.get_world_size()]
+        if base.startswith("dp2") or base in ("moe_ep2", "moe_tp2_sp_etp2_ep2"):
+            from megatron.core import parallel_state as ps
+
+            data = data[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
         elif base == "pair":
             data = data[2:]
     try:

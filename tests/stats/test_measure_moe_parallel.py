@@ -7,7 +7,8 @@ the passes at every layout (the dispatcher's gathers see the clean pass's routin
 EP=2 at TP=1 spreads each expert's tokens over two data-parallel replicas: an expert's forward
 runs both replicas' micro-batches at once, so its statistics per forward (G_W, noise) are another
 sample than one process's; its token sums (norms, counts, per-token errors) are compared, in the
-dense rows' units (a replica's sums averaged, as a DP=2 run reports them)."""
+dense rows' units (a replica's sums averaged, as a DP=2 run reports them). So are those of four
+processes, TP=2 with SP over two replicas and the experts on ETP=2 x EP=2."""
 
 from pathlib import Path
 
@@ -41,6 +42,7 @@ def tables(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("moe_stats")
     run_distributed([WORKER, "--layouts", ",".join(DISTRIBUTED), "--out", str(d)], nproc=2, timeout=900)
+    run_distributed([WORKER, "--layouts", "moe_tp2_sp_etp2_ep2", "--out", str(d)], nproc=4, timeout=900)
     keys = _keys()
     out = {p.stem: StatsTable.from_array(keys, np.load(p)) for p in d.glob("*.npy")}
     runtime.init_process_group()
@@ -64,8 +66,9 @@ TOKEN_SUMS = ("x_sq", "y_sq", "gy_sq", "gx_sq", "n", "egy_d.fp8", "egy_d.fp4")
 WEIGHTS = ("w_sq", "k", "m", "present", "ew.fp8", "ew.fp4", "ew_d.fp8", "ew_d.fp4", "noise_scale")
 
 
-def test_ep2_over_data_parallel_replicas_reduces_experts_into_the_dense_units(tables):
-    one, ep2 = tables["moe_single4"], tables["moe_ep2"]  # one process measures the step's 4 micro-batches
+@pytest.mark.parametrize("layout", ["moe_ep2", "moe_tp2_sp_etp2_ep2"])
+def test_ep2_over_data_parallel_replicas_reduces_experts_into_the_dense_units(tables, layout):
+    one, ep2 = tables["moe_single4"], tables[layout]  # one process measures the step's 4 micro-batches
     assert ep2.globals_["dp_size"] == 2 and ep2.nonfinite() == {}
     dense = gpt.LayerKey(1, "shared_expert_fc1")  # the same tokens, on the dense groups
     for f in TOKEN_SUMS + WEIGHTS:
