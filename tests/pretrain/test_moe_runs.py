@@ -43,6 +43,18 @@ def test_one_process_moe_measures_replans_and_resumes_the_checkpoint_plan(tmp_pa
 
 
 @needs_training
+def test_moe_with_full_activation_recompute_measures_and_replans(tmp_path):
+    """Full recompute (the 70B setting) over the MoE layer: the measurement's statistics come from
+    the recomputed forward, routing frozen (tests/stats/test_measure_moe_parallel.py), and the run
+    re-plans and trains on."""
+    out = train(tmp_path, *MOE, *SNIP, "--train-iters", "3", "--recompute-granularity", "full",
+                "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    assert len(replans(out)) == 2 and sorted(losses(out)) == [1, 2, 3]  # measured at steps 1 and 3
+    assert " 0.0% of linear FLOPs" not in replans(out)[0]  # the re-plan put linears in FP4
+    assert all(loss == loss and loss < 10 for loss in losses(out).values()), losses(out)
+
+
+@needs_training
 def test_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double(tmp_path):
     """`--transformer-impl transformer_engine --moe-grouped-gemm` (TEGroupedMLP over the TE double's
     GroupedLinear, standing in for an H100): each layer's grouped expert_fc1/fc2 is a planned unit

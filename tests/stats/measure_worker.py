@@ -76,6 +76,10 @@ LAYOUTS.update({"moe_single": (1, 1, "global", MOE, None), "moe_pp2": (1, 2, "gl
                 # EP=2 over two data-parallel replicas (TP=1): each expert sees both replicas' tokens
                 "moe_ep2": (1, 1, "global", dict(MOE, ep=2), None), "moe_single4": (1, 1, "global", MOE, None),
                 "moe_tp2_sp_etp2": (2, 1, "global", dict(MOE, **SP), None),
+                # activation recompute of the MoE layer: every layer, or Megatron's selective "moe"
+                "moe_full_recompute": (1, 1, "global", dict(MOE, **FULL_RECOMPUTE), None),
+                "moe_selective_moe": (1, 1, "global", dict(MOE, recompute_granularity="selective",
+                                                           recompute_modules=["moe"]), None),
                 # 4 processes: TP=2 with SP over two data-parallel replicas, experts on ETP=2 x EP=2
                 "moe_tp2_sp_etp2_ep2": (2, 1, "global", dict(MOE, ep=2, etp=2, **SP), None)})
 DP2_STEP = 4
@@ -104,8 +108,8 @@ def sp_tolerant_norms():
 
 @contextlib.contextmanager
 def cpu_current_device():
-    """Sequence parallelism's reduce-scatter allocates with device=torch.cuda.current_device() in
-    the backward, where the CPU shim's TorchFunctionMode (which maps the shim's 0 to the CPU) is
+    """Sequence parallelism's reduce-scatter (and a recomputed MoE router) asks for
+    torch.cuda.current_device() in the backward, where the CPU shim's TorchFunctionMode (which maps the shim's 0 to the CPU) is
     not active: report the CPU device itself while an SP layout runs."""
     saved = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")
@@ -243,7 +247,10 @@ def measure_layout(name: str):
         elif base == "pair":
             data = data[2:]
     try:
-        with cpu_current_device() if overrides.get("sequence_parallel") or "ep" in overrides else contextlib.nullcontext():
+        # (a recomputed MoE layer's router asks for the current device inside the backward too)
+        backward_device = overrides.get("sequence_parallel") or "ep" in overrides or \
+            ("num_moe_experts" in overrides and "recompute_granularity" in overrides)
+        with cpu_current_device() if backward_device else contextlib.nullcontext():
             return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
                                   micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05, micro_batches=k),
                                   error_fn=padded_blockwise_error_fn() if "num_moe_experts" in overrides

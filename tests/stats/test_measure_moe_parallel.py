@@ -46,12 +46,13 @@ def tables(tmp_path_factory):
     keys = _keys()
     out = {p.stem: StatsTable.from_array(keys, np.load(p)) for p in d.glob("*.npy")}
     runtime.init_process_group()
-    for name in ("moe_single", "moe_single4"):
+    for name in ("moe_single", "moe_single4", "moe_full_recompute", "moe_selective_moe"):
         out[name] = measure_layout(name)
     return out
 
 
-@pytest.mark.parametrize("layout", ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2"])
+@pytest.mark.parametrize("layout", ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_full_recompute",
+                                    "moe_selective_moe"])
 def test_moe_statistics_equal_single_process(tables, layout):
     reference, table = tables["moe_single"], tables[layout]
     assert [str(k) for k in table.keys][2:4] == ["1.expert_fc1", "1.expert_fc2"]
