@@ -98,3 +98,20 @@ def test_a_shard_draws_the_whole_tensors_noise_at_its_columns(stride):
             assert local == CounterNoise(seed, col_offset=rank * 32)
             local = local.uniform((6, 32))
         assert torch.equal(local, whole[:, shard_indices(64, rank, world, stride)])
+
+
+@pytest.mark.parametrize("seed", [0, 2**63 + 12345, 2**64 - 1])
+@pytest.mark.parametrize("col_offset", [0, 2**31 - 7, 2**32 - 1000])
+def test_the_int32_element_path_is_the_uint32_formula(seed, col_offset):
+    # uniform() mixes elements in int32 (wrapping products, masked shifts); the formula in int64,
+    # element by element, is the reference. Offsets near 2**31 and 2**32 cross the sign bit; 1000
+    # columns leave a scalar tail beside the vectorised loop.
+    from snip_megatron.formats.sr_noise import _GOLDEN, _mix
+
+    noise = CounterNoise(seed, col_offset=col_offset)
+    r = torch.arange(7, dtype=torch.int64)
+    k0 = _mix(_mix(r ^ (seed & 0xFFFFFFFF)) ^ (seed >> 32))
+    k1 = _mix(k0 ^ _GOLDEN)
+    c = torch.arange(col_offset, col_offset + 1000, dtype=torch.int64)
+    want = (_mix(_mix(c[None, :] ^ k0[:, None]) ^ k1[:, None]) >> 8).to(torch.float32) * 2.0**-24
+    assert torch.equal(noise.uniform((7, 1000)), want)
