@@ -66,27 +66,33 @@ def test_a_short_run_replans_and_every_linear_runs_the_ilps_plan(bridge_on_cpu, 
     assert events.Tensors("snip/plan_table/text_summary")[-1].tensor_proto.string_val[0].decode().count("\n") == 9
 
 
-def test_multi_latent_attention_and_multi_token_prediction_replan_through_bridge(bridge_on_cpu, tmp_path, capsys):
-    """Bridge's MLAModelProvider with q_lora_rank and one MTP layer, on SNIP's emulated linears: every
-    MLA linear (down-projections duplicated over TP, as Megatron's TE spec builds them) and the MTP
-    layer's, keyed "mtp.<name>" by depth and never FP4 (as Megatron), are measured and re-planned."""
+def _pretrain_replanning_at_step_2(cfg):
+    """Bridge's pretrain() of `cfg` with SNIP on (measured at step 2, no later re-plan): its
+    controller and the tiny.recorder of the run."""
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
     from snip_megatron.bridge import enable_snip
     from snip_megatron.bridge.run import active
-    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
-    from snip_megatron.megatron.apply import current_plan, list_planned_linears
-    from snip_megatron.megatron.mla import LocalMLACore, QuantDownProjection
 
-    cfg = tiny.tiny_mla_config(num_layers=2, iters=3)
     snip = SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5)
     record = tiny.recorder()
     callbacks = enable_snip(cfg, snip)
     run = active(cfg)
     pretrain(cfg, forward_step, callbacks=callbacks + [record])
+    return run.controller, record
 
-    controller = run.controller
+
+def test_multi_latent_attention_and_multi_token_prediction_replan_through_bridge(bridge_on_cpu, tmp_path, capsys):
+    """Bridge's MLAModelProvider with q_lora_rank and one MTP layer, on SNIP's emulated linears: every
+    MLA linear (down-projections duplicated over TP, as Megatron's TE spec builds them) and the MTP
+    layer's, keyed "mtp.<name>" by depth and never FP4 (as Megatron), are measured and re-planned."""
+    from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear, QuantRowParallelLinear
+    from snip_megatron.megatron.apply import current_plan, list_planned_linears
+    from snip_megatron.megatron.mla import LocalMLACore, QuantDownProjection
+
+    cfg = tiny.tiny_mla_config(num_layers=2, iters=3)
+    controller, record = _pretrain_replanning_at_step_2(cfg)
     assert [h["event"] for h in controller.history] == ["initial", "update"]
     mtp = ["mtp.eh_proj"] + ["mtp." + n for n in MLA_LINEARS]
     plan = controller.plan
@@ -108,21 +114,10 @@ def test_a_tiny_qwen3_moe_measures_and_replans_through_bridge(bridge_on_cpu, cap
     linears at one process: each layer's routed experts are one planned unit per linear
     (expert_fc1/expert_fc2, SequentialMLP's local experts switched together), the router never
     planned; measured with routing frozen, re-planned, and every expert runs its unit's plan."""
-    from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
-
-    from snip_megatron.bridge import enable_snip
-    from snip_megatron.bridge.run import active
     from snip_megatron.megatron.apply import current_plan, list_planned_linears
 
     cfg = tiny.tiny_moe_config(num_layers=2, iters=3)
-    snip = SnipConfig(enabled=True, warmup=2, interval=10, lag=0, fp4_budget=0.5)
-    record = tiny.recorder()
-    callbacks = enable_snip(cfg, snip)
-    run = active(cfg)
-    pretrain(cfg, forward_step, callbacks=callbacks + [record])
-
-    controller = run.controller
+    controller, record = _pretrain_replanning_at_step_2(cfg)
     assert [h["event"] for h in controller.history] == ["initial", "update"]
     plan = controller.plan
     assert [str(k) for k in plan.keys()] == [f"{i}.{n}" for i in (1, 2) for n in
