@@ -71,6 +71,13 @@ from transformer_engine.pytorch.module import _formats
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.utils import assert_dim_for_fp8_exec, is_non_tn_fp8_gemm_supported
 
+
+def _divide(n: int, d: int) -> int:
+    if n % d:
+        raise ValueError(f"{n} is not divisible by {d}")
+    return n // d
+
+
 _SR_SEEDS = itertools.count(20_140)
 _dummy_wgrads: dict = {}
 WORKSPACE_STATES = ("none", "created", "refreshed", "reused")
@@ -352,6 +359,15 @@ class TransformerEngineBaseModule(torch.nn.Module):
         else:
             self.tp_size = torch.distributed.get_world_size(tp_group)
             self.set_tensor_parallel_group(tp_group)
+
+    def _set_parallel_mode(self, parallel_mode, sequence_parallel: bool) -> None:
+        """TE's feature split: column mode shards out_features, row mode in_features, over TP."""
+        self.parallel_mode = parallel_mode
+        if parallel_mode == "column":
+            self.out_features = _divide(self.out_features, self.tp_size)
+        elif parallel_mode == "row":
+            self.in_features = _divide(self.in_features, self.tp_size)
+        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
 
     def _init_param(self, param: torch.nn.Parameter, init_fn, get_rng_state_tracker,
                     rng_tracker_name: Optional[str] = None) -> None:

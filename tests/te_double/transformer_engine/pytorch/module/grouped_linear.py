@@ -54,7 +54,7 @@ import torch
 from transformer_engine.common.recipe import Recipe
 from transformer_engine.pytorch.module.base import (TransformerEngineBaseModule, _check_quantizable,
                                                     _storage, set_tensor_model_parallel_attributes)
-from transformer_engine.pytorch.module.linear import PARALLEL_MODES, _default_init, _divide
+from transformer_engine.pytorch.module.linear import PARALLEL_MODES, _default_init
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 SPLIT_ALIGNMENT = {"float8": 16, "float8_blockwise": 16, "mxfp8": 32, "nvfp4": 32}
@@ -119,12 +119,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                              "Because the TP communication is handled outside of this module.")
         if parallel_mode not in PARALLEL_MODES:
             raise ValueError(f"parallel_mode {parallel_mode!r} not supported.")
-        self.parallel_mode = parallel_mode
-        if parallel_mode == "column":
-            self.out_features = _divide(self.out_features, self.tp_size)
-        elif parallel_mode == "row":
-            self.in_features = _divide(self.in_features, self.tp_size)
-        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        self._set_parallel_mode(parallel_mode, sequence_parallel)
         self._init_method = init_method or _default_init
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", torch.nn.Parameter(torch.empty(

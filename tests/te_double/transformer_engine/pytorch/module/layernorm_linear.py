@@ -18,7 +18,7 @@ from transformer_engine.pytorch.module._norm import NORMALIZATIONS, normalize
 from transformer_engine.pytorch.module.base import (TransformerEngineBaseModule,
                                                     _refuse_unmodelled,
                                                     set_tensor_model_parallel_attributes)
-from transformer_engine.pytorch.module.linear import PARALLEL_MODES, _default_init, _divide
+from transformer_engine.pytorch.module.linear import PARALLEL_MODES, _default_init
 
 
 class LayerNormLinear(TransformerEngineBaseModule):
@@ -60,12 +60,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.get_rng_state_tracker = get_rng_state_tracker
         self.ub_name = ub_name
         self._set_tp(tp_group, tp_size)
-        self.parallel_mode = parallel_mode
-        if parallel_mode == "column":
-            self.out_features = _divide(self.out_features, self.tp_size)
-        elif parallel_mode == "row":
-            self.in_features = _divide(self.in_features, self.tp_size)
-        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        self._set_parallel_mode(parallel_mode, sequence_parallel)
         self.weight_names, self.bias_names = ["weight"], ["bias"]
 
         self.layer_norm_weight = torch.nn.Parameter(torch.empty(in_features, device=device,

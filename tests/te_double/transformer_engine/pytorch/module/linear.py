@@ -27,12 +27,6 @@ def _default_init(weight: torch.Tensor) -> None:
     torch.nn.init.normal_(weight, mean=0.0, std=0.023)  # TE's default init_method
 
 
-def _divide(n: int, d: int) -> int:
-    if n % d:
-        raise ValueError(f"{n} is not divisible by {d}")
-    return n // d
-
-
 class Linear(TransformerEngineBaseModule):
     """y = x W^T + b, quantized inside an enabled autocast."""
 
@@ -66,12 +60,7 @@ class Linear(TransformerEngineBaseModule):
         self.symmetric_ar_type, self.save_original_input = symmetric_ar_type, save_original_input
         self.ub_name = ub_name
         self._set_tp(tp_group, tp_size)
-        self.parallel_mode = parallel_mode
-        if parallel_mode == "column":
-            self.out_features = _divide(self.out_features, self.tp_size)
-        elif parallel_mode == "row":
-            self.in_features = _divide(self.in_features, self.tp_size)
-        self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        self._set_parallel_mode(parallel_mode, sequence_parallel)
         self.weight_names, self.bias_names = ["weight"], ["bias"]
 
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features,
