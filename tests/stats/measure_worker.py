@@ -108,9 +108,9 @@ def sp_tolerant_norms():
 
 @contextlib.contextmanager
 def cpu_current_device():
-    """Sequence parallelism's reduce-scatter (and a recomputed MoE router) asks for
-    torch.cuda.current_device() in the backward, where the CPU shim's TorchFunctionMode (which maps the shim's 0 to the CPU) is
-    not active: report the CPU device itself while an SP layout runs."""
+    """Sequence parallelism's reduce-scatter, and a recomputed MoE router, ask for
+    torch.cuda.current_device() in the backward, where the CPU shim's TorchFunctionMode (which maps
+    the shim's 0 to the CPU) is not active: report the CPU device itself while such a layout runs."""
     saved = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")
     try:
@@ -238,9 +238,10 @@ def measure_layout(name: str):
     tp, pp, megatron_init, overrides, k = LAYOUTS[base]
     chunks = build(tp, pp, reinit="global" if megatron_init == "global" else not megatron_init, **overrides)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
-    if base in ("dp2", "dp2_k2", "single4", "pair", "moe_ep2", "moe_single4", "moe_tp2_sp_etp2_ep2"):
+    replicas = ("dp2", "dp2_k2", "moe_ep2", "moe_tp2_sp_etp2_ep2")  # each data-parallel replica its share
+    if base in replicas + ("single4", "pair", "moe_single4"):
         data = batches(num=DP2_STEP)
-        if base.startswith("dp2") or base in ("moe_ep2", "moe_tp2_sp_etp2_ep2"):
+        if base in replicas:
             from megatron.core import parallel_state as ps
 
             data = data[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
