@@ -6,11 +6,23 @@ quantizers on the same tensors, made into the same round trip (per-tensor amax -
 NVFP4Tensor.to_nvfp4 -> dequantize; MXTensor.to_mx(RCEIL) -> dequantize). Ceiling: a plain copy.
 
 Runs 4096x4096 FP32 and BF16 on CPU, and on CUDA when present. Every method is timed in
-round-robin (so load changes hit all alike) and the median is kept. The last line is
+round-robin (so load changes hit all alike) and the median is kept.
+
+Each output is a fresh tensor, and on CPU a 4096x4096 one is larger than the most glibc's malloc
+serves from its heap (32 MiB), so by default every call maps new pages and the kernel faults them
+in and zeroes them as the method writes (about 30 ms of a 64 MiB output on a 2-core machine: as
+long as the cast's own work). Which method gets pages that are already mapped then depends on
+the allocator's history, not on the method. So the CPU cases run twice: first with the allocator
+as it is ("fresh pages"), then with freed memory kept mapped (mallopt: no mmap below 2 GiB, no
+trim), where every method writes into warm memory and the ratios compare the work of the casts.
+The last line is
 
     RESULT nvfp4_vs_torchao=<r> mxfp4_vs_torchao=<r> nvfp4_vs_copy=<r> eager_nvfp4_vs_copy=<r>
+           nvfp4_vs_copy_fresh_pages=<r> eager_nvfp4_vs_copy_fresh_pages=<r>
 
-ours / theirs (ours: the compiled CPU kernel where it runs; eager_*: the eager fused path), higher is better, each the geometric mean over the (device, dtype) cases.
+ours / theirs (ours: the compiled CPU kernel where it runs; eager_*: the eager fused path), higher
+is better, each the geometric mean over the (device, dtype) cases; the first four with memory
+kept mapped (CUDA's caching allocator always does), the *_fresh_pages ones as the allocator is.
 
     python bench/quantize_throughput.py [--size 4096] [--repeats 5] [--devices cpu,cuda]
 """
@@ -18,6 +30,7 @@ ours / theirs (ours: the compiled CPU kernel where it runs; eager_*: the eager f
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import statistics
 import time
@@ -82,6 +95,32 @@ def time_round_robin(methods: dict, x: torch.Tensor, repeats: int) -> dict[str, 
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def keep_freed_memory_mapped() -> bool:
+    """glibc: serve every allocation below 2 GiB from the heap and never trim it, so a freed
+    output's pages stay mapped for the next one. False where that cannot be set (not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, ctypes.c_int(2**31 - 1))
+                    and libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1)))
+    except Exception:
+        return False
+
+
+def measure(methods: dict, device: str, size: int, repeats: int, label: str) -> dict:
+    """GB/s of input read of each method on (device, dtype) cases, printed; {case: {name: GB/s}}."""
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(size, size, generator=g, device=device).to(dtype)
+        secs = time_round_robin(methods, x, repeats)
+        gbps = {name: x.numel() * x.element_size() / s / 1e9 for name, s in secs.items()}
+        case = f"{device}/{str(dtype).replace('torch.', '')}"
+        print(f"{case + label:26s} " + " ".join(f"{gbps[name]:19.4g}" for name in methods))
+        results[case] = gbps
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=4096)
@@ -90,26 +129,30 @@ def main() -> None:
     args = parser.parse_args()
 
     methods = {"copy": torch.clone, **our_methods(), **torchao_methods()}
-    ratios = {"nvfp4_vs_torchao": [], "mxfp4_vs_torchao": [], "nvfp4_vs_copy": [],
-              "eager_nvfp4_vs_copy": []}
+    devices = [d for d in args.devices.split(",") if d != "cuda" or torch.cuda.is_available()]
     print(f"threads={torch.get_num_threads()} size={args.size}x{args.size} repeats={args.repeats}")
-    print(f"{'case':14s} " + " ".join(f"{name:>19s}" for name in methods) + "   (GB/s of input read)")
-    for device in args.devices.split(","):
-        if device == "cuda" and not torch.cuda.is_available():
-            continue
-        for dtype in (torch.float32, torch.bfloat16):
-            g = torch.Generator(device=device).manual_seed(0)
-            x = torch.randn(args.size, args.size, generator=g, device=device).to(dtype)
-            secs = time_round_robin(methods, x, args.repeats)
-            gbps = {name: x.numel() * x.element_size() / s / 1e9 for name, s in secs.items()}
-            case = f"{device}/{str(dtype).replace('torch.', '')}"
-            print(f"{case:14s} " + " ".join(f"{gbps[name]:19.4g}" for name in methods))
-            ratios["nvfp4_vs_torchao"].append(gbps["ours_nvfp4"] / gbps["torchao_nvfp4"])
-            ratios["mxfp4_vs_torchao"].append(gbps["ours_mxfp4"] / gbps["torchao_mxfp4"])
-            ratios["nvfp4_vs_copy"].append(gbps["ours_nvfp4"] / gbps["copy"])
-            ratios["eager_nvfp4_vs_copy"].append(gbps["eager_nvfp4"] / gbps["copy"])
-    geo = {k: math.exp(sum(math.log(r) for r in v) / len(v)) for k, v in ratios.items()}
-    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in geo.items()))
+    print(f"{'case':26s} " + " ".join(f"{name:>19s}" for name in methods) + "   (GB/s of input read)")
+    fresh = {}
+    if "cpu" in devices:
+        fresh = measure(methods, "cpu", args.size, args.repeats, " fresh pages")
+        if not keep_freed_memory_mapped():
+            print("(cannot keep freed memory mapped here: not glibc; the ratios below are as above)")
+    warm = {}
+    for device in devices:
+        warm.update(measure(methods, device, args.size, args.repeats, ""))
+
+    def geo(results: dict, ours: str, theirs: str) -> float:
+        ratios = [gbps[ours] / gbps[theirs] for gbps in results.values()]
+        return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+
+    result = {"nvfp4_vs_torchao": geo(warm, "ours_nvfp4", "torchao_nvfp4"),
+              "mxfp4_vs_torchao": geo(warm, "ours_mxfp4", "torchao_mxfp4"),
+              "nvfp4_vs_copy": geo(warm, "ours_nvfp4", "copy"),
+              "eager_nvfp4_vs_copy": geo(warm, "eager_nvfp4", "copy")}
+    if fresh:
+        result["nvfp4_vs_copy_fresh_pages"] = geo(fresh, "ours_nvfp4", "copy")
+        result["eager_nvfp4_vs_copy_fresh_pages"] = geo(fresh, "eager_nvfp4", "copy")
+    print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in result.items()))
 
 
 if __name__ == "__main__":

@@ -231,10 +231,12 @@ struct RowScratch {
 };
 
 // The cast of one row: y = x * enc, rounded, times dec, with enc/dec per block of bc elements
-// (bc = 1: per column). The inner loops carry no division by bc, so gcc vectorizes them.
-template <typename In, typename Out, bool Stochastic>
+// (bc = 1: per column). The inner loops carry no division by bc, so gcc vectorizes them; BC, when
+// not 0, is bc known at compile time (the 1x16 and 1x32 blocks), so a block is whole vectors.
+template <typename In, typename Out, bool Stochastic, int64_t BC>
 void cast_row(const In* x, Out* out, float* q, const float* u, const float* enc,
-              const float* dec, int64_t cols, int64_t bc, Grid g) {
+              const float* dec, int64_t cols, int64_t bc_runtime, Grid g) {
+  const int64_t bc = BC ? BC : bc_runtime;
   if (bc == 1) {
     for (int64_t j = 0; j < cols; ++j) {
       const float y = load(x[j]) * enc[j];
@@ -258,31 +260,42 @@ void cast_row(const In* x, Out* out, float* q, const float* u, const float* enc,
 // One block row: per-column amax over its br rows (bits: |x|'s bits order as the floats do, NaN
 // above Inf, so the largest bits are the amax, NaN if any), per-block amax and scales, then the
 // cast of each row while the block row is still in cache.
-template <typename In, typename Out, bool Stochastic>
+template <typename In, typename Out, bool Stochastic, int64_t BC>
 void quantize_block_row(const Params& p, int64_t blk, const In* x, Out* out, float* q,
                         const Noise& noise, void* scales, RowScratch& s) {
-  const int64_t cols = p.cols, bc = p.bc, nc = cols / bc, r0 = blk * p.br;
+  const int64_t cols = p.cols, bc = BC ? BC : p.bc, nc = cols / bc, r0 = blk * p.br;
   float* enc = s.enc.data();
   float* dec = s.dec.data();
   if (p.scale == TENSOR) {
     enc[0] = p.enc;
     dec[0] = p.dec;
   } else {
-    uint32_t* colmax = s.colmax.data();
-    const In* row = x + r0 * cols;
-    for (int64_t j = 0; j < cols; ++j) colmax[j] = abs_bits(row[j]);
-    for (int64_t r = 1; r < p.br; ++r) {
-      row = x + (r0 + r) * cols;
-      for (int64_t j = 0; j < cols; ++j) {
-        const uint32_t a = abs_bits(row[j]);
-        colmax[j] = a > colmax[j] ? a : colmax[j];
-      }
-    }
     float* amax = s.amax.data();
-    for (int64_t k = 0; k < nc; ++k) {
-      uint32_t m = 0;
-      for (int64_t j = k * bc; j < (k + 1) * bc; ++j) m = colmax[j] > m ? colmax[j] : m;
-      amax[k] = float_of(m);
+    const In* row = x + r0 * cols;
+    if (p.br == 1) {  // 1 x bc blocks: straight from the row
+      for (int64_t k = 0; k < nc; ++k) {
+        uint32_t m = 0;
+        for (int64_t j = k * bc; j < (k + 1) * bc; ++j) {
+          const uint32_t a = abs_bits(row[j]);
+          m = a > m ? a : m;
+        }
+        amax[k] = float_of(m);
+      }
+    } else {
+      uint32_t* colmax = s.colmax.data();
+      for (int64_t j = 0; j < cols; ++j) colmax[j] = abs_bits(row[j]);
+      for (int64_t r = 1; r < p.br; ++r) {
+        row = x + (r0 + r) * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+          const uint32_t a = abs_bits(row[j]);
+          colmax[j] = a > colmax[j] ? a : colmax[j];
+        }
+      }
+      for (int64_t k = 0; k < nc; ++k) {
+        uint32_t m = 0;
+        for (int64_t j = k * bc; j < (k + 1) * bc; ++j) m = colmax[j] > m ? colmax[j] : m;
+        amax[k] = float_of(m);
+      }
     }
     const int64_t at = blk * nc;
     switch (p.scale) {
@@ -303,14 +316,14 @@ void quantize_block_row(const Params& p, int64_t blk, const In* x, Out* out, flo
     const int64_t o = r * cols;
     const float* u = Stochastic ? noise_row(noise, r, cols, s.noise.data()) : nullptr;
     if (q)
-      cast_row<In, Out, Stochastic>(x + o, out + o, q + o, u, enc, dec, cols, bc, g);
+      cast_row<In, Out, Stochastic, BC>(x + o, out + o, q + o, u, enc, dec, cols, bc, g);
     else
-      cast_row<In, Out, Stochastic>(x + o, out + o, static_cast<float*>(nullptr), u, enc, dec,
-                                    cols, bc, g);
+      cast_row<In, Out, Stochastic, BC>(x + o, out + o, static_cast<float*>(nullptr), u, enc, dec,
+                                        cols, bc, g);
   }
 }
 
-template <typename In, typename Out, bool Stochastic>
+template <typename In, typename Out, bool Stochastic, int64_t BC>
 void quantize_all(const Params& p, const In* x, Out* out, float* q, const Noise& noise,
                   void* scales) {
   const int64_t nblk = p.rows / p.br;
@@ -319,15 +332,23 @@ void quantize_all(const Params& p, const In* x, Out* out, float* q, const Noise&
     RowScratch scratch(p.cols);
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < nblk; ++blk)
-      quantize_block_row<In, Out, Stochastic>(p, blk, x, out, q, noise, scales, scratch);
+      quantize_block_row<In, Out, Stochastic, BC>(p, blk, x, out, q, noise, scales, scratch);
   }
+}
+
+template <typename In, typename Out, bool Stochastic>
+void dispatch_block(const Params& p, const In* x, Out* out, float* q, const Noise& noise,
+                    void* scales) {
+  if (p.scale != TENSOR && p.bc == 16) quantize_all<In, Out, Stochastic, 16>(p, x, out, q, noise, scales);
+  else if (p.scale != TENSOR && p.bc == 32) quantize_all<In, Out, Stochastic, 32>(p, x, out, q, noise, scales);
+  else quantize_all<In, Out, Stochastic, 0>(p, x, out, q, noise, scales);
 }
 
 template <typename In, typename Out>
 void dispatch_rounding(const Params& p, const In* x, Out* out, float* q, const Noise& noise,
                        void* scales) {
-  if (noise.on()) quantize_all<In, Out, true>(p, x, out, q, noise, scales);
-  else quantize_all<In, Out, false>(p, x, out, q, noise, scales);
+  if (noise.on()) dispatch_block<In, Out, true>(p, x, out, q, noise, scales);
+  else dispatch_block<In, Out, false>(p, x, out, q, noise, scales);
 }
 
 // max |x| of a float32 or bfloat16 tensor as float32 (NaN if x holds one): the largest |x| bits.
