@@ -34,10 +34,10 @@ def moe_refusals(args) -> list[str]:
            "processes: SNIP's grouped-expert measurement runs each expert's GEMM whole, and TE grouped experts are "
            "tested at expert TP 1 only (TP=2 with --sequence-parallel, EP over DP, PP); add "
            "--expert-tensor-parallel-size 1")
-    refuse(not te and tp > 1, "--tensor-model-parallel-size > 1 with --num-experts: Megatron's MoE layer trains at "
-           "TP > 1 only with --sequence-parallel, which the local spec's torch norms refuse; SNIP's expert "
-           "statistics at TP=2 with sequence parallelism are tested against one process, but no such run is; run "
-           "MoE at --tensor-model-parallel-size 1 (expert and data parallelism instead)")
+    refuse(not te and tp > 1, "--tensor-model-parallel-size > 1 with --num-experts on --transformer-impl local: "
+           "Megatron's MoE layer trains at TP > 1 only with --sequence-parallel, and the local spec builds RMSNorm "
+           "(and LayerNorm without apex) as a torch norm, which refuses it; run MoE at --tensor-model-parallel-size 1 "
+           "(expert and data parallelism), or on --transformer-impl transformer_engine --moe-grouped-gemm")
     refuse(tp == 1 and etp > 1, "--expert-tensor-parallel-size > 1 with --num-experts: SNIP measures expert TP "
            "(tested at ETP = TP = 2), but no run at expert TP is tested yet; run MoE at --expert-tensor-parallel-size 1")
     refuse(int(getattr(args, "context_parallel_size", 1) or 1) > 1,

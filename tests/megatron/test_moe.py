@@ -35,4 +35,4 @@ def test_te_grouped_experts_run_at_expert_tp_1_only():
 
 def test_tensor_parallelism_is_refused_on_the_local_spec_only():
     assert flags(world_size=2, tensor_model_parallel_size=2, sequence_parallel=True) == [
-        "--tensor-model-parallel-size > 1 with --num-experts"]
+        "--tensor-model-parallel-size > 1 with --num-experts on --transformer-impl local"]
