@@ -45,6 +45,7 @@ from snip_megatron.formats.constants import (
     E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, E5M2_MAX, E8M0_BIAS, E8M0_NAN_CODE, F32_MAX,
     F32_MIN_NORMAL, NVFP4_GLOBAL_DIVISOR,
 )
+from snip_megatron.formats import compiled
 from snip_megatron.formats.elements import e2m1_codes, e8m0_round_up, fp8_dtype
 from snip_megatron.formats.hadamard import hadamard_factor, hadamard_last_dim, hadamard_signs
 from snip_megatron.formats.spec import CastConfig, ElementFormat, Rounding, ScaleFormat
@@ -162,6 +163,16 @@ def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_code
     x = x.contiguous()
     if x.device.type == "cpu" and use_cpu_kernel():
         return _quantize_2d_kernel(x, cast, block, u, out_dtype, amax_group, want_codes)
+    if compiled.serves(x, want_codes, amax_group):
+        out = compiled.cast_2d(x, cast, block, u, out_dtype, lambda: _quantize_2d_eager(
+            x, cast, block, u, out_dtype, amax_group, False)[0])
+        return out, None, None, None
+    return _quantize_2d_eager(x, cast, block, u, out_dtype, amax_group, want_codes)
+
+
+def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes):
+    """`_quantize_2d` in eager ops, a chunk of rows at a time (x float32/bfloat16/float16,
+    contiguous)."""
     rows, cols = x.shape
     br, bc = block if block is not None else (1, cols)
     c = _constants(x.device)

@@ -1,0 +1,170 @@
+"""The block cast as one compiled graph (torch.compile): the fused path's arithmetic, written
+without its scratch buffers and chunks, so that Inductor can emit it as a few kernels on a GPU
+(per-tensor amax, block amax, scales, rounding and decode) instead of some twenty eager launches.
+
+Opt-in (`SNIP_COMPILED_CAST=1`) and checked: Inductor's GPU code is not bit-for-bit the eager
+ops by default (Triton lowers float32 `/` to the approximate `div.full`; Inductor's
+`eager_numerics.division_rounding` asks for `div_rn`, set here while compiling), and no GPU has
+run it in this project yet. So the first call of every (cast, dtypes, noise) key also runs the
+eager fused path and compares every bit of the result (NaN where NaN); on any difference, or if
+compiling fails, that key runs the eager path from then on, and says so once. What SNIP measures
+stays what the eager reference computes. `bench/gpu/emulation_cuda_check.py` prints this path's
+agreement, compile time and speed on a GPU.
+
+Served: blocked and per-tensor casts without codes, the amax local to the tensor (no all-reduce
+in the middle), round-to-nearest or stochastic rounding with a noise tensor. The rest (codes,
+amax groups of several ranks) runs the eager fused path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+from snip_megatron.formats.constants import F32_MIN_NORMAL, NVFP4_GLOBAL_DIVISOR
+from snip_megatron.formats.spec import CastConfig, ElementFormat
+
+_LOG = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+_COMPILED: dict = {}
+_VERDICT: dict = {}  # key -> True (compiled path agrees) / False (eager from now on)
+
+
+def enabled() -> bool:
+    return os.environ.get("SNIP_COMPILED_CAST", "0") in ("1", "true", "yes")
+
+
+def serves(x: torch.Tensor, want_codes: bool, amax_group) -> bool:
+    """Whether this cast can go through the compiled graph (opt-in, off CPU, no codes, local amax)."""
+    from snip_megatron.formats.fused import _group_size
+
+    return (enabled() and x.device.type != "cpu" and not want_codes
+            and (amax_group is None or _group_size(amax_group) == 1))
+
+
+def cast_2d(x, cast: CastConfig, block, u, out_dtype, eager):
+    """The dequantized cast of a 2D tensor of whole blocks (the fused path's `_quantize_2d`
+    without codes), through the compiled graph once its first call agreed bit for bit with
+    `eager()` (the fused path's result); else `eager()`."""
+    key = (cast, block, x.dtype, out_dtype, u is not None, x.device.type)
+    verdict = _VERDICT.get(key)
+    if verdict is False:
+        return eager()
+    try:
+        out = _compiled(key)(x, u, cast, block, out_dtype)
+    except Exception as e:  # a compile or codegen failure: the eager path is always there
+        _VERDICT[key] = False
+        _LOG.warning("snip: compiled cast of %s failed (%s: %s); the eager fused path runs it",
+                     _describe(key), type(e).__name__, e)
+        return eager()
+    if verdict is None:
+        ref = eager()
+        agree = same_bits(out, ref)
+        _VERDICT[key] = agree
+        if not agree:
+            _LOG.warning("snip: compiled cast of %s differs from the eager path; the eager fused "
+                         "path runs it", _describe(key))
+            return ref
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bits, NaN wherever the other has NaN (a NaN's payload aside)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a32, b32 = a.float(), b.float()
+    nan = torch.isnan(a32)
+    if not torch.equal(nan, torch.isnan(b32)):
+        return False
+    zero = torch.zeros((), dtype=a32.dtype, device=a32.device)
+    return torch.equal(torch.where(nan, zero, a32).view(torch.int32),
+                       torch.where(nan, zero, b32).view(torch.int32))
+
+
+def reset() -> None:
+    """Forget the compiled graphs and verdicts (tests)."""
+    _COMPILED.clear()
+    _VERDICT.clear()
+
+
+def _describe(key) -> str:
+    cast, block, dtype, out_dtype, noise, device = key
+    return (f"{cast.element.value}/{cast.scale.value} block {block} {dtype}->{out_dtype}"
+            f"{' with noise' if noise else ''} on {device}")
+
+
+def _compiled(key):
+    fn = _COMPILED.get(key)
+    if fn is None:
+        with _LOCK:
+            fn = _COMPILED.get(key)
+            if fn is None:
+                # One graph per key, shapes dynamic: a new token count does not recompile.
+                fn = _COMPILED[key] = _with_eager_division(torch.compile(_cast_graph, dynamic=True))
+    return fn
+
+
+def _with_eager_division(fn):
+    def run(*args):
+        import torch._inductor.config as inductor_config
+        import torch._dynamo.config as dynamo_config
+
+        patches = {}
+        if hasattr(inductor_config, "eager_numerics"):  # torch >= 2.10: Triton div_rn, as eager
+            patches["eager_numerics.division_rounding"] = True
+        # One compiled graph per key: the limit counts every key's graph of this one function.
+        with inductor_config.patch(patches), dynamo_config.patch(
+                cache_size_limit=max(dynamo_config.cache_size_limit, 256)):
+            return fn(*args)
+    return run
+
+
+def _cast_graph(x, u, cast: CastConfig, block, out_dtype):
+    """The fused path's cast (fused._quantize_2d without codes, one chunk), as pure tensor ops."""
+    from snip_megatron.formats.fused import _GRID, _block_scales, _fp32_encode_scale, _nan_where_not_finite
+
+    xf = x.float()
+    rows, cols = xf.shape
+    br, bc = block if block is not None else (1, cols)
+    per_tensor = None
+    if block is None or cast.tensor_scale:
+        amax = (xf.view(torch.int32) & 0x7FFFFFFF).amax().view(torch.float32)
+        if block is None:
+            enc = _fp32_encode_scale(amax, cast.element.max)
+            decode = _nan_where_not_finite(enc.reciprocal(), amax)
+            per_tensor = (enc.view(1, 1), decode.view(1, 1))
+        else:
+            global_scale = amax / NVFP4_GLOBAL_DIVISOR
+            global_scale = torch.where(global_scale >= F32_MIN_NORMAL, global_scale,
+                                       torch.ones_like(global_scale))
+            per_tensor = (amax, global_scale, 1.0 / global_scale)
+    if block is None:
+        enc, decode = per_tensor
+        shape = (rows, cols)
+    else:
+        shape = (rows // br, br, cols // bc, bc)
+        bits = (xf.view(torch.int32) & 0x7FFFFFFF).view(shape).amax(dim=(1, 3))
+        enc, decode, _ = _block_scales(bits.view(torch.float32), cast, per_tensor)
+        enc, decode = (s.view(shape[0], 1, shape[2], 1) for s in (enc, decode))
+    y = xf.view(shape) * enc
+    q = _round(y, cast.element, None if u is None else u.view(shape), _GRID[cast.element])
+    return (q * decode).view(rows, cols).to(out_dtype)
+
+
+def _round(y, element: ElementFormat, u, grid):
+    """fused._round_in_place as pure ops: y on the element grid, saturated, sign kept."""
+    top, min_exp_bits, magic_shift = grid
+    yi = y.view(torch.int32)
+    sign = yi & -(1 << 31)
+    a = (yi ^ sign).view(torch.float32).clamp(max=top)
+    exp = torch.clamp((a.view(torch.int32) & 0x7F800000), min=min_exp_bits)
+    if u is None:
+        magic = (exp + magic_shift).view(torch.float32)
+        a = (a + magic) - magic
+    else:
+        step = (exp - (1 << 23)).view(torch.float32)
+        a = (torch.floor(a / step + u) * step).clamp(max=top)
+    return (a.view(torch.int32) | sign).view(torch.float32)
