@@ -24,7 +24,6 @@ import threading
 
 import torch
 
-from snip_megatron.formats.constants import F32_MIN_NORMAL, NVFP4_GLOBAL_DIVISOR
 from snip_megatron.formats.spec import CastConfig, ElementFormat
 
 _LOG = logging.getLogger(__name__)
@@ -124,7 +123,7 @@ def _with_eager_division(fn):
 
 def _cast_graph(x, u, cast: CastConfig, block, out_dtype):
     """The fused path's cast (fused._quantize_2d without codes, one chunk), as pure tensor ops."""
-    from snip_megatron.formats.fused import _GRID, _block_scales, _fp32_encode_scale, _nan_where_not_finite
+    from snip_megatron.formats.fused import _GRID, _block_scales, per_tensor_scales
 
     xf = x.float()
     rows, cols = xf.shape
@@ -132,15 +131,7 @@ def _cast_graph(x, u, cast: CastConfig, block, out_dtype):
     per_tensor = None
     if block is None or cast.tensor_scale:
         amax = (xf.view(torch.int32) & 0x7FFFFFFF).amax().view(torch.float32)
-        if block is None:
-            enc = _fp32_encode_scale(amax, cast.element.max)
-            decode = _nan_where_not_finite(enc.reciprocal(), amax)
-            per_tensor = (enc.view(1, 1), decode.view(1, 1))
-        else:
-            global_scale = amax / NVFP4_GLOBAL_DIVISOR
-            global_scale = torch.where(global_scale >= F32_MIN_NORMAL, global_scale,
-                                       torch.ones_like(global_scale))
-            per_tensor = (amax, global_scale, 1.0 / global_scale)
+        per_tensor = per_tensor_scales(amax, cast, block)
     if block is None:
         enc, decode = per_tensor
         shape = (rows, cols)

@@ -170,6 +170,21 @@ def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_code
     return _quantize_2d_eager(x, cast, block, u, out_dtype, amax_group, want_codes)
 
 
+def per_tensor_scales(amax, cast: CastConfig, block):
+    """The per-tensor scales from the tensor's amax: tensorwise (block None): (encode, decode),
+    1x1; NVFP4's second level: (amax, global scale, its reciprocal)."""
+    if block is None:
+        enc = _fp32_encode_scale(amax, cast.element.max)
+        decode = _nan_where_not_finite(enc.reciprocal(), amax)  # TE multiplies by 1 / scale
+        # 1x1, not 0-dim: a 0-dim float32 would not promote a bfloat16 chunk to float32.
+        return enc.view(1, 1), decode.view(1, 1)
+    global_scale = amax / NVFP4_GLOBAL_DIVISOR
+    # All-zero (or absurdly tiny) tensors: any finite scale quantizes them to 0.
+    global_scale = torch.where(global_scale >= F32_MIN_NORMAL, global_scale,
+                               torch.ones_like(global_scale))
+    return amax, global_scale, 1.0 / global_scale
+
+
 def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes):
     """`_quantize_2d` in eager ops, a chunk of rows at a time (x float32/bfloat16/float16,
     contiguous)."""
@@ -182,18 +197,8 @@ def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, wan
     # Per-tensor scales first (one read pass): tensorwise FP8, NVFP4's second level.
     per_tensor = None
     if block is None or cast.tensor_scale:
-        amax = _reduce_amax(_abs_max(x, step, scratch, c), amax_group)
-        if block is None:
-            enc = _fp32_encode_scale(amax, cast.element.max)
-            decode = _nan_where_not_finite(enc.reciprocal(), amax)  # TE multiplies by 1 / scale
-            # 1x1, not 0-dim: a 0-dim float32 would not promote a bfloat16 chunk to float32.
-            per_tensor = (enc.view(1, 1), decode.view(1, 1))
-        else:
-            global_scale = amax / NVFP4_GLOBAL_DIVISOR
-            # All-zero (or absurdly tiny) tensors: any finite scale quantizes them to 0.
-            global_scale = torch.where(global_scale >= F32_MIN_NORMAL, global_scale,
-                                       torch.ones_like(global_scale))
-            per_tensor = (amax, global_scale, 1.0 / global_scale)
+        per_tensor = per_tensor_scales(_reduce_amax(_abs_max(x, step, scratch, c), amax_group),
+                                       cast, block)
 
     out = torch.empty((rows, cols), dtype=out_dtype, device=x.device)
     q_all = torch.empty((rows, cols), dtype=torch.float32, device=x.device) if want_codes else None
@@ -279,13 +284,11 @@ def _quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, wa
         amax = _reduce_amax(k.abs_max(x), amax_group)
         tensor_finite = bool(torch.isfinite(amax))
         if block is None:
-            enc_t = _fp32_encode_scale(amax, cast.element.max)
-            dec_t = _nan_where_not_finite(enc_t.reciprocal(), amax)
-            enc, dec, per_tensor_scale = float(enc_t), float(dec_t), dec_t.reshape(1, 1)
+            enc_t, dec_t = per_tensor_scales(amax, cast, block)
+            enc, dec, per_tensor_scale = float(enc_t), float(dec_t), dec_t
         else:
-            g = amax / NVFP4_GLOBAL_DIVISOR
-            g = torch.where(g >= F32_MIN_NORMAL, g, torch.ones_like(g))
-            global_scale, inv_global, per_tensor_scale = float(g), float(1.0 / g), g
+            _, g, inv_g = per_tensor_scales(amax, cast, block)
+            global_scale, inv_global, per_tensor_scale = float(g), float(inv_g), g
     kernel_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
     out = torch.empty((rows, cols), dtype=kernel_dtype)
     q = torch.empty((rows, cols), dtype=torch.float32) if want_codes else None
