@@ -596,13 +596,17 @@ def unit_groups(inventory) -> dict:
 def group_scores(keys, r: dict, groups: dict) -> dict:
     """Per kind of unit (unit_groups) with at least 3 units: Spearman of the predicted FP4 dL against
     the one-step FP4 harm over that kind's units alone, the split-half ceiling of the harm over them,
-    and the same against the harm's second-order part (when the first-order terms were measured)."""
+    and the same against the harm's second-order part (when the first-order terms were measured);
+    with `--pred-batches` > 1 also the prediction averaged over the measured batches (fp4_avg_*: the
+    estimator's batch noise averaged out, as the controller's cost EMA does across measurements)."""
     out = {}
     harm = np.array(r["harm"]["fp4"]) if r.get("harm") else None
     frozen = np.array(r["harm_frozen"]) if r.get("harm_frozen") else None
     if (harm is None and frozen is None) or not groups:
         return out
     dl = np.array(r["pred"]["fp4"]["dL"])
+    extra = [np.array(p["fp4"]["dL"]) for p in r.get("extra_pred") or []]
+    dl_avg = np.mean([dl, *extra], axis=0) if extra else None
     fo = (r.get("first_order") or {}).get("fp4")
     for g in dict.fromkeys(groups[k] for k in keys):
         idx = [i for i, k in enumerate(keys) if groups[k] == g]
@@ -614,6 +618,10 @@ def group_scores(keys, r: dict, groups: dict) -> dict:
             out[f"ceiling_split_{g}"] = spearman(h[:, 0], h[:, 1])
             if fo is not None:
                 out[f"fp4_second_order_{g}"] = spearman(dl[idx], (h - np.array(fo)[idx]).mean(1))
+            if dl_avg is not None:
+                out[f"fp4_avg_{g}"] = spearman(dl_avg[idx], h.mean(1))
+                if fo is not None:
+                    out[f"fp4_avg_second_order_{g}"] = spearman(dl_avg[idx], (h - np.array(fo)[idx]).mean(1))
         if frozen is not None:  # the truth with routing frozen (Harness.frozen_routing_harm)
             out[f"fp4_frozen_routing_{g}"] = spearman(dl[idx], frozen[idx].mean(1))
             out[f"ceiling_split_frozen_routing_{g}"] = spearman(frozen[idx][:, 0], frozen[idx][:, 1])
@@ -756,7 +764,8 @@ def main(argv=None) -> None:
     ap.add_argument("--probe", action="store_true", help="diagnostic: inject each layer's actual "
                     "quantization error alone on the measurement batch (exact batch harm, curvature along the error)")
     ap.add_argument("--pred-batches", type=int, default=1, help="measurements on this many batches at a "
-                    "point; the first is the prediction, the others show the estimator's batch noise")
+                    "point; the first is the prediction, the others show the estimator's batch noise "
+                    "(with --remeasure: more than the saved run's, if given)")
     ap.add_argument("--rounding-seeds", type=int, default=2)
     ap.add_argument("--long-steps", type=int, default=60)
     ap.add_argument("--long-orders", type=int, default=2, help="data orders of the long-horizon truth "
@@ -841,6 +850,7 @@ def main(argv=None) -> None:
 
 def remeasure(args) -> None:
     saved = json.loads(Path(args.remeasure).read_text())
+    pred_batches = args.pred_batches
     for a in TRAINING_ARGS + ("fp4_recipe",):
         setattr(args, a, saved["args"][a])
     args.model = saved["args"].get("model", "llama_tiny")  # runs from before --model: llama_tiny
@@ -848,6 +858,8 @@ def remeasure(args) -> None:
     if cached is None or not cached.exists():
         raise SystemExit(f"--remeasure needs the run's model in --cache-dir (no {cached}); "
                          f"rerun the benchmark with --cache-dir")
+    if pred_batches > 1:  # more measured batches than the run had (its cache is keyed by its own)
+        args.pred_batches = saved["args"]["pred_batches"] = pred_batches
     args.eval_sets = []
     h = Harness(args)
     h.load(cached)
@@ -953,7 +965,7 @@ def report(keys, results: dict, args, groups: "dict | None" = None) -> None:
         if n == "later" or not by_kind:
             by_kind = gs
     kinds = "".join(f" spearman_{g}={v:.3f} ceiling_split_{g[4:]}={by_kind[f'ceiling_split_{g[4:]}']:.3f}"
-                    for g, v in by_kind.items() if g.startswith("fp4_") and not g.startswith("fp4_second_order_"))
+                    for g, v in by_kind.items() if g.startswith("fp4_") and not g.startswith(("fp4_second_order_", "fp4_avg_")))
     print(f"RESULT spearman_fp4={later['fp4']:.3f} spearman_marginal={later['marginal']:.3f} "
           f"spearman_long={later.get('long', math.nan):.3f} spearman_wd={later['wd']:.3f} "
           f"spearman_proxy={later['proxy_fp4']:.3f} ceiling_split={later['ceiling_split']:.3f} "

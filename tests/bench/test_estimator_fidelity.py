@@ -182,6 +182,12 @@ def test_moe_units_are_scored_by_kind(fidelity, capsys):
     r["harm_frozen"] = [[-h, -h] if i in experts else [h, h] for i, (h, _) in enumerate(r["harm"]["fp4"])]
     gs = fidelity.group_scores(keys, r, groups)
     assert gs["fp4_experts"] == pytest.approx(-1.0) and gs["fp4_attention"] == pytest.approx(1.0)
+    assert not any(k.startswith("fp4_avg_") for k in fidelity.group_scores(keys, dict(r, extra_pred=[]), groups))
+    # more measured batches: their mean prediction (two more that rank the experts right outweigh it)
+    right = [abs(v) for v in r["pred"]["fp4"]["dL"]]
+    averaged = dict(r, extra_pred=[{"fp4": {"dL": [3 * v for v in right]}}] * 2)
+    gs_avg = fidelity.group_scores(keys, averaged, groups)
+    assert gs_avg["fp4_avg_experts"] == pytest.approx(1.0) and gs_avg["fp4_experts"] == pytest.approx(-1.0)
     # against the harm with routing frozen (here: the experts' reversed) and how it ranks against the free one
     assert gs["fp4_frozen_routing_experts"] == pytest.approx(1.0) and gs["frozen_vs_free_experts"] == pytest.approx(-1.0)
     assert gs["units_experts"] == gs["units_attention"] == 12 and gs["ceiling_split_experts"] == pytest.approx(1.0)
