@@ -12,8 +12,8 @@ Bridge builds, trains and checkpoints the model; SNIP adds its linears and each 
 quant_recipe (through the layer spec), the controller at step boundaries, and its state beside
 Bridge's checkpoints. One SNIP run per process at a time. Needs megatron-bridge (0.6.2 tested).
 
-    enable.py       enable_snip: refusals, the run, layer spec, checkpoint manager, train_step seam
-    refusals.py     the Bridge settings that fight a per-layer plan, each with its fix
+    enable.py       enable_snip: the support check, the run, layer spec, checkpoint manager, train_step seam
+    settings.py     the ConfigContainer as snip_megatron.support's rules read it (what SNIP refuses)
     run.py          BridgeRun: one SNIP run in Bridge (controller, step boundary, resume, saves)
     model.py        SnipLayerSpec: Bridge's layer spec with SNIP's linears and the chunk's quant_recipe
     seams.py        the one wrapped Bridge function (train_step), signature-checked

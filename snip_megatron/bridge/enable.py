@@ -3,7 +3,7 @@
     pretrain(cfg, forward_step, callbacks=enable_snip(cfg, SnipConfig(enabled=True, fp4_budget=0.75)))
 
 Everything a setting can break is checked here, before Bridge starts: the Bridge settings that
-fight a plan (snip_megatron.bridge.refusals), the SNIP settings against this run (the warm-up
+fight a plan (snip_megatron.support's rules, through bridge/settings.py), the SNIP settings against this run (the warm-up
 against `train.train_iters`, a saved plan against the model, the config's own quant_recipe), and
 the SNIP state of the checkpoint Bridge will resume, read before the model is built.
 """
@@ -45,8 +45,8 @@ def prepare_run(cfg, snip: SnipConfig):
     """The BridgeRun of `cfg`, after every check; changes nothing (ValueError listing what to change)."""
     from snip_megatron.bridge.checkpoint import MANAGER, expected_resume
     from snip_megatron.bridge.model import SnipHybridStackSpec, SnipLayerSpec, spec_for_backend
-    from snip_megatron.bridge.refusals import backend_of, is_hybrid, refusals
     from snip_megatron.bridge.run import BridgeRun
+    from snip_megatron.bridge.settings import backend_of, check, is_hybrid
     from snip_megatron.controller import initial_plan
     from snip_megatron.plan import Plan
     from snip_megatron.pretrain.model import check_user_recipe
@@ -56,9 +56,7 @@ def prepare_run(cfg, snip: SnipConfig):
             isinstance(getattr(model, "hybrid_stack_spec", None), SnipHybridStackSpec):
         raise ValueError("enable_snip was already called on this config; call it once per ConfigContainer")
     backend = backend_of(model)
-    refused = refusals(cfg, snip, backend)
-    if refused:
-        raise ValueError("this Megatron-Bridge run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))
+    check(cfg, snip, backend)
     te = None
     if backend == "te":  # what this GPU and its Transformer Engine run, checked before Bridge starts
         from snip_megatron.megatron.te_run import resolve_for_te
@@ -67,6 +65,7 @@ def prepare_run(cfg, snip: SnipConfig):
         snip = te.config
     else:
         snip = snip.resolved("emulated")
+    check(cfg, snip, backend, resolved=True)  # the formats this backend will run
     from snip_megatron.bridge.run import planned_inventory
 
     inventory = planned_inventory(model)  # the GPT's (MLA and MTP included), or the HybridModel's pattern
@@ -102,7 +101,7 @@ def install(cfg, run) -> list:
     from snip_megatron.bridge.callbacks import SnipCallback
     from snip_megatron.bridge.checkpoint import MANAGER
     from snip_megatron.bridge.model import SnipHybridStackSpec, SnipLayerSpec
-    from snip_megatron.bridge.refusals import is_hybrid
+    from snip_megatron.bridge.settings import is_hybrid
     from snip_megatron.bridge.run import activate
 
     seams.install()  # checks Bridge's train_step first: a changed Bridge stops here

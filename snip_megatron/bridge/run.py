@@ -88,12 +88,9 @@ class BridgeRun:
         controller built and given the resumed state."""
         if self.loop is not None:
             return
-        from snip_megatron.bridge.refusals import refusals
+        from snip_megatron.bridge.settings import check
 
-        refused = refusals(self.cfg, self.snip, self.backend)
-        if refused:
-            raise ValueError("this Megatron-Bridge run cannot take SNIP as configured:\n  - "
-                             + "\n  - ".join(refused))
+        check(self.cfg, self.snip, self.backend)
         self.loop = self._make_loop(model_config, self.resumed)
         controller = self.loop.controller
         _print_rank_0(f"[snip] on; backend {self.backend}; formats {self.snip.formats.short_str(self.snip.uses)}; plan: "
@@ -161,7 +158,7 @@ class BridgeRun:
 
 def hybrid_pattern(model_config) -> "str | None":
     """The layer pattern of a HybridModelProvider (its deprecated override spelling included), else None."""
-    from snip_megatron.bridge.refusals import is_hybrid
+    from snip_megatron.bridge.settings import is_hybrid
 
     if not is_hybrid(model_config):
         return None

@@ -6,7 +6,8 @@
 
 Megatron builds the model from `model_cfg` with its own builder and layer spec; SNIP adds only its
 linear classes (emulated backend) and each chunk's quant_recipe (model.py). A Megatron flag SNIP
-cannot keep is refused here, by name, before anything starts (`refusals`).
+cannot keep is refused here, by name, before anything starts (`check_run`: snip_megatron.support's
+rules, read on the configs Megatron-LM builds from the arguments).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import Any, NamedTuple, Optional
 
 from snip_megatron.config import SnipConfig
 from snip_megatron.megatron.args import snip_config_from_args
-from snip_megatron.megatron.moe import moe_refusals
 from snip_megatron.models import gpt
 
 
@@ -28,91 +28,12 @@ def _print_rank_0(msg: str) -> None:
         print(msg, flush=True)
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # absent, or a broken install (it raises RuntimeError without CUDA)
-        return False
-    return True
-
-
 def resolve_backend(args) -> str:
     """--snip-backend, with auto resolved from --transformer-impl."""
     backend = getattr(args, "snip_backend", "auto")
     if backend == "auto":
         return "te" if args.transformer_impl == "transformer_engine" else "emulated"
     return backend
-
-
-def refusals(args, snip: SnipConfig, backend: str, family: str = "gpt") -> list[str]:
-    """Every Megatron setting this SNIP run cannot honour, as one line each naming the flag and the
-    fix. `family`: the model the entry builds ("gpt": pretrain_gpt.py, "hybrid": pretrain_hybrid.py)."""
-    out = []
-
-    def refuse(when, text):
-        if when:
-            out.append(text)
-
-    if getattr(args, "num_experts", None):
-        out += moe_refusals(args)
-    refuse(getattr(args, "use_transformer_engine_op_fuser", False),
-           "--use-transformer-engine-op-fuser: its fused MLP (and expert) ops ignore per-module recipes, so the "
-           "plan would not reach them; drop it")
-    refuse(getattr(args, "multi_latent_attention", False) and getattr(args, "mla_down_proj_fusion", False),
-           "--mla-down-proj-fusion: SNIP plans multi-latent attention's separate q/kv down-projections; "
-           "drop it")
-    refuse(getattr(args, "multi_latent_attention", False) and args.tensor_model_parallel_size > 1
-           and not getattr(args, "sequence_parallel", False),
-           "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel: "
-           "without it Megatron's MLA takes the shared rotary key's gradient from each rank's own heads, "
-           "so TP ranks train another model than one process (snip_megatron/megatron/mla.py)")
-    refuse(family == "gpt" and getattr(args, "hybrid_layer_pattern", None),
-           "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does not: run "
-           "snip-pretrain-hybrid (Megatron-LM's pretrain_hybrid.py with SNIP) instead")
-    refuse(family == "hybrid" and not getattr(args, "hybrid_layer_pattern", None),
-           "snip-pretrain-hybrid needs --hybrid-layer-pattern (e.g. '*-*-': attention, MLP, ...)")
-    if family == "hybrid" and getattr(args, "hybrid_layer_pattern", None):
-        out += hybrid_refusals(args.hybrid_layer_pattern, backend)
-        moe_layers = "E" in args.hybrid_layer_pattern
-        refuse(moe_layers and not getattr(args, "num_experts", None),
-               f"--hybrid-layer-pattern {args.hybrid_layer_pattern!r} has MoE (E) layers: add --num-experts "
-               "(and --moe-grouped-gemm: SNIP plans a hybrid MoE layer's experts as TE grouped linears)")
-        refuse(getattr(args, "num_experts", None) and getattr(args, "moe_layer_freq", 1) != 1,
-               "--moe-layer-freq has no effect on a HybridModel (its pattern's E symbols are the MoE layers); drop it")
-    refuse(args.transformer_impl not in ("local", "transformer_engine"),
-           f"--transformer-impl {args.transformer_impl}: SNIP needs local or transformer_engine")
-    refuse(backend == "emulated" and args.transformer_impl == "transformer_engine",
-           "--snip-backend emulated needs Megatron's local layer spec: add --transformer-impl local "
-           "(or use --snip-backend te for Transformer Engine's linears)")
-    refuse(backend == "te" and args.transformer_impl != "transformer_engine",
-           "--snip-backend te needs --transformer-impl transformer_engine")
-    refuse(backend == "te" and not te_available(),
-           "--snip-backend te: Transformer Engine is not installed here; use --transformer-impl local "
-           "--snip-backend emulated")
-    refuse(getattr(args, "fp8", None), f"--fp8-format {args.fp8}: one global FP8 autocast fights SNIP's "
-           "per-layer plan; drop it (--snip-initial-precision and --snip-precisions choose the formats)")
-    refuse(getattr(args, "fp8", None) and getattr(args, "fp8_recipe", None) == "delayed",
-           "--fp8-recipe delayed (delayed scaling) keeps an amax history per module across steps, which "
-           "cannot switch per layer; drop --fp8-format (SNIP's --snip-fp8-recipe picks blockwise, tensorwise "
-           "or mxfp8)")
-    refuse(getattr(args, "fp8", None) and getattr(args, "fp8_recipe", None) == "custom",
-           "--fp8-recipe custom (--fp8-quantizer-factory): SNIP runs its own recipes per layer; drop it")
-    refuse(getattr(args, "fp4", None), f"--fp4-format {getattr(args, 'fp4', None)}: one global FP4 autocast "
-           "fights SNIP's per-layer plan; drop it")
-    refuse(getattr(args, "fp8_param_gather", False), "--fp8-param-gather stores weights in FP8, so a "
-           "layer cannot change precision; drop it")
-    refuse(getattr(args, "fp4_param_gather", False), "--fp4-param-gather stores weights in FP4, so a "
-           "layer cannot change precision; drop it")
-    refuse(getattr(args, "cuda_graph_impl", "none") not in (None, "none")
-           or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False),
-           "CUDA graphs (--cuda-graph-impl / --enable-cuda-graph) capture one precision per layer; "
-           "SNIP re-plans: drop them")
-    refuse(getattr(args, "tp_comm_overlap", False), "--tp-comm-overlap (Transformer Engine userbuffers) "
-           "keeps communication buffers of one precision per layer, so a re-plan cannot switch it; drop it")
-    refuse(getattr(args, "delay_wgrad_compute", False), "--delay-wgrad-compute: SNIP's measurement reads "
-           "each weight gradient in its own backward; drop it")
-    refuse(getattr(args, "use_legacy_models", False), "--use-legacy-models: SNIP plans Megatron-Core models")
-    return out
 
 
 def moe_notice(inventory) -> "str | None":
@@ -125,32 +46,6 @@ def moe_notice(inventory) -> "str | None":
     units = sum(1 for e in inventory if e.experts)
     return (f"[snip] MoE: {units} routed-expert units planned (each all experts of one layer's fc1 or fc2); "
             "never planned: " + "; ".join(f"{u.path} ({u.reason})" for u in kept))
-
-
-def hybrid_refusals(pattern: str, backend: str, *, entry: str = "snip-pretrain-hybrid",
-                    field: str = "--hybrid-layer-pattern",
-                    te_fix: str = "add --transformer-impl transformer_engine") -> list[str]:
-    """What a HybridModel run of `pattern` cannot do with SNIP: layer kinds SNIP does not plan (by
-    name), a backend other than TE (Megatron's hybrid spec is TE-only), and, without a GPU, Mamba
-    and GDN layers (their kernels are CUDA-only, so SNIP could not measure their linears). `entry`,
-    `field` and `te_fix` name the loop's own spelling (Megatron-Bridge: its config fields)."""
-    import torch
-
-    from snip_megatron.models import hybrid
-
-    try:
-        symbols = hybrid.layer_symbols(pattern)
-    except ValueError as e:
-        return [str(e).replace("--hybrid-layer-pattern", field)]
-    out = []
-    if backend != "te":
-        out.append(f"{entry} plans Transformer Engine linears (Megatron's hybrid layer spec is TE-only): {te_fix}")
-    cuda_only = [f"{hybrid.LAYER_NAMES[c]} ({c})" for c in dict.fromkeys(symbols) if c in "MG"]
-    if cuda_only and not torch.cuda.is_available():
-        out.append(f"{field} {pattern!r}: {' and '.join(cuda_only)} layers run CUDA kernels "
-                   "(mamba_ssm, causal_conv1d; fla), so on CPU SNIP cannot measure their in_proj/out_proj "
-                   "linears; run on a GPU (bench/gpu/hybrid_check.py), or use '*' and '-' layers only")
-    return out
 
 
 @dataclass
@@ -389,13 +284,19 @@ class CheckedRun(NamedTuple):
         return None if self.te is None else self.te.sm
 
 
-def check_run(args, family: str = "gpt") -> Optional[CheckedRun]:
+def check_run(args, family: str = "gpt", transformer_config=None) -> Optional[CheckedRun]:
     """The run's resolved SnipConfig and, for the TE backend, the GPU's compute capability and the
     installed TE's own answers (None when SNIP is off), after refusing every Megatron setting it
-    cannot honour and, on Transformer Engine, every format this GPU and this TE cannot run as SNIP
-    would measure it; raises ValueError listing them all, each with its flag and fix. Needs only
-    Megatron's parsed arguments (and, for TE, the GPU)."""
+    cannot honour (snip_megatron.support's rules, on the configs Megatron-LM builds from `args`;
+    `transformer_config`: the model config's own, once built) and, on Transformer Engine, every
+    format this GPU and this TE cannot run as SNIP would measure it; raises ValueError listing
+    them all, each with its flag and fix."""
+    import dataclasses
+
     from snip_megatron.megatron.args import named_as_flags
+    from snip_megatron.pretrain.settings import settings_of
+    from snip_megatron.support.check import TAKE_SNIP, refusal_message, refusals
+    from snip_megatron.support.names import MegatronLMNames
 
     snip = snip_config_from_args(args)
     if not snip.enabled:
@@ -405,7 +306,9 @@ def check_run(args, family: str = "gpt") -> Optional[CheckedRun]:
         raise ValueError(f"--te-precision-config-file {config_file}: no such file (a YAML of matchers "
                          "and configs, as Megatron's load_quantization_recipe reads)")
     backend = resolve_backend(args)
-    refused = refusals(args, snip, backend, family)
+    settings = settings_of(args, snip, backend, family, transformer_config)
+    names = MegatronLMNames()
+    refused = refusals(settings, names)
     te = None
     if not refused:
         try:
@@ -418,28 +321,11 @@ def check_run(args, family: str = "gpt") -> Optional[CheckedRun]:
                 snip = snip.resolved("emulated")
         except ValueError as e:
             refused.append(named_as_flags(str(e)))
-        refused += grouped_fp4_refusals(args, snip, backend)
+        else:
+            refused += refusals(dataclasses.replace(settings, snip=snip), names, resolved=True)
     if refused:
-        raise ValueError("this Megatron-LM run cannot take SNIP as configured:\n  - " + "\n  - ".join(refused))
+        raise ValueError(refusal_message(f"this Megatron-LM run {TAKE_SNIP}", refused))
     return CheckedRun(snip, te)
-
-
-def grouped_fp4_refusals(args, snip, backend: str) -> list[str]:
-    """TE's NVFP4 grouped quantize needs the expert GEMMs' inner dims (hidden and expert FFN sizes)
-    to be multiples of 128 (TE 2.14 csrc/extensions/cast.cpp split_quantize); SNIP pads token
-    splits, not features, so a plan that may put grouped experts in FP4 is refused here."""
-    if backend != "te" or not getattr(args, "moe_grouped_gemm", False) or not getattr(args, "num_experts", None):
-        return []
-    if "fp4" not in [str(getattr(p, "value", p)) for p in (getattr(snip, "precisions", None) or [])]:
-        return []
-    ffn = getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size
-    odd = {name: size for name, size in (("--hidden-size", args.hidden_size), ("--moe-ffn-hidden-size", ffn))
-           if size % 128}
-    if not odd:
-        return []
-    return [f"--moe-grouped-gemm with FP4 candidates and {', '.join(f'{k} {v}' for k, v in odd.items())}: TE's "
-            "NVFP4 grouped GEMM needs those sizes to be multiples of 128; plan BF16/FP8 only "
-            "(--snip-precisions bf16,fp8) or use multiples of 128"]
 
 
 def model_family(model_cfg) -> str:
@@ -461,12 +347,12 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     from snip_megatron.pretrain.state import read_state
 
     family = model_family(model_cfg)
-    checked = check_run(args, family)
+    transformer = model_cfg.transformer
+    checked = check_run(args, family, transformer)
     if checked is None:
         return None
     snip, sm = checked.config, checked.sm
     backend = resolve_backend(args)
-    transformer = model_cfg.transformer
     user_recipe = transformer.quant_recipe
     inventory = expected_inventory(args, transformer, family)
     check_user_recipe(user_recipe, inventory, "--te-precision-config-file")

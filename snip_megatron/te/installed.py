@@ -116,3 +116,13 @@ def read_te_support() -> TESupport:
     if problem:
         raise ValueError(problem)
     return support_from(te_pytorch, version)
+
+
+def te_installed() -> bool:
+    """Transformer Engine's PyTorch part imports here (False also for a broken install, which
+    raises RuntimeError without CUDA)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True

@@ -8,11 +8,9 @@ learning rate, validation and checkpoint cadence); `TrainConfig` (the compact lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 from snip_megatron.data.prepare import DataConfig
 from snip_megatron.formats.precision import Formats, Precision
-from snip_megatron.megatron.moe import moe_refusals
 from snip_megatron.megatron.spec import BACKENDS
 from snip_megatron.models import gpt
 from snip_megatron.models.gpt import MLADims, MoEDims
@@ -160,37 +158,18 @@ class TrainConfig(TrainingSchedule):
             self.mla = gpt.PRESET_MLA.get(self.model)
         if self.mla is not None and not isinstance(self.mla, MLADims):
             raise ValueError(f"TrainConfig.mla must be a models.gpt.MLADims or None, got {self.mla!r}")
-        if self.mla is not None and self.tp > 1:
-            raise ValueError(f"TrainConfig.mla (multi-latent attention) at tp={self.tp}: Megatron's MLA needs "
-                             "sequence parallelism at TP > 1, which the compact loop does not run; use tp=1, or "
-                             "snip-pretrain-gpt --multi-latent-attention --sequence-parallel")
         if self.moe is None and isinstance(self.model, str):
             self.moe = gpt.PRESET_MOE.get(self.model)
         if self.moe is not None and not isinstance(self.moe, MoEDims):
             raise ValueError(f"TrainConfig.moe must be a models.gpt.MoEDims or None, got {self.moe!r}")
-        self.check_moe(world_size=self.tp * self.pp)
+        self.check_support(world_size=self.tp * self.pp)
 
-    def check_moe(self, world_size: int) -> None:
-        """Refuse the MoE runs SNIP cannot measure yet, for the reasons Megatron-LM's loop gives
-        (megatron.moe.moe_refusals): here, more than one process, which the compact loop does not run
-        MoE at (Megatron-LM's loop does); and the TE backend, whose grouped experts only Megatron-LM's
-        loop builds."""
-        if self.moe is None:
-            return
-        args = SimpleNamespace(world_size=world_size, transformer_impl="local")
-        reasons = moe_refusals(args)
-        if world_size > 1:
-            reasons.insert(0, f"--num-experts on {world_size} processes: the compact loop runs MoE at one "
-                              "process; snip-pretrain-gpt runs it at expert, pipeline and data parallelism "
-                              "(docs/moe.md)")
-        if self.backend == "te":  # the compact loop builds no grouped experts
-            reasons.append("backend='te': the compact loop runs MoE on the local spec only; Megatron-LM's loop "
-                           "runs TE's grouped experts (snip-pretrain-gpt --transformer-impl transformer_engine "
-                           "--moe-grouped-gemm)")
-        if reasons:
-            raise ValueError(f"TrainConfig.moe (MoE) at tp={self.tp}, pp={self.pp}, {world_size} processes, "
-                             f"backend={self.backend!r} (the compact loop runs MoE at one process, with SNIP or "
-                             "without): " + "; ".join(reasons))
+    def check_support(self, world_size: int) -> None:
+        """Refuse what the compact loop cannot run on `world_size` processes (snip_megatron.support's
+        rules: MoE beyond one process or on TE, MLA at TP > 1, ...), each with its fix."""
+        from snip_megatron.train.settings import check
+
+        check(self, world_size)
 
     @property
     def shape(self) -> ModelShape:

@@ -84,7 +84,7 @@ class Trainer:
 
         cfg = self.config
         self.rank, self.world_size = runtime.init_process_group()
-        cfg.check_moe(self.world_size)  # the compact loop runs MoE at one process only
+        cfg.check_support(self.world_size)  # what the compact loop runs depends on its processes too
         runtime.initialize_model_parallel(tp=cfg.tp, pp=cfg.pp, seed=cfg.seed)
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()

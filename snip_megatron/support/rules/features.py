@@ -1,0 +1,65 @@
+"""Rules on Megatron features that would keep a re-plan from reaching the GEMMs, or keep SNIP's
+measurement from reading what it reads (each linear's whole weight and gradient in an ordinary
+backward), or lose SNIP's state."""
+
+from __future__ import annotations
+
+from snip_megatron.support.rule import Rule
+
+PIN = "or pin a plan ({n[snip.plan]} PATH {n[snip.pin_plan]})"
+
+
+def measures(s) -> bool:
+    """SNIP measures in this run (a min-rel-error baseline measures its errors too)."""
+    return s.snip.measures or s.snip.baseline == "min_rel_error"
+
+
+def _cuda_graphs(s) -> bool:
+    return (s.get("model.cuda_graph_impl", "none") not in (None, "none") or bool(s.get("model.enable_cuda_graph"))
+            or bool(s.get("model.external_cuda_graph")))
+
+
+def _fsdp(s):
+    lead = next((p for p in ("ddp.use_megatron_fsdp", "dist.use_torch_fsdp2", "dist.use_megatron_fsdp")
+                 if s.get(p)), None)
+    return {"lead": lead} if lead and measures(s) else None
+
+
+RULES = (
+    Rule("te-op-fuser", ("model.use_transformer_engine_op_fuser",),
+         lambda s: s.get("model.use_transformer_engine_op_fuser"),
+         "{n[model.use_transformer_engine_op_fuser]}: its fused MLP (and expert) ops ignore per-module recipes, so "
+         "the plan would not reach them", "{drop[model.use_transformer_engine_op_fuser]}",
+         example={"model.use_transformer_engine_op_fuser": True}),
+    Rule("te-full-layer-spec", ("run.full_te_layer",), lambda s: s.run.full_te_layer,
+         "{n[run.full_te_layer]}: TE's fused TransformerLayer has no planned linears", "{drop[run.full_te_layer]}",
+         example={"run.full_te_layer": True}, entries=("bridge",)),
+    Rule("cuda-graphs", ("model.cuda_graph_impl", "model.enable_cuda_graph"), _cuda_graphs,
+         "CUDA graphs ({n[model.cuda_graph_impl]} / {n[model.enable_cuda_graph]}) capture one precision per "
+         "layer, and SNIP re-plans", "use {set[model.cuda_graph_impl]:none}",
+         example={"model.cuda_graph_impl": "local"}),
+    Rule("tp-comm-overlap", ("model.tp_comm_overlap",),
+         lambda s: s.get("model.tp_comm_overlap") or s.run.comm_overlap_tp,
+         "{n[model.tp_comm_overlap]} (Transformer Engine userbuffers) keeps communication buffers of one precision "
+         "per layer, so a re-plan cannot switch it", "{drop[model.tp_comm_overlap]}",
+         example={"model.tp_comm_overlap": True}),
+    Rule("delay-wgrad", ("model.delay_wgrad_compute",), lambda s: s.get("model.delay_wgrad_compute"),
+         "{n[model.delay_wgrad_compute]}: SNIP's measurement reads each weight gradient in its own backward",
+         "{drop[model.delay_wgrad_compute]}", example={"model.delay_wgrad_compute": True}),
+    Rule("peft", ("run.peft",), lambda s: s.run.peft,
+         "{n[run.peft]}: SNIP plans pretraining; PEFT wraps the planned linears and freezes them",
+         "run without SNIP, or without peft", example={"run.peft": True}, entries=("bridge",)),
+    Rule("non-persistent-checkpoints", ("checkpoint.non_persistent_save_interval",),
+         lambda s: s.get("checkpoint.non_persistent_save_interval"),
+         "{n[checkpoint.non_persistent_save_interval]}: SNIP writes its state beside persistent checkpoints only, "
+         "so a resume from a non-persistent one would lose the plan",
+         "{drop[checkpoint.non_persistent_save_interval]} (use the persistent save interval)",
+         example={"checkpoint.non_persistent_save_interval": 10}),
+    Rule("fsdp", ("ddp.use_megatron_fsdp", "dist.use_torch_fsdp2"), _fsdp,
+         "{nx[lead]} (FSDP): SNIP's measurement reads each linear's full weight",
+         "use the distributed optimizer instead, " + PIN, example={"ddp.use_megatron_fsdp": True}),
+    Rule("batch-dataloader", ("run.dataloader_type",),
+         lambda s: measures(s) and s.run.dataloader_type == "batch",
+         "{n[run.dataloader_type]} 'batch' (variable-length finetuning batches): SNIP measures on pretraining "
+         "micro-batches", PIN, example={"run.dataloader_type": "batch"}, entries=("bridge",)),
+)

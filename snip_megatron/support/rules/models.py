@@ -1,0 +1,121 @@
+"""Rules on the model a run builds: the families SNIP plans (GPT with MLA and MTP, HybridModel),
+their variants it does not plan yet, and what each needs to train as one process does."""
+
+from __future__ import annotations
+
+from snip_megatron.models import hybrid
+from snip_megatron.support.rule import Rule
+
+
+def _mla(s) -> bool:
+    return bool(s.get("model.multi_latent_attention"))
+
+
+def _pattern_error(s):
+    """{"why": the pattern's problem} when a HybridModel's pattern has layers SNIP cannot plan."""
+    pattern = s.run.hybrid_pattern
+    if s.run.family != hybrid.FAMILY or not pattern:
+        return None
+    try:
+        hybrid.layer_symbols(pattern)
+    except ValueError as e:
+        return {"why": str(e).split(": ", 1)[-1]}
+    return None
+
+
+def _cuda_layers(s):
+    """{"kinds": ...} when the pattern has Mamba or GDN layers and no GPU runs their kernels."""
+    pattern = s.run.hybrid_pattern
+    if s.run.family != hybrid.FAMILY or not pattern or s.run.cuda or _pattern_error(s):
+        return None
+    kinds = [f"{hybrid.LAYER_NAMES[c]} ({c})" for c in dict.fromkeys(hybrid.layer_symbols(pattern)) if c in "MG"]
+    return {"kinds": " and ".join(kinds)} if kinds else None
+
+
+def _hybrid_moe(s) -> bool:
+    return s.run.family == hybrid.FAMILY and hybrid.MOE in (s.run.hybrid_pattern or "")
+
+
+RULES = (
+    Rule("other-model-family", ("run.family",), lambda s: s.run.family not in ("gpt", hybrid.FAMILY),
+         "model is a {v[run.family]}: SNIP plans GPT models built by GPTModelProvider (the gpt, llama, qwen ... "
+         "recipes; MLAModelProvider's multi-latent attention) and HybridModels built by HybridModelProvider",
+         "use one of those providers, or run without SNIP", example={"run.family": "T5ModelProvider"},
+         entries=("bridge",)),
+    Rule("mla-down-proj-fusion", ("model.mla_down_proj_fusion",),
+         lambda s: _mla(s) and s.get("model.mla_down_proj_fusion"),
+         "{n[model.mla_down_proj_fusion]}: SNIP plans multi-latent attention's separate q/kv down-projections",
+         "{drop[model.mla_down_proj_fusion]}", example={"model.multi_latent_attention": True,
+                                                       "model.mla_down_proj_fusion": True}),
+    Rule("mla-needs-mla-config", ("model.multi_latent_attention",),
+         lambda s: _mla(s) and not hasattr(s.model, "kv_lora_rank"),
+         "{n[model.multi_latent_attention]} on a config without MLA widths (kv_lora_rank, qk_head_dim, ...)",
+         "use megatron.bridge.models.mla_provider.MLAModelProvider (or a provider derived from it)",
+         example={"model.multi_latent_attention": True}, entries=("bridge",)),
+    Rule("mla-tp-needs-sp", ("model.multi_latent_attention", "model.sequence_parallel"),
+         lambda s: _mla(s) and s.num("model.tensor_model_parallel_size") > 1 and not s.get("model.sequence_parallel"),
+         "{n[model.multi_latent_attention]} at {n[model.tensor_model_parallel_size]} > 1 needs "
+         "{set[model.sequence_parallel]:True}: without it Megatron's MLA takes the shared rotary key's gradient from "
+         "each rank's own heads, so TP ranks train another model than one process (snip_megatron/megatron/mla.py)",
+         "add it", example={"model.multi_latent_attention": True, "model.tensor_model_parallel_size": 2},
+         entries=("megatron-lm", "bridge")),
+    Rule("compact-mla-tp", ("model.multi_latent_attention", "model.tensor_model_parallel_size"),
+         lambda s: _mla(s) and s.num("model.tensor_model_parallel_size") > 1,
+         "{n[model.multi_latent_attention]} at {n[model.tensor_model_parallel_size]} {v[model.tensor_model_parallel_size]}: "
+         "Megatron's MLA needs sequence parallelism at TP > 1, which the compact loop does not run",
+         "use --tp 1, or snip-pretrain-gpt --multi-latent-attention --sequence-parallel",
+         example={"model.multi_latent_attention": True, "model.tensor_model_parallel_size": 2},
+         entries=("compact",)),
+    Rule("mtp-pp-bridge", ("model.mtp_num_layers", "model.pipeline_model_parallel_size"),
+         lambda s: s.get("model.mtp_num_layers") and s.num("model.pipeline_model_parallel_size") > 1,
+         "{n[model.mtp_num_layers]} with {n[model.pipeline_model_parallel_size]} > 1: SNIP plans multi-token "
+         "prediction through Bridge at one pipeline stage so far (snip-pretrain-gpt plans it with PP)",
+         "set one of them back", example={"model.mtp_num_layers": 1, "model.pipeline_model_parallel_size": 2},
+         entries=("bridge",)),
+    Rule("gpt-entry-hybrid-pattern", ("run.hybrid_pattern",),
+         lambda s: s.run.family == "gpt" and s.run.hybrid_pattern,
+         "{n[run.hybrid_pattern]} builds a HybridModel, which pretrain_gpt.py does not",
+         "run snip-pretrain-hybrid (Megatron-LM's pretrain_hybrid.py with SNIP) instead",
+         example={"run.family": "gpt", "run.hybrid_pattern": "*-"}, entries=("megatron-lm",)),
+    Rule("hybrid-needs-pattern", ("run.hybrid_pattern",),
+         lambda s: s.run.family == hybrid.FAMILY and not s.run.hybrid_pattern,
+         "snip-pretrain-hybrid needs {n[run.hybrid_pattern]}", "give it (e.g. '*-*-': attention, MLP, ...)",
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": None}, entries=("megatron-lm",)),
+    Rule("hybrid-layer-kinds", ("run.hybrid_pattern",), _pattern_error,
+         "{n[run.hybrid_pattern]} {v[run.hybrid_pattern]!r}: {x[why]}", "change the pattern",
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*+"}),
+    Rule("hybrid-needs-te", ("model.transformer_impl",),
+         lambda s: s.run.family == hybrid.FAMILY and s.run.backend != "te",
+         "SNIP plans a HybridModel's Transformer Engine linears (Megatron's hybrid layer spec is TE-only)",
+         "use {set[model.transformer_impl]:transformer_engine}",
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*-", "run.backend": "emulated",
+                  "model.transformer_impl": "local"}),
+    Rule("hybrid-cuda-layers", ("run.hybrid_pattern",), _cuda_layers,
+         "{n[run.hybrid_pattern]} {v[run.hybrid_pattern]!r}: {x[kinds]} layers run CUDA kernels (mamba_ssm, "
+         "causal_conv1d; fla), so on CPU SNIP cannot measure their in_proj/out_proj linears",
+         "run on a GPU (bench/gpu/hybrid_check.py), or use '*' and '-' layers only",
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "M*", "run.cuda": False}),
+    Rule("hybrid-moe-needs-experts", ("run.hybrid_pattern", "model.num_moe_experts"),
+         lambda s: _hybrid_moe(s) and not s.get("model.num_moe_experts"),
+         "{n[run.hybrid_pattern]} {v[run.hybrid_pattern]!r} has MoE (E) layers",
+         "add {n[model.num_moe_experts]} (and {n[model.moe_grouped_gemm]}: SNIP plans a hybrid MoE layer's experts "
+         "as TE grouped linears)", example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*E",
+                                           "model.num_moe_experts": None}),
+    Rule("hybrid-moe-layer-freq", ("model.moe_layer_freq",),
+         lambda s: s.run.family == hybrid.FAMILY and s.get("model.num_moe_experts")
+         and s.get("model.moe_layer_freq", 1) != 1,
+         "{n[model.moe_layer_freq]} has no effect on a HybridModel (its pattern's E symbols are the MoE layers)",
+         "{drop[model.moe_layer_freq]}", example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*E",
+                                                 "model.num_moe_experts": 4, "model.moe_layer_freq": 2}),
+    Rule("hybrid-mtp", ("model.mtp_hybrid_override_pattern",),
+         lambda s: s.run.family == hybrid.FAMILY and s.get("model.mtp_hybrid_override_pattern"),
+         "{n[model.mtp_hybrid_override_pattern]} (multi-token prediction of a HybridModel): SNIP does not plan MTP "
+         "layers of a HybridModel yet", "{drop[model.mtp_hybrid_override_pattern]}",
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*-",
+                  "model.mtp_hybrid_override_pattern": "*-"}, entries=("bridge",)),
+    Rule("hybrid-moe-bridge", ("run.hybrid_pattern",), _hybrid_moe,
+         "{n[run.hybrid_pattern]} {v[run.hybrid_pattern]!r}: MoE layers (E) through Bridge: Megatron's hybrid spec "
+         "builds TE grouped experts, whose token splits SNIP pads in snip-pretrain-hybrid only (not through Bridge "
+         "yet)", "run snip-pretrain-hybrid, or use '-' (dense MLP) layers",
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*E"}, entries=("bridge",)),
+)

@@ -1,0 +1,152 @@
+"""Rules on mixture-of-experts runs. SNIP plans, measures and re-plans MoE GPTs on Megatron's local
+spec (SequentialMLP experts with SNIP's emulated linears) at one process and at expert, pipeline and
+data parallelism, and on the TE spec with grouped experts (TEGroupedMLP) at one process, TP=2 with
+sequence parallelism and EP=2, EP over DP, and PP, at expert TP 1 (docs/moe.md); these rules refuse
+the rest, each with its reason."""
+
+from __future__ import annotations
+
+from snip_megatron.support.rule import Rule
+
+MOE = {"model.num_moe_experts": 4, "model.moe_router_topk": 2}
+"""The smallest MoE settings an example adds to a dense model."""
+
+
+def moe(s) -> bool:
+    return bool(s.get("model.num_moe_experts"))
+
+
+def _te(s) -> bool:
+    return s.get("model.transformer_impl") == "transformer_engine"
+
+
+def _etp(s) -> int:
+    etp = s.get("model.expert_tensor_parallel_size")
+    return int(etp) if etp is not None else s.num("model.tensor_model_parallel_size")
+
+
+def _balancing(s):
+    kinds = s.get("model.moe_router_load_balancing_type", "aux_loss")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    odd = [k for k in kinds if k in ("sinkhorn", "quantile_balancing")]
+    return {"kinds": " ".join(odd)} if odd else None
+
+
+def _grouped_fp4_sizes(s) -> bool:
+    """TE's NVFP4 grouped quantize needs the expert GEMMs' inner dims to be multiples of 128."""
+    if s.run.backend != "te" or not s.get("model.moe_grouped_gemm") or not moe(s):
+        return False
+    if "fp4" not in [str(getattr(p, "value", p)) for p in (s.snip.precisions or [])]:
+        return False
+    ffn = s.get("model.moe_ffn_hidden_size") or s.get("model.ffn_hidden_size")
+    return bool(s.get("model.hidden_size") % 128 or ffn % 128)
+
+
+RULES = (
+    Rule("moe-grouped-needs-te", ("model.moe_grouped_gemm", "model.transformer_impl"),
+         lambda s: moe(s) and s.get("model.moe_grouped_gemm") and not _te(s),
+         "{n[model.moe_grouped_gemm]} with {n[model.transformer_impl]} local: SNIP runs grouped experts on "
+         "Transformer Engine's GroupedLinear only",
+         "add {set[model.transformer_impl]:transformer_engine}, or {drop[model.moe_grouped_gemm]} (SequentialMLP "
+         "experts)", example={**MOE, "model.moe_grouped_gemm": True, "model.transformer_impl": "local"}),
+    Rule("moe-te-needs-grouped", ("model.num_moe_experts", "model.moe_grouped_gemm"),
+         lambda s: moe(s) and _te(s) and not s.get("model.moe_grouped_gemm"),
+         "{n[model.num_moe_experts]} with {n[model.transformer_impl]} transformer_engine without "
+         "{n[model.moe_grouped_gemm]}: SNIP pads expert token splits for per-module FP8/FP4 on TE's grouped GEMM only",
+         "add {set[model.moe_grouped_gemm]:True}",
+         example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
+                  "model.moe_grouped_gemm": False}, entries=("megatron-lm", "bridge")),
+    Rule("moe-te-expert-tp", ("model.expert_tensor_parallel_size",),
+         lambda s: moe(s) and _te(s) and s.run.world_size > 1 and s.num("model.tensor_model_parallel_size") > 1
+         and _etp(s) > 1,
+         "{n[model.expert_tensor_parallel_size]} {v[model.expert_tensor_parallel_size]} with Transformer Engine "
+         "experts on more than one process: TE grouped experts are tested at expert TP 1 only (TP=2 with sequence "
+         "parallelism, EP over DP, PP)", "use {set[model.expert_tensor_parallel_size]:1}",
+         example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
+                  "model.moe_grouped_gemm": True, "model.tensor_model_parallel_size": 2,
+                  "model.sequence_parallel": True, "model.expert_tensor_parallel_size": 2, "run.world_size": 2}),
+    Rule("moe-local-tp", ("model.tensor_model_parallel_size", "model.num_moe_experts"),
+         lambda s: moe(s) and not _te(s) and s.num("model.tensor_model_parallel_size") > 1,
+         "{n[model.tensor_model_parallel_size]} > 1 with {n[model.num_moe_experts]} on {n[model.transformer_impl]} "
+         "local: Megatron's MoE layer trains at TP > 1 only with sequence parallelism, and the local spec builds "
+         "RMSNorm (and LayerNorm without apex) as a torch norm, which refuses it",
+         "run MoE at {set[model.tensor_model_parallel_size]:1} (expert and data parallelism), or on "
+         "{set[model.transformer_impl]:transformer_engine} {set[model.moe_grouped_gemm]:True}",
+         example={**MOE, "model.tensor_model_parallel_size": 2, "model.sequence_parallel": True},
+         entries=("megatron-lm", "bridge")),
+    Rule("moe-expert-tp", ("model.expert_tensor_parallel_size", "model.num_moe_experts"),
+         lambda s: moe(s) and s.num("model.tensor_model_parallel_size") == 1 and _etp(s) > 1,
+         "{n[model.expert_tensor_parallel_size]} > 1 with {n[model.num_moe_experts]}: SNIP measures expert TP "
+         "(tested at ETP = TP = 2), but no run at expert TP is tested yet",
+         "run MoE at {set[model.expert_tensor_parallel_size]:1}",
+         example={**MOE, "model.expert_tensor_parallel_size": 2}, entries=("megatron-lm", "bridge")),
+    Rule("moe-cp", ("model.context_parallel_size", "model.num_moe_experts"),
+         lambda s: moe(s) and s.num("model.context_parallel_size") > 1,
+         "{n[model.context_parallel_size]} > 1 with {n[model.num_moe_experts]}: SNIP does not measure experts "
+         "over context parallelism yet (untested)", "run MoE at {set[model.context_parallel_size]:1}",
+         example={**MOE, "model.context_parallel_size": 2}, entries=("megatron-lm", "bridge")),
+    Rule("moe-vpp", ("model.virtual_pipeline_model_parallel_size", "model.num_moe_experts"),
+         lambda s: moe(s) and s.get("model.virtual_pipeline_model_parallel_size"),
+         "{n[model.virtual_pipeline_model_parallel_size]} with {n[model.num_moe_experts]}: SNIP does not measure "
+         "MoE under the interleaved pipeline schedule yet (untested)",
+         "{drop[model.virtual_pipeline_model_parallel_size]}",
+         example={**MOE, "model.pipeline_model_parallel_size": 2, "model.virtual_pipeline_model_parallel_size": 2},
+         entries=("megatron-lm", "bridge")),
+    Rule("moe-dispatcher-cpu", ("model.moe_token_dispatcher_type",),
+         lambda s: moe(s) and not s.run.cuda and s.get("model.moe_token_dispatcher_type", "allgather") != "allgather"
+         and s.num("model.expert_model_parallel_size") * _etp(s) > 1,
+         "{n[model.moe_token_dispatcher_type]} {v[model.moe_token_dispatcher_type]} on CPU: Megatron's "
+         "{v[model.moe_token_dispatcher_type]} dispatcher hands gloo its all-to-all split sizes as tensors (it turns "
+         "them into lists only off a GPU copy)", "use {set[model.moe_token_dispatcher_type]:allgather}",
+         example={**MOE, "model.expert_model_parallel_size": 2, "model.moe_token_dispatcher_type": "alltoall",
+                  "run.world_size": 2, "run.cuda": False}, entries=("megatron-lm", "bridge")),
+    Rule("moe-router-fusion", ("model.moe_router_fusion",), lambda s: moe(s) and s.get("model.moe_router_fusion"),
+         "{n[model.moe_router_fusion]}: the fused top-k bypasses Megatron's router-replay hook, which SNIP uses to "
+         "keep routing fixed across its measurement passes", "{drop[model.moe_router_fusion]}",
+         example={**MOE, "model.moe_router_fusion": True}),
+    Rule("moe-balancing", ("model.moe_router_load_balancing_type",), lambda s: moe(s) and _balancing(s),
+         "{n[model.moe_router_load_balancing_type]} {x[kinds]}: routes without Megatron's top-k replay hook, so "
+         "SNIP cannot freeze routing while it measures", "use aux_loss, seq_aux_loss, global_aux_loss or none",
+         example={**MOE, "model.moe_router_load_balancing_type": "sinkhorn"}),
+    Rule("moe-capacity", ("model.moe_expert_capacity_factor",),
+         lambda s: moe(s) and s.get("model.moe_expert_capacity_factor") is not None,
+         "{n[model.moe_expert_capacity_factor]}: token dropping follows the routing probabilities, which SNIP's "
+         "noise passes change", "{drop[model.moe_expert_capacity_factor]} (dropless MoE)",
+         example={**MOE, "model.moe_expert_capacity_factor": 1.0}),
+    Rule("moe-latent", ("model.moe_latent_size",), lambda s: moe(s) and s.get("model.moe_latent_size"),
+         "{n[model.moe_latent_size]}: SNIP does not plan the latent projections yet", "{drop[model.moe_latent_size]}",
+         example={**MOE, "model.moe_latent_size": 32}),
+    Rule("moe-mtp", ("model.mtp_num_layers", "model.num_moe_experts"),
+         lambda s: moe(s) and s.get("model.mtp_num_layers"),
+         "{n[model.mtp_num_layers]} with {n[model.num_moe_experts]}: SNIP plans MoE layers in the decoder, not in "
+         "multi-token-prediction layers yet", "drop one of them", example={**MOE, "model.mtp_num_layers": 1}),
+    Rule("moe-grouped-fp4-sizes", ("model.moe_grouped_gemm", "snip.precisions"), _grouped_fp4_sizes,
+         "{n[model.moe_grouped_gemm]} with FP4 candidates: TE's NVFP4 grouped GEMM needs {n[model.hidden_size]} "
+         "({v[model.hidden_size]}) and {n[model.moe_ffn_hidden_size]} ({v[model.moe_ffn_hidden_size]}) to be multiples of 128 (TE 2.14 csrc/extensions/cast.cpp split_quantize; SNIP pads token splits, "
+         "not features)", "plan BF16/FP8 only ({set[snip.precisions]:bf16,fp8}) or use multiples of 128",
+         example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
+                  "model.moe_grouped_gemm": True, "model.moe_ffn_hidden_size": 32,
+                  "snip.precisions": ("bf16", "fp8", "fp4")},
+         after_resolve=True),
+    Rule("moe-te-bridge", ("model.moe_grouped_gemm",), lambda s: moe(s) and s.get("model.moe_grouped_gemm") and _te(s),
+         "{n[model.moe_grouped_gemm]} with {n[model.transformer_impl]} transformer_engine: SNIP pads grouped "
+         "experts' token splits in snip-pretrain-gpt only so far",
+         "{drop[model.moe_grouped_gemm]} with {set[model.transformer_impl]:local} (SequentialMLP experts)",
+         example={**MOE, "model.moe_grouped_gemm": True, "model.transformer_impl": "transformer_engine",
+                  "run.backend": "te"}, entries=("bridge",)),
+    Rule("moe-bridge-processes", ("run.world_size", "model.num_moe_experts"),
+         lambda s: moe(s) and s.run.world_size > 1,
+         "{n[model.num_moe_experts]} on {v[run.world_size]} processes: SNIP runs MoE through Bridge at one process "
+         "so far (snip-pretrain-gpt runs it at more)", "run one process, or without SNIP",
+         example={**MOE, "run.world_size": 2}, entries=("bridge",)),
+    Rule("moe-compact-processes", ("run.world_size", "model.num_moe_experts"),
+         lambda s: moe(s) and s.run.world_size > 1,
+         "MoE on {v[run.world_size]} processes: the compact loop runs MoE at one process",
+         "snip-pretrain-gpt runs it at expert, pipeline and data parallelism (docs/moe.md)",
+         example={**MOE, "run.world_size": 2}, entries=("compact",)),
+    Rule("moe-compact-te", ("run.backend", "model.num_moe_experts"),
+         lambda s: moe(s) and s.run.backend == "te",
+         "MoE with --backend te: the compact loop builds no grouped experts",
+         "Megatron-LM's loop runs TE's grouped experts (snip-pretrain-gpt --transformer-impl transformer_engine "
+         "--moe-grouped-gemm)", example={**MOE, "run.backend": "te"}, entries=("compact",)),
+)
