@@ -26,7 +26,6 @@ def run_facts(args, family: str, backend: str) -> RunFacts:
     return RunFacts(entry="megatron-lm", family=family, backend=backend, world_size=int(getattr(args, "world_size", 1)),
                     hybrid_pattern=getattr(args, "hybrid_layer_pattern", None),
                     dataloader_type=getattr(args, "dataloader_type", None),
-                    legacy_models=bool(getattr(args, "use_legacy_models", False)),
                     te_installed=te_installed(), cuda=torch.cuda.is_available())
 
 

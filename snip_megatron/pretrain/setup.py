@@ -347,7 +347,7 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     from snip_megatron.pretrain.state import read_state
 
     family = model_family(model_cfg)
-    transformer = model_cfg.transformer
+    transformer = getattr(model_cfg, "transformer", None)
     checked = check_run(args, family, transformer)
     if checked is None:
         return None

@@ -24,7 +24,6 @@ MEGATRON_LM_ARGS = {
     "model.virtual_pipeline_model_parallel_size": "num_layers_per_virtual_pipeline_stage",
     "run.hybrid_pattern": "hybrid_layer_pattern",
     "run.dataloader_type": "dataloader_type",
-    "run.legacy_models": "use_legacy_models",
     "run.backend": "snip_backend",
     "dist.use_torch_fsdp2": "use_torch_fsdp2",
 }
@@ -127,8 +126,7 @@ class BridgeNames(Names):
     def drop(self, path: str, value) -> str:
         name = self.name(path)
         if name.startswith("mixed_precision="):
-            return ("use mixed_precision='bf16_mixed' (or None): SNIP chooses FP8/FP4 per layer "
-                    "(SnipConfig.precisions, initial_precision)")
+            return "use mixed_precision='bf16_mixed' (or None)"
         return f"set {name}={False if isinstance(value, bool) else None}"
 
     def set(self, path: str, literal: str) -> str:

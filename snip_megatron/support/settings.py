@@ -35,8 +35,6 @@ class RunFacts:
     """A HybridModel's layer pattern (Megatron-LM's --hybrid-layer-pattern, Bridge's field)."""
     dataloader_type: str | None = None
     """Megatron's data loader kind (single, cyclic, external; Bridge also 'batch')."""
-    legacy_models: bool = False
-    """Megatron-LM's --use-legacy-models."""
     peft: bool = False
     """Bridge: a PEFT config wraps the model."""
     full_te_layer: bool = False

@@ -1,11 +1,76 @@
-"""Every Bridge setting that fights a per-layer plan is refused by enable_snip, naming the field and
-the fix; the measurement's limits only where SNIP measures (a pinned plan runs with them)."""
+"""Every rule Megatron-Bridge can reach is refused by enable_snip, through Bridge's own
+ConfigContainer: the rule's example set on a tiny recipe's fields, the line naming the field (or the
+mixed-precision recipe that sets it) and the fix; nothing of the config is changed. The measurement's
+limits hold only where SNIP measures; the runs SNIP serves through Bridge pass."""
+
+import dataclasses
 
 import pytest
 import torch
 
 from snip_megatron.config import SnipConfig
+from snip_megatron.support.rules import RULES
 from tests.bridge import tiny
+
+CASES = [rule for rule in RULES if "bridge" in rule.entries]
+RUN_FIELDS = {"run.dataloader_type": "dataset.dataloader_type", "run.full_te_layer":
+              "model.use_transformer_engine_full_layer_spec", "run.comm_overlap_tp": "comm_overlap.tp_comm_overlap"}
+"""Run facts that are fields of Bridge's ConfigContainer (the others: the model's class, the
+machine, the process count)."""
+
+
+def set_path(cfg, path, value):
+    obj = cfg
+    *parents, name = path.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, name, value)
+
+
+def bridge_input(example: dict, monkeypatch):
+    """(ConfigContainer, SnipConfig) of Bridge's entry for a rule's example."""
+    from megatron.bridge.models.transformer_config import TransformerConfig
+
+    from snip_megatron.te import installed
+
+    hybrid = example.get("run.family") == "hybrid"
+    cfg = tiny.tiny_hybrid_config(example["run.hybrid_pattern"]) if hybrid else tiny.tiny_config()
+    snip = {"enabled": True}
+    monkeypatch.setattr(installed, "te_installed", lambda: example.get("run.te_installed",
+                                                                       example.get("run.backend") == "te" or hybrid))
+    for path, value in example.items():
+        section, _, name = path.partition(".")
+        if path == "run.family" and not hybrid:  # another provider than GPT's or the HybridModel's
+            model = cfg.model
+            kinds = {f.name: getattr(model, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+            cfg.model = type(value, (TransformerConfig,), {})(**kinds)
+        elif path == "run.world_size":
+            monkeypatch.setenv("WORLD_SIZE", str(value))
+        elif path == "run.peft":
+            cfg.peft = object()
+        elif path in RUN_FIELDS:
+            set_path(cfg, RUN_FIELDS[path], value)
+        elif section == "snip":
+            snip[name] = list(value) if isinstance(value, tuple) else value
+        elif section != "run":
+            set_path(cfg, path, value)
+    return cfg, SnipConfig(**snip)
+
+
+@pytest.mark.parametrize("rule", CASES, ids=[r.name for r in CASES])
+def test_each_rule_is_refused_through_enable_snip_naming_the_field(rule, monkeypatch):
+    from snip_megatron.bridge import enable_snip
+    from snip_megatron.bridge.settings import settings_of
+
+    cfg, snip = bridge_input(rule.example, monkeypatch)
+    s, names = settings_of(cfg, snip)
+    line = rule.text(s, names, rule.holds(s))
+    spec = cfg.model.transformer_layer_spec if hasattr(cfg.model, "transformer_layer_spec") else None
+    with pytest.raises(ValueError) as e:
+        enable_snip(cfg, snip)
+    assert str(e.value).startswith("this Megatron-Bridge run cannot take SNIP as configured"), e.value
+    assert line in str(e.value), (line, str(e.value))
+    assert getattr(cfg.model, "transformer_layer_spec", None) is spec  # nothing was changed
 
 
 def mp(**fields):
@@ -14,177 +79,79 @@ def mp(**fields):
     return MixedPrecisionConfig(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **fields)
 
 
-def setter(path, value):
-    def apply(cfg):
-        obj = cfg
-        *parents, name = path.split(".")
-        for part in parents:
-            obj = getattr(obj, part)
-        setattr(obj, name, value() if callable(value) else value)
-    return apply
-
-
-REFUSED = [  # (what is set, the text the refusal must carry)
-    ("mixed_precision", "bf16_with_fp8_current_scaling_mixed",
-     r"mixed_precision='bf16_with_fp8_current_scaling_mixed': mixed_precision.fp8='hybrid' .*bf16_mixed"),
-    ("mixed_precision", "bf16_with_fp8_current_scaling_mixed", r"first_last_layers_bf16=True keeps the first 1 and last 1"),
-    ("mixed_precision", "bf16_with_fp8_current_scaling_mixed", r"fp8_param_gather=True stores weights in FP8"),
-    ("mixed_precision", "bf16_with_fp8_delayed_scaling_mixed", r"fp8='hybrid' .*recipe 'delayed'"),
-    ("mixed_precision", "bf16_with_fp8_subchannel_scaling_mixed", r"fp8='hybrid' .*recipe 'blockwise'"),
-    ("mixed_precision", "bf16_with_mxfp8_mixed", r"reuse_grad_buf_for_mxfp8_param_ag=True"),
-    ("mixed_precision", "bf16_with_nvfp4_mixed", r"mixed_precision.fp4='e2m1' .*global FP4"),
-    ("mixed_precision", "bf16_with_nvfp4_mixed", r"fp4_param_gather=True stores weights in FP4"),
-    ("mixed_precision", "nemotron_3_super_bf16_with_nvfp4_mixed", r"last 14 layers in BF16"),
-    ("mixed_precision", lambda: mp(num_layers_at_end_in_bf16=2), r"num_layers_at_end_in_bf16=2 keeps layers in BF16"),
-    ("mixed_precision", lambda: mp(num_layers_at_start_in_bf16=1), r"num_layers_at_start_in_bf16=1"),
-    ("mixed_precision", lambda: mp(fp8_dot_product_attention=True), r"fp8_dot_product_attention"),
-    ("model.fp8", "hybrid", r"model.fp8='hybrid' turns on one global FP8 autocast.*set it off"),
-    ("model.fp4", "e2m1", r"model.fp4='e2m1'"),
-    ("model.fp8_param", True, r"model.fp8_param=True stores weights in FP8"),
-    ("model.first_last_layers_bf16", True, r"model.first_last_layers_bf16=True"),
-    ("model.fp8_multi_head_attention", True, r"fp8_multi_head_attention"),
-    ("ddp.fp8_param_gather", True, r"ddp.fp8_param_gather=True"),
-    ("ddp.fp4_param_gather", True, r"ddp.fp4_param_gather=True"),
-    ("optimizer.reuse_grad_buf_for_mxfp8_param_ag", True, r"optimizer.reuse_grad_buf_for_mxfp8_param_ag"),
-    ("model.use_kitchen", True, r"model.use_kitchen=True"),
-    ("model.multi_latent_attention", True, r"model.multi_latent_attention on a GPTModelProvider, which has no "
-                                           r"MLA widths .*MLAModelProvider"),
-    ("model.use_transformer_engine_full_layer_spec", True, r"full_layer_spec"),
-    ("model.transformer_impl", "inference_optimized", r"model.transformer_impl='inference_optimized'"),
-    ("model.transformer_impl", "transformer_engine", r"Transformer Engine is not installed here"),
-    ("model.cuda_graph_impl", "transformer_engine", r"CUDA graphs"),
-    ("model.tp_comm_overlap", True, r"tp_comm_overlap"),
-    ("model.delay_wgrad_compute", True, r"delay_wgrad_compute"),
-    ("checkpoint.non_persistent_save_interval", 5, r"non_persistent_save_interval.*checkpoint.save_interval"),
-    ("peft", object(), r"peft: SNIP plans pretraining"),
-]
-MEASUREMENT = [  # refused only where SNIP measures
-    ("dist.use_torch_fsdp2", True, r"FSDP"),
-    ("dataset.dataloader_type", "batch", r"dataloader_type='batch'"),
-]
-
-
-@pytest.mark.parametrize("path, value, message", REFUSED + MEASUREMENT,
-                         ids=[f"{p}={v if isinstance(v, (str, int)) else 'set'}" for p, v, _ in REFUSED + MEASUREMENT])
-def test_a_conflicting_setting_is_refused_with_its_fix(path, value, message):
-    from snip_megatron.bridge import enable_snip
+@pytest.mark.parametrize("recipe, says", [
+    ("bf16_with_fp8_current_scaling_mixed", [
+        "mixed_precision='bf16_with_fp8_current_scaling_mixed' (its fp8) hybrid: one global FP8 autocast",
+        "mixed_precision='bf16_with_fp8_current_scaling_mixed' (its first_last_layers_bf16) keeps the first 1 and last 1"]),
+    ("bf16_with_fp8_delayed_scaling_mixed", ["(its fp8_recipe) delayed (delayed scaling)"]),
+    ("bf16_with_mxfp8_mixed", ["(its reuse_grad_buf_for_mxfp8_param_ag) goes with MXFP8 parameter storage"]),
+    ("bf16_with_nvfp4_mixed", ["(its fp4) e2m1: one global FP4 autocast",
+                               "(its fp4_param) : weights stored or gathered in FP4"]),
+    ("nemotron_3_super_bf16_with_nvfp4_mixed", ["last 14 layers in BF16"]),
+    (lambda: mp(fp8_dot_product_attention=True), ["mixed_precision='MixedPrecisionConfig' "
+                                                  "(its fp8_dot_product_attention) runs attention"]),
+])
+def test_a_mixed_precision_recipe_is_named_for_what_it_sets(recipe, says):
+    from snip_megatron.bridge.settings import refused
 
     cfg = tiny.tiny_config()
-    setter(path, value)(cfg)
-    spec = cfg.model.transformer_layer_spec
-    with pytest.raises(ValueError, match=message) as e:
-        enable_snip(cfg, SnipConfig(enabled=True))
-    assert str(e.value).startswith("this Megatron-Bridge run cannot take SNIP as configured:")
-    assert cfg.model.transformer_layer_spec is spec  # nothing was changed
+    cfg.mixed_precision = recipe() if callable(recipe) else recipe
+    lines = refused(cfg, SnipConfig(enabled=True))
+    for words in says:
+        assert any(words.replace(" : ", ": ") in line for line in lines), (words, lines)
+    assert all("use mixed_precision='bf16_mixed' (or None)" in line for line in lines if "(its " in line), lines
 
 
-@pytest.mark.parametrize("path, value, message", MEASUREMENT, ids=[p for p, _, _ in MEASUREMENT])
-def test_a_pinned_plan_runs_with_the_measurements_limits(tmp_path, path, value, message):
-    from snip_megatron.bridge.refusals import refusals
+MEASUREMENT = [("dist.use_torch_fsdp2", True), ("dataset.dataloader_type", "batch")]
+
+
+@pytest.mark.parametrize("path, value", MEASUREMENT, ids=[p for p, _ in MEASUREMENT])
+def test_a_pinned_plan_runs_with_the_measurements_limits(tmp_path, path, value):
+    from snip_megatron.bridge.settings import refused
     from snip_megatron.plan import Plan
 
     Plan.uniform(2, "fp8").save(tmp_path / "plan.json")
     cfg = tiny.tiny_config()
-    setter(path, value)(cfg)
+    set_path(cfg, path, value)
+    assert refused(cfg, SnipConfig(enabled=True)) != []
     pinned = SnipConfig(enabled=True, plan=str(tmp_path / "plan.json"), pin_plan=True)
-    assert refusals(cfg, pinned) == []
+    assert refused(cfg, pinned) == []
 
 
 def test_a_plain_bf16_recipe_and_the_defaults_pass():
-    from snip_megatron.bridge.refusals import refusals
+    from snip_megatron.bridge.settings import refused
 
     cfg = tiny.tiny_config()
-    assert refusals(cfg, SnipConfig(enabled=True)) == []
+    assert refused(cfg, SnipConfig(enabled=True)) == []
     cfg.mixed_precision = "bf16_mixed"
     cfg.model.fp8 = "hybrid"  # bf16_mixed overwrites it with None when pretrain() starts
-    assert refusals(cfg, SnipConfig(enabled=True)) == []
+    assert refused(cfg, SnipConfig(enabled=True)) == []
+    assert cfg.model.fp8 == "hybrid"  # the rules read a copy: the user's config is left as it is
 
 
 def test_every_refusal_is_listed_at_once():
-    from snip_megatron.bridge.refusals import refusals
+    from snip_megatron.bridge.settings import refused
 
     cfg = tiny.tiny_config()
     cfg.model.fp8, cfg.model.num_moe_experts, cfg.model.delay_wgrad_compute = "e4m3", 2, True
     cfg.model.moe_expert_capacity_factor = 1.0
-    assert len(refusals(cfg, SnipConfig(enabled=True))) == 3
+    lines = refused(cfg, SnipConfig(enabled=True))
+    assert [line.split(" ")[0] for line in lines] == ["model.fp8", "model.fp8_recipe",  # the model's default: delayed
+                                                      "model.delay_wgrad_compute:", "model.moe_expert_capacity_factor:"]
 
 
-def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
-    from snip_megatron.bridge.refusals import refusals
+@pytest.mark.parametrize("make", [
+    lambda: tiny.tiny_config(tp=2), lambda: tiny.tiny_moe_config(), lambda: tiny.tiny_mla_config(),
+    lambda: tiny.tiny_mla_config(mtp_num_layers=None, tp=2), lambda: tiny.tiny_hybrid_config("*-*-")],
+    ids=["dense-70b-layouts", "qwen3-moe", "mla-mtp", "mla-tp2-sp", "hybrid"])
+def test_the_runs_snip_serves_through_bridge_pass(make, monkeypatch):
+    from snip_megatron.bridge.settings import refused
+    from snip_megatron.te import installed
 
-    cfg = tiny.tiny_config(tp=2)
-    cfg.model.sequence_parallel, cfg.model.context_parallel_size = True, 2
-    cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
-    cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = True
-    assert refusals(cfg, SnipConfig(enabled=True)) == []
-
-
-def test_a_tiny_qwen3_moe_passes_with_megatron_lms_moe_limits_named_by_model_field(monkeypatch):
-    """Megatron-LM's MoE refusals (megatron.moe.moe_refusals, their one owner) read from Bridge's model
-    config, each naming the model field; MoE through Bridge runs at one process."""
-    from snip_megatron.bridge.refusals import refusals
-
-    snip = SnipConfig(enabled=True)
-    assert refusals(tiny.tiny_moe_config(), snip) == []
-    cfg = tiny.tiny_moe_config()
-    cfg.model.moe_expert_capacity_factor, cfg.model.moe_router_fusion = 1.25, True
-    assert sorted(line.split(":")[0] for line in refusals(cfg, snip)) == [
-        "model.moe_expert_capacity_factor", "model.moe_router_fusion"]
-    cfg = tiny.tiny_moe_config()
-    cfg.model.moe_grouped_gemm = True  # on the local spec: TE's grouped experts only
-    assert [line.split(":")[0] for line in refusals(cfg, snip)] == [
-        "model.moe_grouped_gemm with model.transformer_impl local"]
-    cfg.model.transformer_impl = "transformer_engine"  # TE's grouped experts: padded in snip-pretrain-gpt only
-    assert any(line.startswith("model.moe_grouped_gemm with model.transformer_impl='transformer_engine': SNIP pads")
-               for line in refusals(cfg, snip)), refusals(cfg, snip)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    (line,) = refusals(tiny.tiny_moe_config(), snip)
-    assert line.startswith("model.num_moe_experts on 2 processes"), line
-
-
-def test_multi_latent_attention_and_multi_token_prediction_pass_with_megatron_lms_limits():
-    """As in Megatron-LM's loop: MLA at TP > 1 needs sequence parallelism, the fused down-projection
-    is refused, MTP is refused with pipeline parallelism; otherwise both are planned."""
-    from snip_megatron.bridge.refusals import refusals
-
-    snip = SnipConfig(enabled=True)
-    assert refusals(tiny.tiny_mla_config(), snip) == []
-    assert refusals(tiny.tiny_mla_config(mtp_num_layers=None), snip) == []
-    cfg = tiny.tiny_mla_config(tp=2)
-    assert [line.split(":")[0] for line in refusals(cfg, snip)] == [
-        "model.multi_latent_attention at tensor_model_parallel_size > 1 needs model.sequence_parallel=True"]
-    cfg.model.sequence_parallel = True
-    assert refusals(cfg, snip) == []
-    cfg.model.mla_down_proj_fusion = True
-    assert [line.split(":")[0] for line in refusals(cfg, snip)] == ["model.mla_down_proj_fusion"]
-    assert [line.split(":")[0] for line in refusals(tiny.tiny_mla_config(pp=2), snip)] == [
-        "model.mtp_num_layers with pipeline_model_parallel_size > 1"]
-
-
-def test_a_hybrid_model_is_refused_where_snip_pretrain_hybrid_refuses_it():
-    """HybridModelProvider: SNIP plans '*' and '-' layers over Transformer Engine (the hybrid stack spec is
-    TE-only); layer kinds it does not plan, and Mamba layers on a CPU, are refused by name."""
-    from snip_megatron.bridge.refusals import hybrid_refusals
-
-    snip = SnipConfig(enabled=True)
-    model = tiny.tiny_hybrid_config("*-*-").model
-    assert hybrid_refusals(model, "te") == []
-    assert hybrid_refusals(model, "emulated") == [
-        "HybridModelProvider plans Transformer Engine linears (Megatron's hybrid layer spec is TE-only): set "
-        "model.transformer_impl='transformer_engine'"]
-    model.hybrid_layer_pattern = "M*-*"
-    assert hybrid_refusals(model, "te")[0].startswith("model.hybrid_layer_pattern 'M*-*': Mamba (M) layers run "
-                                                      "CUDA kernels")
-    model.hybrid_layer_pattern = "*E*E"
-    assert hybrid_refusals(model, "te") == [  # refused by name: Bridge lacks SNIP's grouped split padding
-        "model.hybrid_layer_pattern '*E*E': MoE layers (E) through Bridge: Megatron's hybrid spec builds TE grouped "
-        "experts, whose token splits SNIP pads in snip-pretrain-hybrid only (not through Bridge yet); run "
-        "snip-pretrain-hybrid, or use '-' (dense MLP) layers"]
-    model.hybrid_layer_pattern, model.mtp_hybrid_override_pattern = "*-*-", "*-"
-    assert hybrid_refusals(model, "te")[0].startswith("model.mtp_hybrid_override_pattern")
-    cfg = tiny.tiny_hybrid_config("*-*-")
-    cfg.model.transformer_impl = "local"
-    with pytest.raises(ValueError, match="HybridModelProvider plans Transformer Engine linears"):
-        from snip_megatron.bridge import enable_snip
-
-        enable_snip(cfg, snip)
+    monkeypatch.setattr(installed, "te_installed", lambda: True)  # the hybrid stack spec is TE's (the double here)
+    cfg = make()
+    if cfg.model.tensor_model_parallel_size == 2:
+        cfg.model.sequence_parallel, cfg.model.context_parallel_size = True, 2
+        cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
+        cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = True
+    assert refused(cfg, SnipConfig(enabled=True)) == []

@@ -1,7 +1,8 @@
 """setup_megatron_lm's start-up checks (prod lane: megatron.training ships with megatron-core
->= 0.19; the compat lane checks the clear refusal in test_runs.py): every Megatron flag SNIP cannot
-honour is refused by name, a user's precision config is merged or refused, the Megatron functions
-SNIP wraps are checked against the parameters it was written for."""
+>= 0.19; the compat lane checks the clear refusal in test_runs.py): the runs SNIP serves pass (each
+rule's refusal is tested in tests/support), what this GPU and TE cannot run is refused with the
+flag and fix, a user's precision config is merged or refused, the Megatron functions SNIP wraps are
+checked against the parameters it was written for."""
 
 import argparse
 
@@ -10,82 +11,13 @@ import pytest
 pytest.importorskip("megatron.training.arguments",
                     reason="megatron.training ships only with megatron-core >= 0.19 (prod lane)")
 
-from snip_megatron.megatron.args import snip_config_from_args  # noqa: E402
 from snip_megatron.pretrain import seams  # noqa: E402
-from snip_megatron.pretrain.entry import add_extra_args  # noqa: E402
-from snip_megatron.pretrain.setup import (check_run, hybrid_refusals, refusals, resolve_backend,  # noqa: E402
-                                          setup_megatron_lm)
+from snip_megatron.pretrain.setup import check_run, resolve_backend, setup_megatron_lm  # noqa: E402
+from tests.support.entry_inputs import megatron_lm_args  # noqa: E402
 
 
-def megatron_args(*argv):
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = add_extra_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)))
-    return parser.parse_args(["--transformer-impl", "local", *argv])
-
-
-@pytest.mark.parametrize("argv, flag", [
-    (["--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm with --transformer-impl local"),
-    (["--num-experts", "4", "--context-parallel-size", "2"], "--context-parallel-size > 1 with --num-experts"),
-    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-     "--tensor-model-parallel-size > 1 with --num-experts"),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size > 1 with --num-experts"),
-    (["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-     "--num-layers-per-virtual-pipeline-stage with --num-experts"),
-    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
-     "--moe-token-dispatcher-type alltoall on CPU"),
-    (["--num-experts", "4", "--transformer-impl", "transformer_engine", "--snip-backend", "te"],
-     "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm"),
-    (["--num-experts", "4", "--moe-router-fusion"], "--moe-router-fusion"),
-    (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"],
-     "--moe-router-load-balancing-type sinkhorn"),
-    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor"),
-    (["--num-experts", "4", "--mtp-num-layers", "1"], "--mtp-num-layers with --num-experts"),
-    (["--use-transformer-engine-op-fuser"], "--use-transformer-engine-op-fuser"),
-    (["--multi-latent-attention", "--mla-down-proj-fusion"], "--mla-down-proj-fusion"),
-    (["--multi-latent-attention", "--tensor-model-parallel-size", "2"],
-     "--multi-latent-attention at --tensor-model-parallel-size > 1 needs --sequence-parallel"),
-    (["--hybrid-layer-pattern", "*-"], "--hybrid-layer-pattern builds a HybridModel, which pretrain_gpt.py does "
-                                       "not: run snip-pretrain-hybrid"),
-    (["--fp8-format", "e4m3"], "--fp8-format e4m3"),
-    (["--fp4-format", "e2m1"], "--fp4-format e2m1"),
-    (["--fp8-param-gather"], "--fp8-param-gather"),
-    (["--cuda-graph-impl", "local"], "CUDA graphs"),
-    (["--tp-comm-overlap"], "--tp-comm-overlap"),
-    (["--delay-wgrad-compute"], "--delay-wgrad-compute"),
-    (["--transformer-impl", "transformer_engine", "--snip-backend", "emulated"],
-     "--snip-backend emulated needs Megatron's local layer spec"),
-    (["--snip-backend", "te"], "--snip-backend te needs --transformer-impl transformer_engine"),
-])
-def test_each_setting_snip_cannot_honour_is_refused_by_name(argv, flag):
-    args = megatron_args("--snip", *argv)
-    found = refusals(args, snip_config_from_args(args), resolve_backend(args))
-    assert len(found) >= 1 and any(line.startswith(flag) for line in found), found
-    with pytest.raises(ValueError, match="cannot take SNIP as configured"):
-        check_run(args)
-
-
-@pytest.mark.parametrize("argv, line", [
-    (["--transformer-impl", "transformer_engine"], "snip-pretrain-hybrid needs --hybrid-layer-pattern"),
-    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E"],
-     "--hybrid-layer-pattern '*E*E' has MoE (E) layers: add --num-experts"),
-    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4"],
-     "--num-experts with --transformer-impl transformer_engine without --moe-grouped-gemm"),
-    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "*E*E", "--num-experts", "4",
-      "--moe-grouped-gemm", "--moe-layer-freq", "2"], "--moe-layer-freq has no effect on a HybridModel"),
-    (["--hybrid-layer-pattern", "*-*-"], "snip-pretrain-hybrid plans Transformer Engine linears"),
-    (["--transformer-impl", "transformer_engine", "--hybrid-layer-pattern", "M*G-"],
-     "--hybrid-layer-pattern 'M*G-': Mamba (M) and gated delta net (G) layers run CUDA kernels"),
-])
-def test_the_hybrid_entry_refuses_what_it_cannot_plan_or_measure(argv, line):
-    """Only the hybrid entry takes --hybrid-layer-pattern; Mamba/GDN layers are refused on CPU, by
-    what SNIP cannot measure there (the GPU check is bench/gpu/hybrid_check.py)."""
-    args = megatron_args("--snip", *argv)
-    found = refusals(args, snip_config_from_args(args), resolve_backend(args), "hybrid")
-    assert any(f.startswith(line) for f in found), found
-    with pytest.raises(ValueError, match="cannot take SNIP as configured"):
-        check_run(args, "hybrid")
-    assert hybrid_refusals("*-|*-", "te") == []  # attention and MLP layers over TE: nothing refused
+def megatron_args(*argv, world_size: int = 1):
+    return megatron_lm_args(*argv, world_size=world_size)
 
 
 def test_a_model_that_is_not_the_one_planned_is_refused_before_the_first_step(megatron_single):
@@ -106,46 +38,28 @@ def test_a_model_that_is_not_the_one_planned_is_refused_before_the_first_step(me
         run.check_inventory([model])
 
 
-def test_moe_on_the_local_spec_is_planned_not_refused():
-    args = megatron_args("--snip", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]",
-                         "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
-                         "--moe-router-score-function", "sigmoid")
-    assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == []
-    for argv in (["--expert-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]):
-        # measured over the expert groups (docs/moe.md)
-        args = megatron_args("--snip", "--num-experts", "4", "--moe-router-topk", "2", *argv)
-        args.world_size = 2
-        assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv
-
-
-def test_multi_latent_attention_and_multi_token_prediction_are_planned_not_refused():
-    for argv in (["--multi-latent-attention"], ["--multi-latent-attention", "--q-lora-rank", "32"],
-                 ["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                 ["--mtp-num-layers", "1"], ["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"]):
-        args = megatron_args("--snip", *argv)
-        assert refusals(args, snip_config_from_args(args), resolve_backend(args)) == [], argv
-
-
-POINT_6 = [
-    (["--fp8-format", "hybrid", "--fp8-recipe", "delayed"], "--fp8-recipe delayed (delayed scaling)"),
-    (["--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-recipe custom"),
-    (["--fp8-param-gather"], "--fp8-param-gather"),
-    (["--fp4-param-gather"], "--fp4-param-gather"),
-    (["--cuda-graph-impl", "transformer_engine"], "CUDA graphs"),
-    (["--enable-cuda-graph"], "CUDA graphs"),
-    (["--tp-comm-overlap"], "--tp-comm-overlap"),
-    (["--delay-wgrad-compute"], "--delay-wgrad-compute"),
-]
+def test_moe_mla_and_mtp_on_the_layouts_snip_measures_are_planned_not_refused():
+    for argv, world in (
+            (["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,0]",
+              "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
+              "--moe-router-score-function", "sigmoid"], 1),
+            (["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"], 2),
+            (["--num-experts", "4", "--moe-router-topk", "2", "--pipeline-model-parallel-size", "2"], 2),
+            (["--multi-latent-attention"], 1), (["--multi-latent-attention", "--q-lora-rank", "32"], 1),
+            (["--multi-latent-attention", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2),
+            (["--mtp-num-layers", "1"], 1), (["--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"], 2)):
+        assert check_run(megatron_args("--snip", *argv, world_size=world)).config.enabled, argv
 
 
 @pytest.fixture
 def te_gpu(monkeypatch):
     """Transformer Engine "installed" on a GPU of a given generation (its capability patched where
     SNIP reads it), TE's environment switches unset."""
-    from snip_megatron.pretrain import setup
+    import torch
+
     from snip_megatron.te import gpu, installed
 
-    monkeypatch.setattr(setup, "te_available", lambda: True)
+    monkeypatch.setattr(installed, "te_installed", lambda: True)
     ok = installed.Availability(True)
     monkeypatch.setattr(installed, "read_te_support", lambda: installed.TESupport(
         version="2.14.0", fp8=ok, fp8_block_scaling=ok, mxfp8=ok, nvfp4=ok))
@@ -156,19 +70,9 @@ def te_gpu(monkeypatch):
 
     def on(sm: int):
         monkeypatch.setattr(gpu, "current_sm", lambda: sm)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: divmod(sm, 10))  # Megatron asks
 
     return on
-
-
-@pytest.mark.parametrize("argv, flag", POINT_6)
-def test_switching_and_overlap_features_are_refused_on_the_te_backend_too(te_gpu, argv, flag):
-    te_gpu(90)
-    args = megatron_args("--transformer-impl", "transformer_engine", "--snip", *argv)
-    assert resolve_backend(args) == "te"
-    found = refusals(args, snip_config_from_args(args), "te")
-    assert any(line.startswith(flag) for line in found), found
-    with pytest.raises(ValueError, match="cannot take SNIP as configured"):
-        check_run(args)
 
 
 @pytest.mark.parametrize("argv, sm, env, words", [
@@ -205,8 +109,8 @@ def test_te_grouped_experts_are_taken_and_fp4_needs_their_sizes_in_multiples_of_
     te_gpu(90)
     assert check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe)).sm == 90
     te_gpu(100)
-    with pytest.raises(ValueError, match=r"--moe-grouped-gemm with FP4 candidates and --hidden-size 64, "
-                                         r"--moe-ffn-hidden-size 32: TE's NVFP4 grouped GEMM"):
+    with pytest.raises(ValueError, match=r"--moe-grouped-gemm with FP4 candidates: TE's NVFP4 grouped GEMM needs "
+                                         r"--hidden-size \(64\) and --moe-ffn-hidden-size \(32\) to be multiples"):
         check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe))
     assert check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe[:3],
                                    "--hidden-size", "128", "--moe-ffn-hidden-size", "256")).sm == 100
@@ -244,9 +148,10 @@ def test_what_each_generation_runs_by_default(te_gpu):
 
 
 def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
-    args = megatron_args("--snip", "--sequence-parallel", "--recompute-granularity", "full",
-                         "--context-parallel-size", "2", "--use-distributed-optimizer")
-    assert refusals(args, snip_config_from_args(args), "emulated") == []
+    args = megatron_args("--snip", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
+                         "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                         "--context-parallel-size", "2", "--use-distributed-optimizer", world_size=8)
+    assert check_run(args).config.enabled
 
 
 def test_a_plain_run_is_accepted_and_snip_off_does_nothing():

@@ -31,20 +31,25 @@ def test_bad_fields_raise_naming_the_field(field, value, match):
 def test_multi_latent_attention_needs_one_tensor_parallel_rank():
     """Megatron's MLA needs sequence parallelism at TP > 1 (snip_megatron/megatron/mla.py), which the
     compact loop does not run: refused with the way out."""
-    with pytest.raises(ValueError, match=r"TrainConfig.mla \(multi-latent attention\) at tp=2: .*snip-pretrain-gpt "
+    with pytest.raises(ValueError, match=r"the compact loop cannot run this \(--model llama_tiny_mla, --tp 2.*--model "
+                                         r"llama_tiny_mla \(multi-latent attention\) at --tp 2: .*snip-pretrain-gpt "
                                          r"--multi-latent-attention --sequence-parallel"):
         TrainConfig(model="llama_tiny_mla", tp=2)
     assert TrainConfig(model="llama_tiny").mla is None and TrainConfig(model="llama_tiny_mla").mla is not None
 
 
-def test_moe_runs_at_one_process_on_the_local_spec():
+def test_moe_runs_at_one_process_on_the_local_spec(monkeypatch):
     """The compact loop runs MoE at one process (Megatron-LM's loop runs it at EP/PP/DP): tp/pp > 1
     (and dp > 1, at the Trainer's start-up) are refused, and the TE backend with Megatron-LM's
     loop's reason."""
-    with pytest.raises(ValueError, match=r"TrainConfig.moe \(MoE\) at tp=2, .*--num-experts on 2 processes: "
-                                         r"the compact loop runs MoE at one process; snip-pretrain-gpt"):
+    from snip_megatron.te import installed
+
+    with pytest.raises(ValueError, match=r"MoE on 2 processes: the compact loop runs MoE at one process; "
+                                         r"snip-pretrain-gpt runs it"):
         TrainConfig(model="llama_tiny_moe", tp=2)
-    with pytest.raises(ValueError, match=r"TrainConfig.moe .*--transformer-impl transformer_engine"):
+    monkeypatch.setattr(installed, "te_installed", lambda: True)  # a GPU machine's TE
+    with pytest.raises(ValueError, match=r"cannot run this \(--model llama_tiny_moe, .*\): MoE with --backend te: .*"
+                                         r"--transformer-impl transformer_engine --moe-grouped-gemm"):
         TrainConfig(model="llama_tiny_moe", backend="te")
     assert TrainConfig(model="llama_tiny").moe is None and TrainConfig(model="llama_tiny_moe").moe is not None
 
@@ -74,9 +79,10 @@ def test_te_backend_checks_its_formats_against_the_gpu(monkeypatch):
     from types import SimpleNamespace
 
     from snip_megatron.formats.precision import Formats
-    from snip_megatron.te import gpu
+    from snip_megatron.te import gpu, installed
     from snip_megatron.train.loop import Trainer
 
+    monkeypatch.setattr(installed, "te_installed", lambda: True)  # a GPU machine's TE
     for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(gpu, "current_sm", lambda: 90)

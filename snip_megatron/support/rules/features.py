@@ -42,10 +42,16 @@ RULES = (
          lambda s: s.get("model.tp_comm_overlap") or s.run.comm_overlap_tp,
          "{n[model.tp_comm_overlap]} (Transformer Engine userbuffers) keeps communication buffers of one precision "
          "per layer, so a re-plan cannot switch it", "{drop[model.tp_comm_overlap]}",
-         example={"model.tp_comm_overlap": True}),
+         example={"model.tp_comm_overlap": True, "model.tensor_model_parallel_size": 2, "model.sequence_parallel": True,
+                  "run.world_size": 2}),
     Rule("delay-wgrad", ("model.delay_wgrad_compute",), lambda s: s.get("model.delay_wgrad_compute"),
          "{n[model.delay_wgrad_compute]}: SNIP's measurement reads each weight gradient in its own backward",
-         "{drop[model.delay_wgrad_compute]}", example={"model.delay_wgrad_compute": True}),
+         "{drop[model.delay_wgrad_compute]}", example={"model.delay_wgrad_compute": True, "model.transformer_impl": "transformer_engine",
+                  "run.backend": "te", "run.te_installed": True,
+                  # Megatron delays the weight gradients only to overlap MoE all-to-alls (TransformerConfig)
+                  "model.num_moe_experts": 4, "model.moe_grouped_gemm": True, "model.expert_model_parallel_size": 2,
+                  "model.moe_token_dispatcher_type": "alltoall", "model.overlap_moe_expert_parallel_comm": True,
+                  "model.bf16": True, "run.world_size": 2}),
     Rule("peft", ("run.peft",), lambda s: s.run.peft,
          "{n[run.peft]}: SNIP plans pretraining; PEFT wraps the planned linears and freezes them",
          "run without SNIP, or without peft", example={"run.peft": True}, entries=("bridge",)),
@@ -57,7 +63,7 @@ RULES = (
          example={"checkpoint.non_persistent_save_interval": 10}),
     Rule("fsdp", ("ddp.use_megatron_fsdp", "dist.use_torch_fsdp2"), _fsdp,
          "{nx[lead]} (FSDP): SNIP's measurement reads each linear's full weight",
-         "use the distributed optimizer instead, " + PIN, example={"ddp.use_megatron_fsdp": True}),
+         "use the distributed optimizer instead, " + PIN, example={"ddp.use_megatron_fsdp": True, "checkpoint.ckpt_format": "fsdp_dtensor"}),
     Rule("batch-dataloader", ("run.dataloader_type",),
          lambda s: measures(s) and s.run.dataloader_type == "batch",
          "{n[run.dataloader_type]} 'batch' (variable-length finetuning batches): SNIP measures on pretraining "

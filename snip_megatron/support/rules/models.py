@@ -57,7 +57,7 @@ RULES = (
          "{n[model.multi_latent_attention]} at {n[model.tensor_model_parallel_size]} > 1 needs "
          "{set[model.sequence_parallel]:True}: without it Megatron's MLA takes the shared rotary key's gradient from "
          "each rank's own heads, so TP ranks train another model than one process (snip_megatron/megatron/mla.py)",
-         "add it", example={"model.multi_latent_attention": True, "model.tensor_model_parallel_size": 2},
+         "add it", example={"model.multi_latent_attention": True, "model.tensor_model_parallel_size": 2, "run.world_size": 2},
          entries=("megatron-lm", "bridge")),
     Rule("compact-mla-tp", ("model.multi_latent_attention", "model.tensor_model_parallel_size"),
          lambda s: _mla(s) and s.num("model.tensor_model_parallel_size") > 1,
@@ -83,7 +83,8 @@ RULES = (
          example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": None}, entries=("megatron-lm",)),
     Rule("hybrid-layer-kinds", ("run.hybrid_pattern",), _pattern_error,
          "{n[run.hybrid_pattern]} {v[run.hybrid_pattern]!r}: {x[why]}", "change the pattern",
-         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*+"}),
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "+-", "model.multi_latent_attention": True,
+                  "model.transformer_impl": "transformer_engine", "run.backend": "te", "run.te_installed": True}),
     Rule("hybrid-needs-te", ("model.transformer_impl",),
          lambda s: s.run.family == hybrid.FAMILY and s.run.backend != "te",
          "SNIP plans a HybridModel's Transformer Engine linears (Megatron's hybrid layer spec is TE-only)",

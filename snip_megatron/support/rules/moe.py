@@ -72,7 +72,7 @@ RULES = (
          "RMSNorm (and LayerNorm without apex) as a torch norm, which refuses it",
          "run MoE at {set[model.tensor_model_parallel_size]:1} (expert and data parallelism), or on "
          "{set[model.transformer_impl]:transformer_engine} {set[model.moe_grouped_gemm]:True}",
-         example={**MOE, "model.tensor_model_parallel_size": 2, "model.sequence_parallel": True},
+         example={**MOE, "model.tensor_model_parallel_size": 2, "model.sequence_parallel": True, "run.world_size": 2},
          entries=("megatron-lm", "bridge")),
     Rule("moe-expert-tp", ("model.expert_tensor_parallel_size", "model.num_moe_experts"),
          lambda s: moe(s) and s.num("model.tensor_model_parallel_size") == 1 and _etp(s) > 1,
@@ -84,13 +84,14 @@ RULES = (
          lambda s: moe(s) and s.num("model.context_parallel_size") > 1,
          "{n[model.context_parallel_size]} > 1 with {n[model.num_moe_experts]}: SNIP does not measure experts "
          "over context parallelism yet (untested)", "run MoE at {set[model.context_parallel_size]:1}",
-         example={**MOE, "model.context_parallel_size": 2}, entries=("megatron-lm", "bridge")),
+         example={**MOE, "model.context_parallel_size": 2, "run.world_size": 2}, entries=("megatron-lm", "bridge")),
     Rule("moe-vpp", ("model.virtual_pipeline_model_parallel_size", "model.num_moe_experts"),
          lambda s: moe(s) and s.get("model.virtual_pipeline_model_parallel_size"),
          "{n[model.virtual_pipeline_model_parallel_size]} with {n[model.num_moe_experts]}: SNIP does not measure "
          "MoE under the interleaved pipeline schedule yet (untested)",
          "{drop[model.virtual_pipeline_model_parallel_size]}",
-         example={**MOE, "model.pipeline_model_parallel_size": 2, "model.virtual_pipeline_model_parallel_size": 2},
+         example={**MOE, "model.pipeline_model_parallel_size": 2, "model.virtual_pipeline_model_parallel_size": 1,
+                  "model.num_layers": 4, "run.world_size": 2},
          entries=("megatron-lm", "bridge")),
     Rule("moe-dispatcher-cpu", ("model.moe_token_dispatcher_type",),
          lambda s: moe(s) and not s.run.cuda and s.get("model.moe_token_dispatcher_type", "allgather") != "allgather"
@@ -127,7 +128,7 @@ RULES = (
          example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
                   "model.moe_grouped_gemm": True, "model.moe_ffn_hidden_size": 32,
                   "snip.precisions": ("bf16", "fp8", "fp4")},
-         after_resolve=True),
+         entries=("megatron-lm",), after_resolve=True),  # Bridge refuses TE grouped experts (moe-te-bridge)
     Rule("moe-te-bridge", ("model.moe_grouped_gemm",), lambda s: moe(s) and s.get("model.moe_grouped_gemm") and _te(s),
          "{n[model.moe_grouped_gemm]} with {n[model.transformer_impl]} transformer_engine: SNIP pads grouped "
          "experts' token splits in snip-pretrain-gpt only so far",

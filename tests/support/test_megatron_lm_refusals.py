@@ -1,0 +1,73 @@
+"""Every rule Megatron-LM's loop can reach is refused through snip-pretrain-gpt's (or
+snip-pretrain-hybrid's) own command line: the flags derived from the rule's example, Megatron's
+parser and validation, then SNIP's start-up check, which exits 2 with the rule's line before
+anything is built (prod lane: megatron.training ships with megatron-core >= 0.19)."""
+
+import pytest
+
+pytest.importorskip("megatron.training.arguments",
+                    reason="megatron.training ships only with megatron-core >= 0.19 (prod lane)")
+
+from snip_megatron.support.names import MegatronLMNames  # noqa: E402
+from snip_megatron.support.rules import RULES  # noqa: E402
+from tests.support.entry_inputs import TINY_MEGATRON_LM, megatron_lm_input  # noqa: E402
+from tests.support.examples import settings  # noqa: E402
+
+CASES = [rule for rule in RULES if "megatron-lm" in rule.entries and megatron_lm_input(rule.example) is not None]
+
+
+ENV = {"fsdp": {"CUDA_DEVICE_MAX_CONNECTIONS": "2"}}
+"""Megatron's FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1, which snip-pretrain-gpt sets on CPU only."""
+
+
+@pytest.fixture
+def megatron_lm(monkeypatch, capsys):
+    """snip-pretrain-gpt's CLI in this process: (exit status, stderr) of its command line; the run
+    stops with an AssertionError where SNIP would let it train."""
+    import torch
+    from megatron.training import arguments, global_vars
+
+    from snip_megatron.errors import run_cli
+    from snip_megatron.pretrain import cpu, entry
+    from snip_megatron.te import gpu, installed
+
+    def would_train(args):
+        raise AssertionError("SNIP's start-up check let this run train")
+
+    monkeypatch.setattr(cpu, "prepare_cpu", would_train)
+    ok = installed.Availability(True)
+    monkeypatch.setattr(installed, "read_te_support", lambda: installed.TESupport(
+        version="2.14.0", fp8=ok, fp8_block_scaling=ok, mxfp8=ok, nvfp4=ok))
+    monkeypatch.setattr(gpu, "current_sm", lambda: 100)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # Megatron asks
+    # Megatron's validation asks TE's version for --fp4-format and FP8 parameters: a GPU machine's TE
+    monkeypatch.setattr(arguments, "is_te_min_version", lambda version: True)
+
+    def run(argv, env, family, te_installed=False):
+        monkeypatch.setattr(installed, "te_installed", lambda: te_installed)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        main = entry.main_hybrid if family == "hybrid" else entry.main
+        try:
+            status = run_cli(entry.PROGRAMS[family], main, [*TINY_MEGATRON_LM, *argv])
+        finally:
+            global_vars.unset_global_variables()
+            for name in env:
+                monkeypatch.delenv(name)
+        return status, capsys.readouterr().err
+
+    return run
+
+
+@pytest.mark.parametrize("rule", CASES, ids=[r.name for r in CASES])
+def test_each_rule_is_refused_through_megatron_lms_command_line(megatron_lm, rule):
+    argv, env, family = megatron_lm_input(rule.example)
+    env.update(ENV.get(rule.name, {}))
+    status, err = megatron_lm(["--snip", *argv], env, family,
+                              te_installed=rule.example.get("run.te_installed", rule.example.get("run.backend") == "te"))
+    s = settings(rule.example, "megatron-lm")
+    line = rule.text(s, MegatronLMNames(), rule.holds(s))
+    assert status == 2, err
+    error = err[err.index(f"{'snip-pretrain-hybrid' if family == 'hybrid' else 'snip-pretrain-gpt'}: error: "):]
+    assert error.startswith(f"{error.split(':')[0]}: error: this Megatron-LM run cannot take SNIP as configured"), err
+    assert line in error, (line, err)
