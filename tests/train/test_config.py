@@ -30,7 +30,15 @@ def test_bad_fields_raise_naming_the_field(field, value, match):
 
 def test_multi_latent_attention_needs_one_tensor_parallel_rank():
     """Megatron's MLA needs sequence parallelism at TP > 1 (snip_megatron/megatron/mla.py), which the
-    compact loop does not run: refused with the way out."""
+    compact loop does not run: refused with the way out. (On megatron-core < 0.17 without TE MLA
+    cannot be built at all: refused at once, naming why.)"""
+    from snip_megatron.megatron.apply import megatron_core_version
+    from snip_megatron.megatron.model import te_importable
+
+    if megatron_core_version() < (0, 17) and not te_importable():
+        with pytest.raises(ValueError, match=r"multi-latent attention on megatron-core < 0.17 needs Transformer Engine"):
+            TrainConfig(model="llama_tiny_mla")
+        return
     with pytest.raises(ValueError, match=r"the compact loop cannot run this \(--model llama_tiny_mla, --tp 2.*--model "
                                          r"llama_tiny_mla \(multi-latent attention\) at --tp 2: .*snip-pretrain-gpt "
                                          r"--multi-latent-attention --sequence-parallel"):
