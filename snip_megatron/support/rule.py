@@ -5,6 +5,7 @@ spells its own way (support.names):
 
     {n[model.fp8]}                 the setting's name: --fp8-format, model.fp8, ...
     {v[model.fp8]}                 its value (`!r` for its repr)
+    {nv[model.fp8]}                the setting as the user set it: "--fp8-format e4m3", "model.fp8='e4m3'"
     {drop[model.fp8]}              how to turn it off: "drop --fp8-format", "set model.fp8=None"
     {set[model.sequence_parallel]:True}   how to set it: "--sequence-parallel", "model.sequence_parallel=True"
     {x[sizes]}                     a value the rule's condition computed (`when` returned a dict)
@@ -56,7 +57,8 @@ class Rule:
         views = dict(n=_View(names.name), v=_View(lambda p: settings.get(p)),
                      drop=_View(lambda p: names.drop(p, settings.get(p))),
                      set=_View(lambda p: _Setter(names, p)), x=extra or {},
-                     nx=_View(lambda k: names.name((extra or {})[k])))
+                     nx=_View(lambda k: names.name((extra or {})[k])),
+                     nv=_View(lambda p: names.set(p, str(settings.get(p)))))
         return f"{_render(self.says, views)}; {_render(self.fix, views)}"
 
     def placeholders(self) -> set[str]:

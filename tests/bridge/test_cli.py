@@ -19,7 +19,7 @@ RECIPE = "tests.bridge.tiny:tiny_recipe"
     (["snip.fp4_budgt=0.5"], "snip overrides: OverridesError: .*snip.fp4_budgt"),
     (["train.train_itres=3"], "Bridge overrides: OverridesError: .*train.train_itres"),
     (["snip.fp4_budget"], "overrides are KEY=VALUE, got 'snip.fp4_budget'"),
-    (["model.fp8=hybrid"], "model.fp8='hybrid' turns on one global FP8 autocast"),
+    (["model.fp8=hybrid"], "model.fp8='hybrid': one global FP8 autocast fights SNIP's per-layer plan"),
 ])
 def test_a_bad_setting_exits_2_naming_it(capsys, argv, message):
     import re

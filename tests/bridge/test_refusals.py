@@ -81,11 +81,11 @@ def mp(**fields):
 
 @pytest.mark.parametrize("recipe, says", [
     ("bf16_with_fp8_current_scaling_mixed", [
-        "mixed_precision='bf16_with_fp8_current_scaling_mixed' (its fp8) hybrid: one global FP8 autocast",
+        "mixed_precision='bf16_with_fp8_current_scaling_mixed' (its fp8)='hybrid': one global FP8 autocast",
         "mixed_precision='bf16_with_fp8_current_scaling_mixed' (its first_last_layers_bf16) keeps the first 1 and last 1"]),
-    ("bf16_with_fp8_delayed_scaling_mixed", ["(its fp8_recipe) delayed (delayed scaling)"]),
+    ("bf16_with_fp8_delayed_scaling_mixed", ["(its fp8_recipe)='delayed' (delayed scaling)"]),
     ("bf16_with_mxfp8_mixed", ["(its reuse_grad_buf_for_mxfp8_param_ag) goes with MXFP8 parameter storage"]),
-    ("bf16_with_nvfp4_mixed", ["(its fp4) e2m1: one global FP4 autocast",
+    ("bf16_with_nvfp4_mixed", ["(its fp4)='e2m1': one global FP4 autocast",
                                "(its fp4_param) : weights stored or gathered in FP4"]),
     ("nemotron_3_super_bf16_with_nvfp4_mixed", ["last 14 layers in BF16"]),
     (lambda: mp(fp8_dot_product_attention=True), ["mixed_precision='MixedPrecisionConfig' "
@@ -136,8 +136,8 @@ def test_every_refusal_is_listed_at_once():
     cfg.model.fp8, cfg.model.num_moe_experts, cfg.model.delay_wgrad_compute = "e4m3", 2, True
     cfg.model.moe_expert_capacity_factor = 1.0
     lines = refused(cfg, SnipConfig(enabled=True))
-    assert [line.split(" ")[0] for line in lines] == ["model.fp8", "model.fp8_recipe",  # the model's default: delayed
-                                                      "model.delay_wgrad_compute:", "model.moe_expert_capacity_factor:"]
+    assert [line.split(":")[0].split("=")[0] for line in lines] == [
+        "model.fp8", "model.fp8_recipe", "model.delay_wgrad_compute", "model.moe_expert_capacity_factor"]
 
 
 @pytest.mark.parametrize("make", [

@@ -61,7 +61,7 @@ RULES = (
          entries=("megatron-lm", "bridge")),
     Rule("compact-mla-tp", ("model.multi_latent_attention", "model.tensor_model_parallel_size"),
          lambda s: _mla(s) and s.num("model.tensor_model_parallel_size") > 1,
-         "{n[model.multi_latent_attention]} at {n[model.tensor_model_parallel_size]} {v[model.tensor_model_parallel_size]}: "
+         "{n[model.multi_latent_attention]} at {nv[model.tensor_model_parallel_size]}: "
          "Megatron's MLA needs sequence parallelism at TP > 1, which the compact loop does not run",
          "use --tp 1, or snip-pretrain-gpt --multi-latent-attention --sequence-parallel",
          example={"model.multi_latent_attention": True, "model.tensor_model_parallel_size": 2},

@@ -59,7 +59,7 @@ RULES = (
     Rule("moe-te-expert-tp", ("model.expert_tensor_parallel_size",),
          lambda s: moe(s) and _te(s) and s.run.world_size > 1 and s.num("model.tensor_model_parallel_size") > 1
          and _etp(s) > 1,
-         "{n[model.expert_tensor_parallel_size]} {v[model.expert_tensor_parallel_size]} with Transformer Engine "
+         "{nv[model.expert_tensor_parallel_size]} with Transformer Engine "
          "experts on more than one process: TE grouped experts are tested at expert TP 1 only (TP=2 with sequence "
          "parallelism, EP over DP, PP)", "use {set[model.expert_tensor_parallel_size]:1}",
          example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
@@ -96,7 +96,7 @@ RULES = (
     Rule("moe-dispatcher-cpu", ("model.moe_token_dispatcher_type",),
          lambda s: moe(s) and not s.run.cuda and s.get("model.moe_token_dispatcher_type", "allgather") != "allgather"
          and s.num("model.expert_model_parallel_size") * _etp(s) > 1,
-         "{n[model.moe_token_dispatcher_type]} {v[model.moe_token_dispatcher_type]} on CPU: Megatron's "
+         "{nv[model.moe_token_dispatcher_type]} on CPU: Megatron's "
          "{v[model.moe_token_dispatcher_type]} dispatcher hands gloo its all-to-all split sizes as tensors (it turns "
          "them into lists only off a GPU copy)", "use {set[model.moe_token_dispatcher_type]:allgather}",
          example={**MOE, "model.expert_model_parallel_size": 2, "model.moe_token_dispatcher_type": "alltoall",

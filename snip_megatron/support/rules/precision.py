@@ -20,21 +20,21 @@ def _stored(s, *paths):
 
 RULES = (
     Rule("global-fp8", ("model.fp8",), lambda s: s.get("model.fp8"),
-         "{n[model.fp8]} {v[model.fp8]}: one global FP8 autocast fights SNIP's per-layer plan",
+         "{nv[model.fp8]}: one global FP8 autocast fights SNIP's per-layer plan",
          "{drop[model.fp8]} (" + FORMATS_FIX + ")", example={"model.fp8": "e4m3"}),
     Rule("fp8-delayed-scaling", ("model.fp8_recipe", "model.fp8"),
          lambda s: s.get("model.fp8") and s.get("model.fp8_recipe") == "delayed",
-         "{n[model.fp8_recipe]} delayed (delayed scaling) keeps an amax history per module across steps, which "
+         "{nv[model.fp8_recipe]} (delayed scaling) keeps an amax history per module across steps, which "
          "cannot switch per layer", "{drop[model.fp8]} ({n[snip.fp8_recipe]} picks blockwise, tensorwise or mxfp8)",
          example={"model.fp8": "e4m3", "model.fp8_recipe": "delayed"}),
     Rule("fp8-custom-recipe", ("model.fp8_recipe", "model.fp8"),
          lambda s: s.get("model.fp8") and s.get("model.fp8_recipe") == "custom",
-         "{n[model.fp8_recipe]} custom (a quantizer factory) quantizes every layer its own way",
+         "{nv[model.fp8_recipe]} (a quantizer factory) quantizes every layer its own way",
          "{drop[model.fp8]}: SNIP runs its own recipes per layer",
          example={"model.fp8": "e4m3", "model.fp8_recipe": "custom",
                   "model.fp8_quantizer_factory": "my_package.quantizer_factory"}),
     Rule("global-fp4", ("model.fp4",), lambda s: s.get("model.fp4"),
-         "{n[model.fp4]} {v[model.fp4]}: one global FP4 autocast fights SNIP's per-layer plan",
+         "{nv[model.fp4]}: one global FP4 autocast fights SNIP's per-layer plan",
          "{drop[model.fp4]} (" + FORMATS_FIX + ")", example={"model.fp4": "e2m1"}),
     Rule("fp8-params", ("model.fp8_param", "ddp.fp8_param_gather"),
          lambda s: _stored(s, "model.fp8_param", "ddp.fp8_param_gather"),
@@ -63,7 +63,7 @@ RULES = (
          "{drop[model.use_kitchen]}", example={"model.use_kitchen": True}),
     Rule("transformer-impl", ("model.transformer_impl",),
          lambda s: s.get("model.transformer_impl") not in ("local", "transformer_engine"),
-         "{n[model.transformer_impl]} {v[model.transformer_impl]}: SNIP plans Megatron's local linears (SNIP's "
+         "{nv[model.transformer_impl]}: SNIP plans Megatron's local linears (SNIP's "
          "emulated ones) or its Transformer Engine linears",
          "use {set[model.transformer_impl]:local} or {set[model.transformer_impl]:transformer_engine}",
          example={"model.transformer_impl": "inference_optimized"}),
