@@ -37,6 +37,10 @@ _CONFIG_CLASS = {"model": "TransformerConfig", "ddp": "DistributedDataParallelCo
                  "checkpoint": "CheckpointConfig", "dist": "DistributedInitConfig"}
 
 
+FACTS = ("run.world_size", "run.cuda", "run.te_installed")
+"""Facts of the machine and the launch, which no entry's settings set."""
+
+
 class Names:
     """The default spelling (a config path as it is); entries override `name`."""
 
@@ -44,6 +48,10 @@ class Names:
 
     def name(self, path: str) -> str:
         return path
+
+    def reaches(self, path: str) -> bool:
+        """Whether this entry's user can set `path` (the machine's facts count as set)."""
+        return True
 
     def drop(self, path: str, value) -> str:
         return f"drop {self.name(path)}"
@@ -76,6 +84,9 @@ class MegatronLMNames(Names):
         if literal == "True":
             return flag
         return f"{flag} {literal}"
+
+    def reaches(self, path: str) -> bool:
+        return path in FACTS or path in ("run.backend", "run.family") or self.name(path).startswith("--")
 
 
 @functools.lru_cache(maxsize=1)
@@ -156,6 +167,9 @@ class CompactNames(Names):
 
     def set(self, path: str, literal: str) -> str:
         return f"{self.name(path)} {self._VALUES.get(path, {}).get(literal, literal)}"
+
+    def reaches(self, path: str) -> bool:
+        return path in FACTS or path in self._FLAGS or path.startswith("snip.") or path == "model.moe_router_topk"
 
 
 def names_for(entry: str) -> Names:

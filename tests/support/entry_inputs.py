@@ -16,6 +16,8 @@ def megatron_lm_input(example: dict) -> "tuple[list[str], dict, str] | None":
     from snip_megatron.support.names import MegatronLMNames
 
     names = MegatronLMNames()
+    if not all(names.reaches(path) for path in example):
+        return None
     argv, env, family = [], {}, "gpt"
     for path, value in example.items():
         if path == "run.family":
@@ -26,13 +28,10 @@ def megatron_lm_input(example: dict) -> "tuple[list[str], dict, str] | None":
             continue  # facts of the machine: the test sets them
         elif value is None or value is False:
             continue
+        elif path == "run.backend":
+            argv += ["--snip-backend", value]
         else:
             flag = names.name(path)
-            if not flag.startswith("--") or " " in flag:
-                if path == "run.backend":
-                    argv += ["--snip-backend", value]
-                    continue
-                return None
             if isinstance(value, (list, tuple)):
                 value = ",".join(value)
             argv += [flag] if value is True else [flag, str(value)]

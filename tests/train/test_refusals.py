@@ -14,6 +14,8 @@ PRESETS = {"model.num_moe_experts": "llama_tiny_moe", "model.multi_latent_attent
 
 def compact_argv(example: dict) -> "list[str] | None":
     """The compact loop's flags for `example`, or None where it has no flag for a setting."""
+    if not all(CompactNames().reaches(path) for path in example):
+        return None
     argv = []
     for path, value in example.items():
         if path in PRESETS:
@@ -22,11 +24,6 @@ def compact_argv(example: dict) -> "list[str] | None":
             argv += ["--tp", str(value)]
         elif path == "run.backend":
             argv += ["--backend", value]
-        elif path in ("model.moe_router_topk", "run.te_installed", "run.cuda") or (
-                path == "model.transformer_impl" and "run.backend" in example):
-            continue  # the preset's, the machine's, the backend's
-        else:
-            return None
     return argv
 
 

@@ -66,7 +66,8 @@ RULES = (
          "{nv[model.transformer_impl]}: SNIP plans Megatron's local linears (SNIP's "
          "emulated ones) or its Transformer Engine linears",
          "use {set[model.transformer_impl]:local} or {set[model.transformer_impl]:transformer_engine}",
-         example={"model.transformer_impl": "inference_optimized"}),
+         example={"model.transformer_impl": "inference_optimized"},
+         entries=("megatron-lm", "bridge")),  # the compact loop's --backend builds local or TE linears only
     Rule("emulated-needs-local-spec", ("run.backend", "model.transformer_impl"),
          lambda s: s.run.backend == "emulated" and s.get("model.transformer_impl") == "transformer_engine",
          "--snip-backend emulated needs Megatron's local layer spec",

@@ -1,0 +1,155 @@
+"""The support matrix as data: the axes (entries, model shapes, backends, layout classes, each with
+the settings that make it), the runs the tests make (TESTED) and what an entry cannot express
+(UNREACHABLE). What is refused is not written here: the rules (support.rules) say it, evaluated on
+each cell's settings (support.cells). docs/support.md is generated from this (support.doc).
+
+A layout class names what a run adds to one process; real runs combine them, and a tested run
+names every class it combines. TP on the emulated backend runs without sequence parallelism (the
+local spec's torch norms refuse it); on Transformer Engine with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENTRIES = {
+    "megatron-lm": "Megatron-LM's loop: snip-pretrain-gpt / snip-pretrain-hybrid, a patched pretrain_gpt.py / "
+                   "pretrain_hybrid.py",
+    "bridge": "Megatron-Bridge: enable_snip in a recipe's pretrain(), snip-bridge-pretrain",
+    "compact": "the compact loop: python -m snip_megatron.train, snip-train train.entry=compact",
+    "analyze": "snip-analyze on a checkpoint of the run (plans at several budgets, their YAMLs)",
+    "export": "python -m snip_megatron.report export (a run's plan as Megatron/Bridge/TE recipe YAML)",
+}
+MOE = {"model.num_moe_experts": 8, "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 512}
+MODELS = {
+    "dense": ("dense GPT (Llama-like)", {}),
+    "mla": ("multi-latent attention (DeepSeek-style)", {"model.multi_latent_attention": True,
+                                                        "model.kv_lora_rank": 512}),
+    "mtp": ("multi-token prediction", {"model.mtp_num_layers": 1}),
+    "moe_local": ("MoE, SequentialMLP experts (local spec)", MOE),
+    "moe_te_grouped": ("MoE, TE grouped experts", {**MOE, "model.moe_grouped_gemm": True}),
+    "hybrid": ("HybridModel, attention and MLP layers ('*-*-')", {"run.family": "hybrid",
+                                                                  "run.hybrid_pattern": "*-*-"}),
+    "hybrid_moe": ("HybridModel with MoE layers ('*E*E')", {"run.family": "hybrid", "run.hybrid_pattern": "*E*E",
+                                                            **MOE, "model.moe_grouped_gemm": True}),
+    "hybrid_ssm": ("HybridModel with Mamba / GDN layers ('M*M*')", {"run.family": "hybrid",
+                                                                    "run.hybrid_pattern": "M*M*"}),
+}
+TE = {"model.transformer_impl": "transformer_engine", "run.backend": "te", "run.te_installed": True}
+BACKENDS = {
+    "emulated": ("SNIP's emulated linears (--transformer-impl local), any device", {}),
+    "te_hopper": ("Transformer Engine on Hopper (SM90): BF16/FP8", {**TE, "snip.precisions": ("bf16", "fp8")}),
+    "te_blackwell": ("Transformer Engine on Blackwell (SM100): FP8/FP4", {**TE, "snip.precisions": ("fp8", "fp4")}),
+}
+TWO = {"run.world_size": 2}
+LAYOUTS = {
+    "one": ("1 process", {}),
+    "tp": ("TP=2 (with SP on TE)", {"model.tensor_model_parallel_size": 2, **TWO}),
+    "pp": ("PP=2", {"model.pipeline_model_parallel_size": 2, **TWO}),
+    "vpp": ("PP=2 x VPP=2", {"model.pipeline_model_parallel_size": 2,
+                             "model.virtual_pipeline_model_parallel_size": 2, **TWO}),
+    "dp": ("DP=2, distributed optimizer", {"ddp.use_distributed_optimizer": True, **TWO}),
+    "ep": ("EP=2", {"model.expert_model_parallel_size": 2, **TWO}),
+    "etp": ("expert TP=2", {"model.expert_tensor_parallel_size": 2, **TWO}),
+    "cp": ("CP=2", {"model.context_parallel_size": 2, **TWO}),
+    "recompute": ("full recompute", {"model.recompute_granularity": "full"}),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """A test that runs an entry with SNIP on, measuring and re-planning (analyze: measuring and
+    writing plans; export: recipes Megatron's parser loads)."""
+
+    entry: str
+    models: tuple[str, ...]
+    backend: str
+    layouts: tuple[str, ...]
+    """The layout classes the run combines (("one",): one process)."""
+    test: str
+    """The pytest node id."""
+
+
+def _runs(entry, models, backend, *rows) -> tuple[Run, ...]:
+    return tuple(Run(entry, tuple(models.split("+")), backend, tuple(layouts.split("+")), test)
+                 for layouts, test in rows)
+
+
+PRETRAIN = "tests/pretrain/"
+TESTED: tuple[Run, ...] = (
+    *_runs("megatron-lm", "dense", "emulated",
+           ("one", PRETRAIN + "test_runs.py::test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_loaded_one"),
+           ("pp", PRETRAIN + "test_runs.py::test_megatrons_model_data_and_pipeline_flags_keep_their_effect")),
+    *_runs("megatron-lm", "dense", "te_hopper",
+           ("one", PRETRAIN + "test_te_runs.py::test_hopper_one_process_measures_replans_saves_and_resumes"),
+           ("pp+vpp", PRETRAIN + "test_te_runs.py::test_hopper_pp2_with_virtual_pipelining_replans_both_chunks_and_resumes")),
+    *_runs("megatron-lm", "dense", "te_blackwell",
+           ("one", PRETRAIN + "test_te_runs.py::test_a_linear_te_cannot_quantize_for_its_shape_is_kept_in_bf16_from_the_start"),
+           ("tp", PRETRAIN + "test_te_runs.py::test_blackwell_tp2_measures_replans_and_resumes_every_te_linear")),
+    *_runs("megatron-lm", "mla+mtp", "emulated",
+           ("one", PRETRAIN + "test_mla_runs.py::test_one_process_measures_replans_and_resumes_the_checkpoint_plan"),
+           ("pp", PRETRAIN + "test_mla_runs.py::test_pp2_with_mtp_measures_replans_per_stage_and_resumes")),
+    *_runs("megatron-lm", "mla", "te_blackwell",
+           ("tp", PRETRAIN + "test_mla_runs.py::test_tp2_sp_over_the_te_double_measures_replans_and_resumes")),
+    *_runs("megatron-lm", "mtp", "te_blackwell",
+           ("tp", PRETRAIN + "test_mla_runs.py::test_mtp_at_tp2_measures_replans_and_resumes")),
+    *_runs("megatron-lm", "moe_local", "emulated",
+           ("one", PRETRAIN + "test_moe_runs.py::test_one_process_moe_measures_replans_and_resumes_the_checkpoint_plan"),
+           ("recompute", PRETRAIN + "test_moe_runs.py::test_moe_with_full_activation_recompute_measures_and_replans"),
+           ("ep", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[ep2]"),
+           ("pp", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[pp2]")),
+    *_runs("megatron-lm", "moe_te_grouped", "te_hopper",
+           ("one", PRETRAIN + "test_moe_runs.py::test_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double"),
+           ("ep", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[ep2]"),
+           ("pp", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[pp2]"),
+           ("tp+ep", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[tp2_sp_ep2]")),
+    *_runs("megatron-lm", "hybrid", "te_hopper",
+           ("one", PRETRAIN + "test_hybrid_runs.py::test_one_process_hybrid_measures_replans_saves_and_resumes_and_mamba_is_refused_on_cpu"),
+           ("tp", PRETRAIN + "test_hybrid_runs.py::test_tp2_hybrid_measures_replans_and_resumes_every_te_linear"),
+           ("pp", PRETRAIN + "test_hybrid_runs.py::test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers_and_resumes")),
+    *_runs("megatron-lm", "hybrid_moe", "te_hopper",
+           ("one", PRETRAIN + "test_hybrid_runs.py::test_one_process_hybrid_moe_layer_with_grouped_experts_measures_replans_and_resumes")),
+    *_runs("bridge", "dense", "emulated",
+           ("one", "tests/bridge/test_checkpoint.py::test_killed_and_resumed_run_matches_an_uninterrupted_one"),
+           ("tp", "tests/bridge/test_distributed.py::test_layout_gives_the_single_process_plan[tp2]"),
+           ("pp+vpp", "tests/bridge/test_distributed.py::test_layout_gives_the_single_process_plan[pp2_vpp2]"),
+           ("dp", "tests/bridge/test_distributed.py::test_distributed_optimizer_resumes_exactly"),
+           ("recompute", "tests/bridge/test_distributed.py::test_full_activation_recompute_gives_the_single_process_plan")),
+    *_runs("bridge", "mla+mtp", "emulated",
+           ("one", "tests/bridge/test_enable.py::test_multi_latent_attention_and_multi_token_prediction_replan_through_bridge")),
+    *_runs("bridge", "moe_local", "emulated",
+           ("one", "tests/bridge/test_enable.py::test_a_tiny_qwen3_moe_measures_and_replans_through_bridge")),
+    *_runs("bridge", "hybrid", "te_hopper",
+           ("one", "tests/bridge/test_enable.py::test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double")),
+    *_runs("compact", "dense", "emulated",
+           ("one", "tests/train/test_main_snip.py::test_compact_loop_with_snip_replans_and_logs"),
+           ("tp", "tests/test_controller_distributed.py::test_tp_ranks_apply_the_single_process_plan"),
+           ("pp", "tests/test_controller_distributed.py::test_pipeline_ranks_apply_the_single_process_plan")),
+    *_runs("compact", "mla", "emulated",
+           ("one", "tests/train/test_loop.py::test_multi_latent_attention_measures_replans_and_resumes")),
+    *_runs("compact", "moe_local", "emulated",
+           ("one", "tests/train/test_loop.py::test_moe_measures_replans_and_resumes")),
+    *_runs("analyze", "dense", "emulated",
+           ("one", "tests/analyze/test_compact.py::test_a_compact_loop_checkpoint_is_analyzed_without_writing_into_it"),
+           ("tp", "tests/analyze/test_runs.py::test_a_tp2_megatron_lm_checkpoint_is_analyzed_without_writing_into_it"),
+           ("pp", "tests/analyze/test_runs.py::test_a_tp2_megatron_lm_checkpoint_is_analyzed_without_writing_into_it")),
+    *_runs("export", "dense", "emulated",
+           ("one", "tests/test_export.py::test_megatron_format_gives_every_linear_its_precision_through_megatrons_parser"),
+           ("pp+vpp", "tests/test_export.py::test_pipelined_export_only_where_every_stage_local_path_has_one_precision")),
+    *_runs("export", "dense", "te_blackwell",
+           ("one", "tests/test_export.py::test_te_configs_are_what_a_snip_run_on_that_gpu_gives_its_te_linears")),
+    *_runs("export", "moe_local", "emulated",
+           ("one", "tests/test_export.py::test_an_moe_plans_expert_units_reach_every_local_expert_through_megatrons_parser")),
+)
+
+COMPACT_FLAGS = "the compact loop's flags are --tp, --pp, its processes and --distributed-optimizer"
+EXPORT_PATHS = "a plan's recipe keys modules by their paths, which only the pipeline layout changes"
+UNREACHABLE = {
+    # (entry, "model" | "backend" | "layout", name) -> why
+    **{("compact", "model", m): "the compact loop trains its presets (llama_tiny, llama_tiny_mla, llama_tiny_moe)"
+       for m in ("mtp", "moe_te_grouped", "hybrid", "hybrid_moe", "hybrid_ssm")},
+    **{("compact", "layout", layout): COMPACT_FLAGS for layout in ("vpp", "ep", "etp", "cp", "recompute")},
+    **{("export", "layout", layout): EXPORT_PATHS for layout in ("tp", "dp", "ep", "etp", "cp", "recompute")},
+}
+EXPERT_LAYOUTS = ("ep", "etp")
+"""Layout classes only a model with experts has."""

@@ -1,0 +1,50 @@
+"""docs/support.md is the matrix as generated now, and every test a tested cell names exists."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from snip_megatron.support import cells, matrix
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_support_page_is_current():
+    pytest.importorskip("megatron.training.arguments",
+                        reason="Megatron-LM's flags (named on the page) come from megatron.training (prod lane)")
+    from snip_megatron.support.doc import DOC, document
+
+    assert DOC.read_text() == document(), "docs/support.md is stale: run python -m snip_megatron.support --write"
+
+
+def _defined(path: Path) -> set:
+    tree = ast.parse(path.read_text())
+    return {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def test_every_test_a_tested_cell_names_exists():
+    for run in matrix.TESTED:
+        file, _, name = run.test.partition("::")
+        function, _, param = name.partition("[")
+        path = ROOT / file
+        assert path.is_file(), run.test
+        assert function in _defined(path), run.test
+        if param:  # a parametrized case: its id is written in the file
+            assert re.search(rf"[\"']{re.escape(param.rstrip(']'))}[\"']", path.read_text()), run.test
+
+
+def test_the_runs_name_the_matrixs_axes():
+    for run in matrix.TESTED:
+        assert run.entry in matrix.ENTRIES and run.backend in matrix.BACKENDS, run
+        assert set(run.models) <= set(matrix.MODELS) and set(run.layouts) <= set(matrix.LAYOUTS), run
+        assert ("one" in run.layouts) == (run.layouts == ("one",)), run  # one process combines with nothing
+
+
+def test_a_cell_is_refused_by_the_rules_not_by_the_matrix():
+    """The marks come from the rules: a cell the rules refuse is refused even where a test is named."""
+    assert cells.mark("megatron-lm", "moe_local", "emulated", "cp").kind == cells.REFUSED
+    assert cells.mark("megatron-lm", "moe_local", "emulated", "cp").detail == ("moe-cp",)
+    assert cells.mark("compact", "hybrid", "te_hopper", "one").kind == cells.UNREACHABLE
+    assert cells.mark("megatron-lm", "dense", "emulated", "one").kind == cells.TESTED
