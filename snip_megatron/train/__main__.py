@@ -53,8 +53,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict, dict]:
     return p, train, data
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, "str | None", "object | None"]:
-    """(TrainConfig, the resolved SnipConfig, the run folder, the TE start-up (TERun) or None)."""
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, "str | None"]:
+    """(TrainConfig, the resolved SnipConfig, the run folder)."""
     parser, train_dests, data_dests = build_parser()
     args = parser.parse_args(argv)
     data_values = values_of(args, data_dests)
@@ -62,43 +62,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, SnipConfig, 
     snip = snip_config_from_args(args)
     values = values_of(args, train_dests)
     values["eval_interval"] = values["eval_interval"] or None  # --eval-interval 0: no validation
-    te = None
-    if snip.enabled and values["backend"] == "te":  # what this GPU and its TE run, checked now
-        from snip_megatron.megatron.args import named_as_flags
-        from snip_megatron.megatron.te_run import resolve_for_te
-
-        try:
-            te = resolve_for_te(snip)
-        except ValueError as e:
-            parser.error(named_as_flags(str(e)))
-        snip = te.config
-    elif snip.enabled:
+    if snip.enabled:
         snip = snip.resolved("emulated")
     train = TrainConfig(model=args.model, data=DataConfig(**data_values), formats=snip.formats, **values)
     run_dir = args.run_dir or (str(Path(train.metrics_path).parent) if train.metrics_path else None)
-    return train, snip, run_dir, te
+    return train, snip, run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, snip, run_dir, te = parse_args(argv)
+    config, snip, run_dir = parse_args(argv)
     hooks = []
     loggers = RunLoggers(enabled=config.tensorboard_dir is not None)  # its writers: the Trainer's, below
-    if te is not None:
-        from snip_megatron.megatron.te_run import startup_lines
-
-        for line in startup_lines(te):
-            print(line, flush=True)
     if snip.enabled:
-        excluded = None
-        if te is not None:  # the linears TE cannot run in FP8/FP4 for their shapes: never planned there
-            from snip_megatron.te.shapes import describe_exclusions, te_exclusions
-
-            excluded = te_exclusions(config.shape, snip.formats, snip.uses, inventory=config.inventory, tp=config.tp,
-                                     micro_batch_size=config.micro_batch_size)
-            for line in describe_exclusions(excluded):
-                print(f"[snip] {line}", flush=True)
         hooks.append(SnipController(snip, config.shape, total_steps=config.steps, run_dir=run_dir,
-                                    tokens_per_step=config.micro_batch_size * config.seq_len, excluded=excluded,
+                                    tokens_per_step=config.micro_batch_size * config.seq_len,
                                     loggers=loggers, inventory=config.inventory))
     trainer = Trainer(config, hooks=hooks)
     loggers.writers = trainer.figure_writers

@@ -116,7 +116,8 @@ class TrainConfig(TrainingSchedule):
     distributed_optimizer: bool = False
     """Shard optimizer state over DP (Megatron's distributed optimizer)."""
     backend: str = "emulated"
-    """Planned linears: "emulated" (SNIP's emulated layers, any plan), "local" (plain Megatron), "te"."""
+    """Planned linears: "emulated" (SNIP's emulated layers, any plan), "local" (plain Megatron); "te" is refused
+    (support rule compact-te: snip-pretrain-gpt runs Transformer Engine linears)."""
     precision: str = "bf16"
     """Initial uniform precision of every planned linear (bf16, fp8 or fp4); with SNIP, the
     controller's plan replaces it before the first step."""

@@ -147,8 +147,6 @@ class Trainer:
         from snip_megatron.megatron.model import build_model_chunks
 
         cfg = self.config
-        self.sm = self._te_gpu() if cfg.backend == "te" else None
-        """The GPU's compute capability for the TE linears' dicts (None: no TE linears)."""
         runtime.seed_all(cfg.seed)
         dtype = torch.bfloat16 if cfg.params_dtype == "bf16" else torch.float32
         experts = cfg.moe.config_fields() if cfg.moe is not None else {}
@@ -191,24 +189,6 @@ class Trainer:
                 planned.check_same(inventory, what=f"the model the loop built (hook {hook.name!r} plans another)")
         return inventory
 
-    def _te_gpu(self) -> int:
-        """This GPU's compute capability, after checking that TE runs `TrainConfig.formats` here as
-        they are written (its scale and rounding switches included) for every precision it has a
-        kernel or recipe for; a plan with one it has not is refused when applied (the first at
-        construction)."""
-        from snip_megatron.te import gpu, te_formats, te_unavailable
-
-        sm = gpu.current_sm()
-        f = self.config.formats
-        runnable = [p for p in (Precision.FP8, Precision.FP4) if p.value not in te_unavailable(formats=f, sm=sm)]
-        runs = te_formats(fp8_recipe=f.fp8_recipe, fp4_recipe=f.fp4_recipe, fp8_format=f.fp8_format,
-                          fp8_block_scales=f.fp8_block_scales, fp4_gradient_rounding=f.fp4_gradient_rounding,
-                          sm=sm, uses=runnable, name_of=lambda name: f"TrainConfig.formats.{name}")
-        if any(runs.spec(p) != f.spec(p) for p in runnable):
-            raise ValueError(f"TrainConfig.formats={f.short_str()} but Transformer Engine runs {runs.short_str()} "
-                             f"on this GPU; give TrainConfig.formats what TE runs (SnipConfig.resolved('te'))")
-        return sm
-
     # ---- precision ---------------------------------------------------------------------------
 
     def set_plan(self, plan: Plan) -> None:
@@ -227,8 +207,7 @@ class Trainer:
                 raise ValueError("backend 'local' runs plain Megatron linears and cannot take FP8/FP4 "
                                  "plans; use backend='emulated'")
         else:
-            apply_plan(self.chunks, plan, num_layers=self.inventory,
-                       formats=self.config.formats, sm=self.sm)
+            apply_plan(self.chunks, plan, num_layers=self.inventory, formats=self.config.formats)
         self.plan = plan
 
     # ---- one step ----------------------------------------------------------------------------

@@ -207,7 +207,7 @@ def test_compact_loop_parses_its_arguments():
     from snip_megatron.train.__main__ import parse_args
 
     args = compact_args(compose_recipe(["parallel=dp2", "train.steps=120", "snip.fp4_budget=0.8"]))
-    config, snip, _, _ = parse_args(args)
+    config, snip, _ = parse_args(args)
     assert (config.steps, config.global_batch_size, config.distributed_optimizer) == (120, 8, True)
     assert snip.enabled and snip.fp4_budget == 0.8 and config.formats == snip.formats
     recipe = compose_recipe(["parallel=dp2", "train.steps=120"])

@@ -66,8 +66,9 @@ def te_env(sm: int, *, te_version=None, **extra) -> dict:
 
 
 def run_te(cwd: Path, target: list, *argv: str, sm: int, nproc: int = 1, timeout: float = 600,
-           te_version=None, **extra_env) -> str:
-    args = [*target, *MODEL, *TE, *argv]
+           te_version=None, model: "list | None" = None, **extra_env) -> str:
+    """`model`: the model's flags (default test_runs.MODEL)."""
+    args = [*target, *(MODEL if model is None else model), *TE, *argv]
     env = te_env(sm, te_version=te_version, **extra_env)
     if nproc > 1:
         return run_distributed(args, nproc=nproc, timeout=timeout, env=env).stdout

@@ -35,7 +35,8 @@ def test_a_rule_holds_only_for_the_entries_it_names():
 
 SERVED = {  # runs SNIP serves, and the entries that serve them: no rule holds (refusing one would be a regression)
     "dense": ({}, ("megatron-lm", "bridge", "compact")),
-    "dense at TP=2 + SP, PP=2 x VPP=2, CP=2, recompute, distributed optimizer": ({
+    "dense on TE at TP=2 + SP, PP=2 x VPP=2, CP=2, recompute, distributed optimizer": ({
+        "model.transformer_impl": "transformer_engine", "run.backend": "te", "run.te_installed": True,
         "model.tensor_model_parallel_size": 2, "model.sequence_parallel": True,
         "model.pipeline_model_parallel_size": 2, "model.virtual_pipeline_model_parallel_size": 2,
         "model.context_parallel_size": 2, "model.recompute_granularity": "full",

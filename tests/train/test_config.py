@@ -56,8 +56,8 @@ def test_moe_runs_at_one_process_on_the_local_spec(monkeypatch):
                                          r"snip-pretrain-gpt runs it"):
         TrainConfig(model="llama_tiny_moe", tp=2)
     monkeypatch.setattr(installed, "te_installed", lambda: True)  # a GPU machine's TE
-    with pytest.raises(ValueError, match=r"cannot run this \(--model llama_tiny_moe, .*\): MoE with --backend te: .*"
-                                         r"--transformer-impl transformer_engine --moe-grouped-gemm"):
+    with pytest.raises(ValueError, match=r"cannot run this \(--model llama_tiny_moe, .*\): --backend te: the compact "
+                                         r"loop's Transformer Engine path needs a GPU"):
         TrainConfig(model="llama_tiny_moe", backend="te")
     assert TrainConfig(model="llama_tiny").moe is None and TrainConfig(model="llama_tiny_moe").moe is not None
 
@@ -79,30 +79,3 @@ def test_local_backend_cannot_take_fp8():
 def test_defaults():
     c = TrainConfig(steps=50)
     assert c.num_warmup_steps == 5 and c.data_config.vocab_size == c.shape.vocab_size == 4096
-
-
-def test_te_backend_checks_its_formats_against_the_gpu(monkeypatch):
-    """Trainer's TE backend (a GPU only; its capability patched where SNIP reads it): the formats
-    must be what TE runs there, before any model is built."""
-    from types import SimpleNamespace
-
-    from snip_megatron.formats.precision import Formats
-    from snip_megatron.te import gpu, installed
-    from snip_megatron.train.loop import Trainer
-
-    monkeypatch.setattr(installed, "te_installed", lambda: True)  # a GPU machine's TE
-    for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(gpu, "current_sm", lambda: 90)
-
-    def check(formats):
-        return Trainer._te_gpu(SimpleNamespace(config=TrainConfig(backend="te", formats=formats)))
-
-    assert check(Formats(fp8_block_scales="pow2")) == 90  # no TE FP4 on SM90: refused per plan
-    assert check(Formats(fp8_block_scales="pow2", fp4_recipe="mxfp4")) == 90
-    with pytest.raises(ValueError, match="TrainConfig.formats.fp8_block_scales='fp32', but TE runs pow2"):
-        check(Formats())
-    monkeypatch.setattr(gpu, "current_sm", lambda: 100)
-    with pytest.raises(ValueError, match=r"fp4_gradient_rounding='nearest', but TE's NVFP4 rounds gradients "
-                                         r"stochastically"):
-        check(Formats(fp8_block_scales="pow2", fp4_gradient_rounding="nearest"))  # TE's NVFP4 rounds stochastically

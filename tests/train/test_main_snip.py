@@ -40,32 +40,17 @@ def check_tensorboard(folder):
     assert table.splitlines()[2].startswith("| 1 | linear_qkv | ")
 
 
-def test_te_backend_formats_are_resolved_for_the_gpu_or_refused(monkeypatch, capsys):
-    """The compact loop's TE backend takes the formats TE runs on this GPU (its capability patched
-    where SNIP reads it), like the Megatron-LM entry; without a GPU it stops at the flags."""
+def test_the_compact_loop_takes_the_emulated_formats_and_refuses_te(monkeypatch, capsys):
+    """The emulated backend runs the recipes' own variants, FP4 included; the TE backend is refused
+    at start-up (support rule compact-te: snip-pretrain-gpt runs TE linears)."""
     import pytest
 
     from snip_megatron.formats.precision import Formats
-    from snip_megatron.te import gpu, installed
+    from snip_megatron.te import installed
     from snip_megatron.train.__main__ import parse_args
 
-    for name in ("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
-        monkeypatch.delenv(name, raising=False)
-    with pytest.raises(SystemExit):
-        parse_args(["--backend", "te", "--snip"])  # this machine has no GPU
-    assert "the TE backend needs a CUDA GPU" in capsys.readouterr().err
-    monkeypatch.setattr(gpu, "current_sm", lambda: 90)
-    with pytest.raises(SystemExit):
-        parse_args(["--backend", "te", "--snip"])  # a GPU, but no Transformer Engine here
-    assert "Transformer Engine cannot be imported" in capsys.readouterr().err
-    ok = installed.Availability(True)
-    monkeypatch.setattr(installed, "read_te_support", lambda: installed.TESupport(
-        version="2.14.0", fp8=ok, fp8_block_scaling=ok, mxfp8=ok, nvfp4=ok))
-    train, snip, _, te = parse_args(["--backend", "te", "--snip"])
-    assert train.formats == snip.formats == Formats(fp8_block_scales="pow2") and te.sm == 90
-    assert (snip.precisions, snip.budget, snip.gemm_cost) == (["bf16", "fp8"], "fp8_fraction", "bf16=1,fp8=0.5,fp4=1")
-    with pytest.raises(SystemExit):
-        parse_args(["--backend", "te", "--snip", "--snip-fp4-recipe", "mxfp4"])
-    assert "--snip-fp4-recipe='mxfp4'" in capsys.readouterr().err
-    train, snip, _, te = parse_args(["--snip"])  # the emulated backend: the recipes' own variants, FP4
-    assert train.formats == Formats() and snip.precisions == ["fp8", "fp4"] and te is None
+    train, snip, _ = parse_args(["--snip"])
+    assert train.formats == Formats() and snip.precisions == ["fp8", "fp4"]
+    monkeypatch.setattr(installed, "te_installed", lambda: True)
+    with pytest.raises(ValueError, match=r"--backend te: the compact loop's Transformer Engine path needs a GPU"):
+        parse_args(["--backend", "te", "--snip"])

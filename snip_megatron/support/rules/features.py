@@ -61,6 +61,13 @@ RULES = (
          "so a resume from a non-persistent one would lose the plan",
          "{drop[checkpoint.non_persistent_save_interval]} (use the persistent save interval)",
          example={"checkpoint.non_persistent_save_interval": 10}),
+    Rule("cp-local-attention", ("model.context_parallel_size", "model.transformer_impl"),
+         lambda s: s.num("model.context_parallel_size") > 1 and s.get("model.transformer_impl") == "local",
+         "{nv[model.context_parallel_size]} with {n[model.transformer_impl]} local: Megatron's local attention has no "
+         "context parallelism (megatron/core/transformer/dot_product_attention.py asserts context_parallel_size == 1)",
+         "use Transformer Engine's attention ({set[model.transformer_impl]:transformer_engine}), or "
+         "{set[model.context_parallel_size]:1}", example={"model.context_parallel_size": 2, "run.world_size": 2},
+         entries=("megatron-lm", "bridge")),
     Rule("fsdp", ("ddp.use_megatron_fsdp", "dist.use_torch_fsdp2"), _fsdp,
          "{nx[lead]} (FSDP): SNIP's measurement reads each linear's full weight",
          "use the distributed optimizer instead, " + PIN, example={"ddp.use_megatron_fsdp": True, "checkpoint.ckpt_format": "fsdp_dtensor"}),

@@ -145,9 +145,4 @@ RULES = (
          "MoE on {v[run.world_size]} processes: the compact loop runs MoE at one process",
          "snip-pretrain-gpt runs it at expert, pipeline and data parallelism (docs/moe.md)",
          example={**MOE, "run.world_size": 2}, entries=("compact",)),
-    Rule("moe-compact-te", ("run.backend", "model.num_moe_experts"),
-         lambda s: moe(s) and s.run.backend == "te",
-         "MoE with --backend te: the compact loop builds no grouped experts",
-         "Megatron-LM's loop runs TE's grouped experts (snip-pretrain-gpt --transformer-impl transformer_engine "
-         "--moe-grouped-gemm)", example={**MOE, "run.backend": "te"}, entries=("compact",)),
 )

@@ -79,6 +79,12 @@ RULES = (
          "--snip-backend te needs {set[model.transformer_impl]:transformer_engine}",
          "add it, or drop --snip-backend te", example={"run.backend": "te", "model.transformer_impl": "local"},
          entries=("megatron-lm",)),
+    Rule("compact-te", ("model.transformer_impl",), lambda s: s.run.backend == "te",
+         "{set[model.transformer_impl]:transformer_engine}: the compact loop's Transformer Engine path needs a GPU and "
+         "no test runs it", "train TE linears with snip-pretrain-gpt --transformer-impl transformer_engine (or "
+         "use {set[model.transformer_impl]:local})",
+         example={"run.backend": "te", "model.transformer_impl": "transformer_engine", "run.te_installed": True},
+         entries=("compact",)),
     Rule("te-not-installed", ("model.transformer_impl",),
          lambda s: s.run.backend == "te" and not s.run.te_installed,
          "{set[model.transformer_impl]:transformer_engine}: Transformer Engine is not installed here",

@@ -1,0 +1,129 @@
+"""The layout classes of the support matrix, combined as real runs combine them, through Megatron-LM's
+loop (snip-pretrain-gpt) on CPU (prod lane): each launch starts with SNIP on, measures and re-plans;
+chained launches save and resume, each starting from the checkpoint's plan.
+
+On Transformer Engine (Megatron's TE spec over the TE double) one chain per model moves a run across
+layouts and GPU generations: one process on an H100's SM90 (BF16/FP8 plans), then TP=2 with sequence
+parallelism x PP=2 x VPP=2 on SM90, the same on a B200's SM100 (FP8/FP4 plans), then one process on
+SM100; every TE linear of every rank runs its plan after every step (tests/pretrain/test_te_runs.py's
+checks). On the emulated backend (Megatron's local spec with SNIP's linears; TP without sequence
+parallelism, which the local spec's torch norms refuse): TP=2 x PP=2 x VPP=2, saved and resumed.
+Beside each: DP=2 with the distributed optimizer and full recompute, on each backend, one launch (not
+resumed: Megatron's distributed optimizer cannot load a checkpoint without apex or TE's FusedAdam,
+megatron/core/optimizer/distrib_optimizer.py `state_dict`, `assert len(steps) == 1`).
+Models: the dense GPT, and MLA with an MTP layer."""
+
+import pytest
+
+from snip_megatron.plan import Plan
+from tests.pretrain import test_mla_runs, test_runs
+from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of
+from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, check_linears_follow_the_plan,
+                                         check_runtime, run_te, te_rows)
+
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+DP2 = ["--use-distributed-optimizer", *RECOMPUTE]
+"""DP=2 (two processes, no model parallelism) with the distributed optimizer and full recompute."""
+PP2_VPP2 = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+MODELS = {  # name: (the model's flags, its features)
+    "dense": (test_runs.MODEL, []),
+    "mla_mtp": (test_mla_runs.MODEL, [*test_mla_runs.MLA, "--mtp-num-layers", "1"]),
+}
+ITERS = ["--global-batch-size", "8", "--train-iters", "12", "--save-interval", "3"]
+"""Measurements at steps 2, 5, 8, 11 (warm-up 2, interval 3, lag 1), plans at 3, 6, 9, 12; a launch
+of a chain runs three of them and saves."""
+
+
+def replans(out: str) -> list[str]:
+    return [line for line in snip_lines(out) if " measurement " in line and line.startswith("[snip] step ")]
+
+
+def check_launch(out: str, steps: list[int], resumed: "Plan | None" = None) -> None:
+    """The launch trained `steps` (losses in range), re-planned from one measurement, and, resumed,
+    started from the checkpoint's plan."""
+    assert sorted(losses(out)) == steps and all(2.0 < x < 7.0 for x in losses(out).values()), losses(out)
+    assert len(replans(out)) == 1, snip_lines(out)
+    if resumed is not None:
+        assert any(line.endswith(f"plan: checkpoint {resumed.counts()}") for line in snip_lines(out)), snip_lines(out)
+
+
+def check_ranks(probe, nproc: int, steps: list[int]) -> list[dict]:
+    """Every rank ran `steps`, each of its TE linears as planned, under fused wgrad accumulation with
+    the step's weights; every rank ends on one plan. Returns rank 0's rows."""
+    plans = []
+    for rank in range(nproc):
+        rows = te_rows(probe, rank)
+        assert [r["step"] for r in rows] == steps, (rank, rows)
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
+        plans.append(rows[-1]["plan"])
+    assert all(p == plans[0] for p in plans), plans
+    return te_rows(probe, 0)
+
+
+def emulated(tmp_path, model: list, *argv: str, nproc: int) -> str:
+    saved = test_runs.MODEL
+    test_runs.MODEL = model  # test_runs.run takes the model's flags from there
+    try:
+        return test_runs.run(tmp_path, ["-m", "snip_megatron.pretrain"], *argv, nproc=nproc, timeout=900)
+    finally:
+        test_runs.MODEL = saved
+
+
+@needs_training
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_te_chain_across_layouts_and_generations(tmp_path, model):
+    """One process (SM90) -> TP=2+SP x PP=2 x VPP=2 (SM90) -> the same (SM100) -> one process (SM100)."""
+    base, features = MODELS[model]
+    ckpt = tmp_path / "ckpt"
+    tp_pp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", *PP2_VPP2]
+    links = [(1, [], 90), (4, tp_pp, 90), (4, tp_pp, 100), (1, [], 100)]
+    plan = None
+    for i, (nproc, layout, sm) in enumerate(links):
+        steps = [3 * i + 1, 3 * i + 2, 3 * i + 3]
+        probe = tmp_path / f"p{i}"
+        argv = [*features, "--num-layers", "4", *layout, *DATA, *ITERS, "--save", str(ckpt),
+                "--exit-interval", str(steps[-1]), *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP),
+                *(["--load", str(ckpt)] if plan else [])]
+        out = run_te(tmp_path, [str(WORKER), str(probe)], *argv, sm=sm, nproc=nproc, timeout=900, model=base)
+        check_launch(out, steps, plan)
+        rows = check_ranks(probe, nproc, steps)
+        if plan is not None:
+            assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}
+        plan = Plan.from_dict(state_of(ckpt, steps[-1])["plan"])
+        assert plan.counts()["bf16" if sm == 90 else "fp4"] > 0, plan.counts()  # the generation's plan
+
+
+@needs_training
+@pytest.mark.parametrize("sm", [90, 100])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_te_data_parallel_with_the_distributed_optimizer_and_recompute(tmp_path, model, sm):
+    base, features = MODELS[model]
+    argv = [*features, *DP2, *DATA, *ITERS, "--exit-interval", "3", *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP)]
+    out = run_te(tmp_path, [str(WORKER), str(tmp_path / "p")], *argv, sm=sm, nproc=2, timeout=900, model=base)
+    check_launch(out, [1, 2, 3])
+    rows = check_ranks(tmp_path / "p", 2, [1, 2, 3])
+    assert any(p == ("bf16" if sm == 90 else "fp4") for p in rows[-1]["plan"].values())
+
+
+@needs_training
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume(tmp_path, model):
+    """TP=2 x PP=2 x VPP=2 (MLA: PP=2 x VPP=2; Megatron's MLA needs SP at TP > 1), saved and resumed."""
+    base, features = MODELS[model]
+    layout, nproc = (PP2_VPP2, 2) if model == "mla_mtp" else (["--tensor-model-parallel-size", "2", *PP2_VPP2], 4)
+    ckpt = tmp_path / "ckpt"
+    argv = [*features, *layout, *DATA, *ITERS, *BLACKWELL_SNIP, "--save", str(ckpt)]
+    check_launch(emulated(tmp_path, base, *argv, "--exit-interval", "3", nproc=nproc), [1, 2, 3])
+    plan = Plan.from_dict(state_of(ckpt, 3)["plan"])
+    assert plan.counts()["fp4"] > 0
+    check_launch(emulated(tmp_path, base, *argv, "--load", str(ckpt), "--exit-interval", "6", nproc=nproc),
+                 [4, 5, 6], plan)
+
+
+@needs_training
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute(tmp_path, model):
+    base, features = MODELS[model]
+    out = emulated(tmp_path, base, *features, *DP2, *DATA, *ITERS, *BLACKWELL_SNIP, "--exit-interval", "3", nproc=2)
+    check_launch(out, [1, 2, 3])
