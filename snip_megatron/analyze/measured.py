@@ -31,6 +31,8 @@ class Measurement:
     """Why the static recipes cannot be written for the run's layout (an uneven pipeline split)."""
     sm: Optional[int] = None
     """The GPU the run's Transformer Engine linears ran on (None: emulated linears)."""
+    pattern: Optional[str] = None
+    """A HybridModel's --hybrid-layer-pattern (its static recipes' module paths and pipeline segments)."""
     close: Callable[[], None] = lambda: None
     """Tears the loop down once the plans are solved."""
 
