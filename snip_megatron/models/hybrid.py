@@ -230,8 +230,8 @@ def module_pattern(key: LayerKey, pattern: str, layer_offset: int = 0) -> str:
     symbol = symbols[key.layer - 1]
     slot = next((s for s in LINEARS[symbol] if s.name == key.name), None)
     if slot is None:
-        raise ValueError(f"{key}: layer {key.layer} of --hybrid-layer-pattern {pattern!r} is a "
-                         f"{LAYER_NAMES[symbol]} ({symbol}) layer, which has no {key.name}")
+        raise ValueError(f"{key}: layer {key.layer} of --hybrid-layer-pattern {pattern!r} is a '{symbol}' layer "
+                         f"({LAYER_NAMES[symbol]}), which has no {key.name}")
     return module_path(InventoryEntry(key, slot.suffix, (0, 0), slot.kind), layer_offset)
 
 
