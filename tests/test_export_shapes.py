@@ -122,12 +122,20 @@ def test_a_gpt_built_from_the_exported_recipe_runs_its_plan(tmp_path, megatron_s
     assert all(runs(pl.module) is plan[pl.key] for pl in built)  # each local expert too
 
 
-def test_a_hybrid_plan_is_exported_by_its_pattern_and_refused_without_one(tmp_path):
+def test_a_hybrid_plan_is_exported_by_its_pattern_and_refused_without_one(tmp_path, capsys):
+    from snip_megatron.report import main as report_main
+
     case = CASES["hybrid_moe_mamba_gdn"]
     run = logged(tmp_path, striped(case.inventory), case.inventory)
-    with pytest.raises(ValueError, match=r"the plan's 1\.in_proj is not a GPT linear: a HybridModel's plan needs "
-                                         r"--hybrid-layer-pattern"):
-        export(run, "megatron")
+    report_main(["export", str(run), "--format", "megatron", "--hybrid-layer-pattern", case.pattern])
+    path = run / "snip_precision_config.yaml"
+    assert capsys.readouterr().out.strip() == f"megatron: {path}"
+    assert path.read_text().startswith(f"# SNIP plan of {run} applied at step 3, digest ")
+    assert f"module paths for HybridModel {case.pattern!r}, PP=1" in path.read_text().splitlines()[0]
+    with pytest.raises(SystemExit) as e:  # the plan's Mamba and GDN in_proj: which module is which?
+        report_main(["export", str(run), "--format", "megatron"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        "error: the plan's 1.in_proj is not a GPT linear: a HybridModel's plan needs --hybrid-layer-pattern (the run's)")
     with pytest.raises(ValueError, match=r"1\.in_proj: layer 1 of --hybrid-layer-pattern '\*\*E-G' is a '\*' layer \(attention\), which "
                                          r"has no in_proj"):
         export(run, "megatron", pattern="**E-G")

@@ -18,7 +18,7 @@ import re
 import time
 from pathlib import Path
 
-from snip_megatron.analyze.measured import Measurement, measured_count, uneven_split
+from snip_megatron.analyze.measured import Measurement, measured_count, said_before, uneven_split
 from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import Plan
 
@@ -175,15 +175,11 @@ def _measure_first_step(args, controller: MeasureOnce, family: str, model_cfg) -
 
 def _exclusions(checked, args, transformer, inventory) -> "dict | None":
     """The precisions the run's controller would never plan per linear: TE's shape rules (TE
-    backend) and FP4 on multi-token-prediction linears (as Megatron), said once at start-up already."""
-    import contextlib
-    import io
-
+    backend) and FP4 on multi-token-prediction linears (as Megatron)."""
     from snip_megatron.pretrain.setup import mtp_exclusions, te_shape_exclusions
 
     excluded = te_shape_exclusions(checked.config, args, transformer, inventory) if checked.sm is not None else None
-    with contextlib.redirect_stdout(io.StringIO()):  # its start-up line, printed by the run's set-up
-        return mtp_exclusions(inventory, excluded)
+    return said_before(mtp_exclusions, inventory, excluded)
 
 
 def _controller(config, args, transformer, excluded, inventory):
