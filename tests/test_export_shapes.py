@@ -109,9 +109,12 @@ def test_every_shape_exports_every_planned_module_through_megatrons_parser(tmp_p
 
 @pytest.mark.parametrize("name", ["dense", "mla_mtp", "moe_local"])
 def test_a_gpt_built_from_the_exported_recipe_runs_its_plan(tmp_path, megatron_single, name):
-    from snip_megatron.megatron.apply import list_planned_linears, precision_of as runs
+    from snip_megatron.megatron.apply import list_planned_linears, megatron_core_version, precision_of as runs
     from snip_megatron.megatron.model import build_gpt_model
 
+    if name == "mla_mtp" and megatron_core_version() < (0, 17):
+        pytest.skip("megatron-core < 0.17 builds MLA only over Transformer Engine (model.check_mla_buildable), and "
+                    "names an MTP layer's inner layer transformer_layer")
     case = CASES[name]
     plan = striped(case.inventory)
     path = export(logged(tmp_path, plan, case.inventory), "megatron", backend="emulated")
