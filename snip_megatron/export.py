@@ -1,6 +1,7 @@
 """A run's plan as a static per-module precision config: for Megatron-LM, Megatron-Bridge, or JSON.
 
     python -m snip_megatron.report export RUN_DIR --format megatron|bridge|json [--step N] [--out FILE]
+                                          [--hybrid-layer-pattern PATTERN] [--pp N [--vpp V]]
 
 The plan is the final one of `RUN_DIR/snip_plans.jsonl`, or with `--step N` the one in force at
 step N (the last plan applied at or before N). Formats:
@@ -14,10 +15,18 @@ step N (the last plan applied at or before N). Formats:
 - `json`: the plan itself (`Plan.to_dict`, plus the step and the source), which `snip.plan` /
   `--snip-plan` read (pin it with `snip.pin_plan` / `--snip-pin-plan`).
 
+Every planned linear of the model's inventory gets its matcher: a GPT's attention (dense or
+multi-latent: its q/kv down- and up-projections) and MLP linears, an MoE layer's routed-expert
+units (one glob, `decoder.layers.<i>.mlp.experts.*linear_fc1`, matching TE's grouped linear and
+every local expert of a SequentialMLP) and shared experts, the multi-token-prediction layers
+(`mtp.layers.<k-1>.eh_proj`, `mtp.layers.<k-1>.mtp_model_layer.<linear>`); a HybridModel's layers
+(`--hybrid-layer-pattern`, the run's: each symbol its own layer, whose kind names the linear's
+module, e.g. a Mamba layer's `mixer.in_proj`, and whose '|' segments are the pipeline stages).
+
 Module paths carry the layer index *local to the pipeline stage* (and virtual chunk), and one file
 configures every rank, so a matcher cannot tell layer 1 of the first stage from layer 1 of the
 second. The megatron and bridge exports are therefore for one layout: PP=1 by default, or
-`--pp N [--vpp V]` (Megatron's even split). For PP > 1 the export is written only when every
+`--pp N [--vpp V]` (Megatron's even split; a HybridModel's '|' segments). For PP > 1 the export is written only when every
 stage-local path gets one precision across all stages that have it, and refused otherwise,
 naming the path and the layers that disagree (train with PP=1 paths in mind, export the JSON
 plan and pin it, or keep SNIP's own matcher, which knows each chunk's offset). The configs
@@ -56,10 +65,17 @@ def plan_at(run_dir: "str | Path", step: "int | None" = None) -> tuple[int, Plan
     return before[-1]
 
 
-def _chunks(num_layers: int, pp: int, vpp: "int | None") -> list[tuple[int, int | None, int, int]]:
-    """(pp rank, virtual stage, layer offset, layers) of every model chunk, by Megatron's own split."""
+def _chunks(num_layers: int, pp: int, vpp: "int | None", pattern: "str | None" = None) -> list[tuple[int, int]]:
+    """(layer offset, layers) of every model chunk: a GPT's by Megatron's own split, a HybridModel's
+    by its pattern's segments (Megatron's select_pipeline_segment)."""
+    if pattern is not None:
+        from snip_megatron.models import hybrid
+
+        segments = [hybrid.segment(pattern, rank, pp, vp) for vp in (range(vpp) if vpp else [None])
+                    for rank in range(pp)]
+        return [(offset, len(symbols)) for offset, symbols in segments]
     if pp == 1 and vpp is None:
-        return [(0, None, 0, num_layers)]
+        return [(0, num_layers)]
     from snip_megatron.megatron.layout import chunk_layers, layout_config
     from snip_megatron.shapes import ModelShape
 
@@ -67,23 +83,39 @@ def _chunks(num_layers: int, pp: int, vpp: "int | None") -> list[tuple[int, int 
     shape = ModelShape(name="export", num_layers=num_layers, hidden_size=64, ffn_hidden_size=64,
                        num_attention_heads=1, num_query_groups=1)
     config = layout_config(shape, pp=pp, vpp=vpp)
-    return [(rank, vp, *chunk_layers(config, rank, vp)) for rank in range(pp)
-            for vp in (range(vpp) if vpp else [None])]
+    return [chunk_layers(config, rank, vp) for rank in range(pp) for vp in (range(vpp) if vpp else [None])]
 
 
-def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None) -> dict[str, Precision]:
-    """Stage-local module path -> precision for the layout; ValueError where one path would need
-    two precisions (see the module docstring)."""
+def module_glob(key, layer_offset: int = 0, pattern: "str | None" = None) -> str:
+    """The glob matching the module(s) of a plan's `key` in the chunk whose first layer is
+    `layer_offset` + 1: a GPT's (an expert unit: every local expert too; an MTP linear: its own
+    path, on whichever stage holds it), or with `pattern` a HybridModel's; ValueError naming what
+    the plan's key is not."""
+    from snip_megatron.models import hybrid
+
+    if pattern is not None:
+        return hybrid.module_pattern(key, pattern, layer_offset)
+    if key.name not in gpt.SLOTS:
+        raise ValueError(f"the plan's {key} is not a GPT linear: a HybridModel's plan needs --hybrid-layer-pattern "
+                         "(the run's)")
+    return gpt.module_pattern(key, layer_offset)
+
+
+def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None,
+                    pattern: "str | None" = None) -> dict[str, Precision]:
+    """Stage-local module path -> precision for the layout (`pattern`: a HybridModel's layer
+    pattern); ValueError where one path would need two precisions (see the module docstring)."""
     if not isinstance(pp, int) or pp < 1:
         raise ValueError(f"--pp must be a positive integer, got {pp!r}")
     if vpp is not None and (pp < 2 or not isinstance(vpp, int) or vpp < 1):
         raise ValueError(f"--vpp {vpp} needs --pp >= 2 and a positive integer")
     out: dict[str, Precision] = {}
     seen: dict[str, list] = {}
-    for _rank, _vp, offset, count in _chunks(plan.num_layers, pp, vpp):
-        for key, precision in plan.items():
+    decoder = [(k, p) for k, p in plan.items() if not gpt.is_mtp(k)]
+    for offset, count in _chunks(plan.num_layers, pp, vpp, pattern):
+        for key, precision in decoder:
             if offset < key.layer <= offset + count:
-                path = gpt.module_pattern(key, offset)  # an expert unit: every local expert too
+                path = module_glob(key, offset, pattern)
                 seen.setdefault(path, []).append((key, precision))
                 out.setdefault(path, precision)
     for path, entries in seen.items():
@@ -94,6 +126,8 @@ def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None) -> dic
                              "that hold it, and a matcher sees only the stage-local path. Export for "
                              "PP=1, or use --format json with snip.plan / --snip-plan (SNIP's matcher "
                              "knows each chunk's layer offset)")
+    # multi-token prediction: its own layer numbers, on the last stage
+    out.update({module_glob(k): p for k, p in plan.items() if gpt.is_mtp(k)})
     return out
 
 
@@ -143,21 +177,22 @@ def bridge_config(paths: dict[str, Precision], configs: dict[str, dict]) -> dict
 
 def plan_text(plan: Plan, fmt: str, *, origin: str, extra: "dict | None" = None, pp: int = 1,
               vpp: "int | None" = None, backend: str = "te", sm: int = 100, fp8_recipe: "str | None" = None,
-              fp4_recipe: str = "nvfp4") -> str:
+              fp4_recipe: str = "nvfp4", pattern: "str | None" = None) -> str:
     """`plan` as the text of `fmt`: the JSON plan with `extra` fields beside it, or a YAML headed by
-    a comment that opens with `origin` (where the plan comes from); ValueError where the layout or
-    the GPU cannot take it (path_precisions, precision_configs)."""
+    a comment that opens with `origin` (where the plan comes from); ValueError where the layout, the
+    model (`pattern`: a HybridModel's layer pattern) or the GPU cannot take it (path_precisions,
+    precision_configs)."""
     import yaml
 
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
     if fmt == "json":
         return json.dumps({**plan.to_dict(), **(extra or {})}, indent=1)
-    paths = path_precisions(plan, pp=pp, vpp=vpp)
+    paths = path_precisions(plan, pp=pp, vpp=vpp, pattern=pattern)
     configs = precision_configs(set(paths.values()), backend=backend, sm=sm, fp8_recipe=fp8_recipe,
                                 fp4_recipe=fp4_recipe)
     doc = (megatron_config if fmt == "megatron" else bridge_config)(paths, configs)
-    layout = f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
+    layout = (f"HybridModel {pattern!r}, " if pattern else "") + f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
     return (f"# {origin}, digest {plan.digest()[:12]}: {plan.counts()}; module paths for {layout}, "
             f"{backend} configs" + (f" for SM{sm}" if backend == "te" else "") + "\n"
             + yaml.safe_dump(doc, sort_keys=False))
@@ -165,7 +200,7 @@ def plan_text(plan: Plan, fmt: str, *, origin: str, extra: "dict | None" = None,
 
 def export(run_dir: "str | Path", fmt: str, *, step: "int | None" = None, out: "str | Path | None" = None,
            pp: int = 1, vpp: "int | None" = None, backend: str = "te", sm: int = 100,
-           fp8_recipe: "str | None" = None, fp4_recipe: str = "nvfp4") -> Path:
+           fp8_recipe: "str | None" = None, fp4_recipe: str = "nvfp4", pattern: "str | None" = None) -> Path:
     """Write the run's plan (final, or in force at `step`) in `fmt`; returns the file written."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
@@ -174,7 +209,7 @@ def export(run_dir: "str | Path", fmt: str, *, step: "int | None" = None, out: "
     target = Path(out) if out is not None else run_dir / DEFAULT_NAMES[fmt]
     text = plan_text(plan, fmt, origin=f"SNIP plan of {run_dir} applied at step {applied}",
                      extra={"step": applied, "source": str(run_dir / "snip_plans.jsonl")}, pp=pp, vpp=vpp,
-                     backend=backend, sm=sm, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe)
+                     backend=backend, sm=sm, fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, pattern=pattern)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
     return target
@@ -187,6 +222,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "config override; json: the plan (snip.plan / --snip-plan)")
     parser.add_argument("--step", type=int, default=None, help="the plan in force at this step (default: final)")
     parser.add_argument("--out", default=None, help=f"output file (default: RUN_DIR/{DEFAULT_NAMES['megatron']}, ...)")
+    parser.add_argument("--hybrid-layer-pattern", default=None, metavar="PATTERN",
+                        help="a HybridModel's plan: the run's layer pattern (each layer's kind, its '|' stages)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages the module paths are for (default 1)")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--backend", default="te", choices=("te", "emulated"),
@@ -204,7 +241,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         path = export(args.run_dir, args.format, step=args.step, out=args.out, pp=args.pp, vpp=args.vpp,
-                      backend=args.backend, sm=args.sm, fp8_recipe=args.fp8_recipe, fp4_recipe=args.fp4_recipe)
+                      backend=args.backend, sm=args.sm, fp8_recipe=args.fp8_recipe, fp4_recipe=args.fp4_recipe,
+                      pattern=args.hybrid_layer_pattern)
     except ValueError as e:
         parser.error(str(e))
     print(f"{args.format}: {path}")

@@ -122,17 +122,19 @@ def plan_sum(table: Mapping, plan: Plan) -> float:
 
 def format_plan_table(plan: Plan, previous: Plan, costs=None) -> str:
     """The per-update table: layer, precision, previous precision, Q, dL, WD (FP4 and FP8, those of
-    them the cost table has: a BF16/FP8 plan shows FP8's)."""
+    them the cost table has: a BF16/FP8 plan shows FP8's). The layer column fits the longest key
+    (an MTP linear's "1.mtp.linear_kv_down_proj")."""
     shown = (Precision.FP4, Precision.FP8)
     if costs is not None:
         shown = tuple(p for p in shown if any(p in row for row in costs.costs.values())) or shown
-    head = f"  {'layer':<16}{'now':>6}{'was':>6}"
+    width = max([16] + [len(str(key)) + 2 for key in plan])
+    head = f"  {'layer':<{width}}{'now':>6}{'was':>6}"
     if costs is not None:
         head += "".join(f"{'Q.' + p.value:>11}{'dL.' + p.value:>11}{'WD.' + p.value:>11}" for p in shown)
     lines = [head]
     for key in plan:
         mark = " *" if plan[key] != previous[key] else ""
-        line = f"  {str(key):<16}{plan[key].value:>6}{previous[key].value:>6}"
+        line = f"  {str(key):<{width}}{plan[key].value:>6}{previous[key].value:>6}"
         if costs is not None:
             for p in shown:
                 line += "".join(f"{getattr(costs, part)[key].get(p, math.nan):>11.3g}"

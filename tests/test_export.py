@@ -84,22 +84,27 @@ def test_emulated_configs_build_a_model_that_runs_the_plan(tmp_path, megatron_si
     assert current_plan(model) == plan  # GPTModel's finish_init loop read the exported file
 
 
+def instantiate(value):
+    """An object of the _target_ convention Bridge's overrides instantiate."""
+    if isinstance(value, dict) and "_target_" in value:
+        module, _, name = value["_target_"].rpartition(".")
+        kwargs = {k: instantiate(v) for k, v in value.items() if k != "_target_"}
+        return getattr(importlib.import_module(module), name)(**kwargs)
+    if isinstance(value, list):
+        return [instantiate(v) for v in value]
+    return value
+
+
+def bridge_recipe(path):
+    """The RecipeConfig a Bridge export's `model.quant_recipe` instantiates to."""
+    return instantiate(yaml.safe_load(path.read_text())["model"]["quant_recipe"])
+
+
 def test_bridge_format_instantiates_to_the_same_recipe(tmp_path):
     plan = striped(3)
     path = export(run_dir(tmp_path, [(5, plan)]), "bridge", sm=100, fp8_recipe="blockwise",
                   out=tmp_path / "recipe.yaml")
-    node = yaml.safe_load(path.read_text())["model"]["quant_recipe"]
-
-    def instantiate(value):  # the _target_ convention Bridge's overrides instantiate
-        if isinstance(value, dict) and "_target_" in value:
-            module, _, name = value["_target_"].rpartition(".")
-            kwargs = {k: instantiate(v) for k, v in value.items() if k != "_target_"}
-            return getattr(importlib.import_module(module), name)(**kwargs)
-        if isinstance(value, list):
-            return [instantiate(v) for v in value]
-        return value
-
-    recipe = instantiate(node)
+    recipe = bridge_recipe(path)
     for key in all_keys(3):
         qc = get_quant_config_or_none(module_path(key.layer - 1, key.name), recipe)
         assert precision_of(qc.config) is plan[key]
@@ -152,21 +157,3 @@ def test_command_line_errors_name_the_fix(tmp_path, capsys):
     assert e.value.code == 2 and "Export for PP=1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         export_main([str(run), "--format", "onnx"])
-
-
-def test_an_moe_plans_expert_units_reach_every_local_expert_through_megatrons_parser(tmp_path):
-    from snip_megatron.megatron.smoke import SMOKE_SHAPE
-    from snip_megatron.models import gpt
-
-    inv = gpt.inventory(SMOKE_SHAPE.with_(num_layers=2), moe=gpt.MoEDims(num_experts=4, topk=2, ffn_hidden_size=32,
-                                                                          layer_freq=(1, 0)))
-    plan = Plan({k: Precision.FP4 if gpt.is_expert(k) else Precision.FP8 for k in inv.keys()})
-    PlanLog(tmp_path, inv.flop_table(32), log=lambda msg: None).record(3, plan, None, {})
-    recipe = load_quantization_recipe(str(export(tmp_path, "megatron")))
-    for expert in range(4):
-        for leaf in ("linear_fc1", "linear_fc2"):
-            qc = get_quant_config_or_none(f"decoder.layers.0.mlp.experts.local_experts.{expert}.{leaf}", recipe)
-            assert precision_of(qc.config) is Precision.FP4
-    assert precision_of(get_quant_config_or_none("decoder.layers.0.self_attention.linear_qkv", recipe).config) \
-        is Precision.FP8
-    assert get_quant_config_or_none("decoder.layers.0.mlp.router", recipe) is None

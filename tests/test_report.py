@@ -5,7 +5,7 @@ import json
 import pytest
 
 from snip_megatron.plan import Plan
-from snip_megatron.report import load_plan_history, main, make_report
+from snip_megatron.report import PlanLog, load_plan_history, main, make_report
 
 
 def _write_run(run, plans, metrics):
@@ -123,3 +123,34 @@ def test_plan_table_shows_the_measured_low_precisions():
     hopper = format_plan_table(plan, previous, costs([Precision.BF16, Precision.FP8])).splitlines()
     assert hopper[0] == "  layer              now   was      Q.fp8     dL.fp8     WD.fp8"
     assert hopper[2] == "  1.linear_proj      fp8  bf16        0.5        0.5        0.5 *"
+
+
+# -- every model shape: the heat map's rows and the plan table list every planned linear ---------------
+
+@pytest.mark.parametrize("name", ["dense", "mla_mtp", "moe_local", "hybrid_moe_mamba_gdn"])
+def test_heat_map_and_plan_table_of_every_model_shape(tmp_path, name):
+    """Plans keyed by the shape's inventory (expert units, MTP linears, hybrid layers): one heat-map
+    row per planned linear in forward order, and a plan table whose columns line up whatever the
+    longest key ("1.mtp.linear_kv_down_proj")."""
+    import matplotlib.pyplot as plt
+
+    from snip_megatron.figures import plan_table
+    from snip_megatron.report import format_plan_table, heatmap_figure
+    from tests.test_export_shapes import CASES, logged, striped
+
+    inventory = CASES[name].inventory
+    first, final = Plan.uniform(inventory, "fp8"), striped(inventory)
+    log = PlanLog(tmp_path, inventory.flop_table(32), log=lambda msg: None)
+    log.record(0, first, None, {})
+    row = log.record(5, final, first, {})
+    fig = heatmap_figure(load_plan_history(tmp_path))
+    try:
+        assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [str(k) for k in inventory.keys()]
+    finally:
+        plt.close(fig)
+    lines = format_plan_table(final, first).splitlines()
+    assert len(lines) == len(inventory) + 1
+    assert len({len(line.removesuffix(" *")) for line in lines}) == 1, lines  # one width: the columns line up
+    assert [line.split()[:3] for line in lines[1:]] == [[str(k), final[k].value, "fp8"] for k in inventory.keys()]
+    assert plan_table(row)[1] == [[k.layer, k.name, final[k].value] for k in inventory.keys()]
+    assert "heatmap" in make_report(tmp_path)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from snip_megatron.analyze.cli import BRIDGE_RUN_CONFIG as RUN_CONFIG
-from snip_megatron.analyze.measured import Measurement, measured_count, uneven_split
+from snip_megatron.analyze.measured import Measurement, measured_count, said_before, uneven_split
 
 MODEL_FIELDS = (("model", "num_layers"), ("model", "hidden_size"), ("model", "ffn_hidden_size"),
                 ("model", "num_attention_heads"), ("model", "num_query_groups"), ("model", "kv_channels"),
@@ -111,7 +111,7 @@ def measure(a: BridgeAnalysis, k: int) -> Measurement:
 
     from snip_megatron.analyze.megatron_lm import MeasureOnce
     from snip_megatron.bridge.enable import install, prepare_run
-    from snip_megatron.bridge.run import deactivate, make_controller, planned_inventory
+    from snip_megatron.bridge.run import deactivate, hybrid_pattern, make_controller, planned_inventory
 
     cfg = a.cfg
     run = prepare_run(cfg, a.snip)  # the Bridge settings that fight a plan are refused here
@@ -145,10 +145,11 @@ def measure(a: BridgeAnalysis, k: int) -> Measurement:
     model = cfg.model
     return Measurement(
         stats=taken.stats, snip=run.snip, step=taken.step, seconds=taken.seconds,
-        controller_for=lambda config: make_controller(config, model, cfg),
+        controller_for=lambda config: said_before(make_controller, config, model, cfg),
         measured=measured_count(taken.num_microbatches, ps.get_data_parallel_world_size(), k),
         pp=model.pipeline_model_parallel_size, vpp=model.virtual_pipeline_model_parallel_size,
-        sm=None if run.te is None else run.te.sm, layout_error=_uneven_split(model), close=close)
+        sm=None if run.te is None else run.te.sm, layout_error=_uneven_split(model), pattern=hybrid_pattern(model),
+        close=close)
 
 
 def _measure_next_step(run, built, forward_step):

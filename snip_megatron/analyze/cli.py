@@ -1,8 +1,9 @@
 """snip-analyze: which linears of a saved model could run in lower precision, and at what
 predicted cost.
 
-    snip-analyze --load CKPT --out DIR [--budgets 0.5,0.75,0.9] [--analyze-microbatches K]
-                 <the run's own flags: Megatron-LM's (snip-pretrain-gpt) or the compact loop's>
+    snip-analyze --load CKPT --out DIR [--budgets 0.5,0.75,0.9] [--analyze-microbatches K] [-v]
+                 <the run's own flags: Megatron-LM's (snip-pretrain-gpt; snip-pretrain-hybrid's with
+                  --hybrid-layer-pattern) or the compact loop's>
     snip-analyze --recipe MODULE:FUNCTION --load CKPT --out DIR [...] [KEY=VALUE ...]
                  (a Megatron-Bridge checkpoint: the run's recipe and overrides, snip-bridge-pretrain's)
     torchrun --nproc-per-node N -m snip_megatron.analyze ...   (the run's layout: TP/PP/DP)
@@ -15,6 +16,7 @@ speedup), prints the table and writes into --out: each plan (JSON, pinnable with
 YAML, Bridge `quant_recipe`), analysis.json / analysis.txt and analysis.png (predicted cost against
 budget, with the last-fraction and first/last-k rules on the same measured costs). Nothing is
 trained or written into the checkpoint. Bad input is one line and exit status 2, nothing written.
+The loop's own output (Megatron's argument table, logs and warnings) is held back: `-v` shows it.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="configs of the static recipes: Transformer Engine's (default) or SNIP's emulated linears'")
     p.add_argument("--export-sm", type=int, default=None, metavar="SM",
                    help="GPU compute capability of the TE recipes (default: the run's GPU, else 100)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show the loop's own output as it comes (Megatron's argument table, its logs and warnings)")
     return p
 
 
@@ -97,6 +101,7 @@ def check_out(out: Path, load: Path) -> None:
 
 def main(argv: "list[str] | None" = None) -> int:
     from snip_megatron.analyze import plans
+    from snip_megatron.analyze.quiet import held_output
     from snip_megatron.megatron.args import add_snip_args, snip_config_from_args
 
     ours, rest = build_parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
@@ -107,21 +112,22 @@ def main(argv: "list[str] | None" = None) -> int:
     check_out(out, load)
     loop = which_loop(load, ours.ckpt_step)
     check_recipe(loop, ours.recipe, load)
-    if loop == "bridge":  # Megatron-Bridge is imported for its checkpoints only (installed in its lane)
-        from snip_megatron.analyze import bridge
+    with held_output(ours.verbose):  # the loop's own output: shown with -v, or where it fails
+        if loop == "bridge":  # Megatron-Bridge is imported for its checkpoints only (installed in its lane)
+            from snip_megatron.analyze import bridge
 
-        run = bridge.configure(ours.recipe, rest, load, ours.ckpt_step, ours.analyze_microbatches)
-        plans.check_budgets(budgets, plans.budget_kind(run.snip))
-        m = bridge.measure(run, ours.analyze_microbatches)
-    else:
-        # The run's --snip* flags, on their own: the budget kind the values are checked against.
-        early = add_snip_args(argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False))
-        plans.check_budgets(budgets, plans.budget_kind(snip_config_from_args(early.parse_known_args(rest)[0])))
-        if loop == "compact":
-            from snip_megatron.analyze.compact import measure
+            run = bridge.configure(ours.recipe, rest, load, ours.ckpt_step, ours.analyze_microbatches)
+            plans.check_budgets(budgets, plans.budget_kind(run.snip))
+            m = bridge.measure(run, ours.analyze_microbatches)
         else:
-            from snip_megatron.analyze.megatron_lm import measure
-        m = measure(rest, load, ours.ckpt_step, ours.analyze_microbatches)
+            # The run's --snip* flags, on their own: the budget kind the values are checked against.
+            early = add_snip_args(argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False))
+            plans.check_budgets(budgets, plans.budget_kind(snip_config_from_args(early.parse_known_args(rest)[0])))
+            if loop == "compact":
+                from snip_megatron.analyze.compact import measure
+            else:
+                from snip_megatron.analyze.megatron_lm import measure
+            m = measure(rest, load, ours.ckpt_step, ours.analyze_microbatches)
     if m is None:  # --help
         return 0
     if m.is_writer:
@@ -146,7 +152,7 @@ def report(m, budgets: list, load: Path, out: Path, ours) -> None:
           f"(formats {m.snip.formats.short_str(m.snip.uses)})", flush=True)
     print(table, flush=True)
     doc = write_all(out, rows, kind, table, origin=str(load), step=m.step, measured=m.measured, pp=m.pp, vpp=m.vpp,
-                    layout_error=m.layout_error,
+                    layout_error=m.layout_error, pattern=m.pattern,
                     backend=ours.export_backend, sm=sm, formats=m.snip.formats, measure_s=m.seconds)
     for p in doc["plans"]:  # a recipe the layout or the GPU cannot take: one line per budget
         why = next((w for w in p["files"].values() if w.startswith("not written")), None)

@@ -63,12 +63,13 @@ def measure(argv: list, load: Path, step: "int | None", k: int) -> Measurement:
     if te is not None:
         from snip_megatron.te.shapes import te_exclusions
 
-        excluded = te_exclusions(config.shape, snip.formats, snip.uses, tp=config.tp,
+        excluded = te_exclusions(config.shape, snip.formats, snip.uses, inventory=trainer.inventory, tp=config.tp,
                                  micro_batch_size=config.micro_batch_size)
 
-    def controller_for(snip_config):
+    def controller_for(snip_config):  # the model's planned linears: a preset's MLA or MoE experts too
         return SnipController(snip_config, trainer.shape, total_steps=config.steps, log=lambda msg: None,
-                              tokens_per_step=config.micro_batch_size * config.seq_len, excluded=excluded)
+                              tokens_per_step=config.micro_batch_size * config.seq_len, excluded=excluded,
+                              inventory=trainer.inventory)
 
     return Measurement(stats=stats, snip=snip, controller_for=controller_for, step=loaded,
                        measured=measured_count(trainer.num_microbatches, trainer.dp_size, k), seconds=seconds,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -31,6 +33,8 @@ class Measurement:
     """Why the static recipes cannot be written for the run's layout (an uneven pipeline split)."""
     sm: Optional[int] = None
     """The GPU the run's Transformer Engine linears ran on (None: emulated linears)."""
+    pattern: Optional[str] = None
+    """A HybridModel's --hybrid-layer-pattern (its static recipes' module paths and pipeline segments)."""
     close: Callable[[], None] = lambda: None
     """Tears the loop down once the plans are solved."""
 
@@ -56,3 +60,10 @@ def uneven_split(settings: dict, pin: str) -> "str | None":
             return (f"not written: {name} splits the pipeline unevenly, which a per-module config "
                     f"cannot express; pin the JSON plan ({pin}) instead")
     return None
+
+
+def said_before(call: Callable, *args, **kwargs):
+    """`call(*args, **kwargs)` without what it prints: the start-up lines (an MoE model's notice, the
+    MTP and TE exclusions) the run's own set-up printed once already, not again per budget."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return call(*args, **kwargs)

@@ -49,12 +49,13 @@ def table_text(rows: Sequence[BudgetPlan], kind: str, high_words: str) -> str:
 
 
 def write_plans(out: Path, rows: Sequence[BudgetPlan], kind: str, *, origin: str, step: int, pp: int,
-                vpp: "int | None", backend: str, sm: int, formats,
-                layout_error: "str | None" = None) -> dict[float, dict[str, str]]:
+                vpp: "int | None", backend: str, sm: int, formats, layout_error: "str | None" = None,
+                pattern: "str | None" = None) -> dict[float, dict[str, str]]:
     """Each plan as JSON (pinnable with --snip-plan / snip.plan) and as the static recipes of
-    snip_megatron.export (`--te-precision-config-file` YAML, Bridge `quant_recipe`); a recipe the
-    layout or the GPU cannot take is left out, the reason recorded (`layout_error`: every one, for
-    that reason). {budget: {what: file or why}}."""
+    snip_megatron.export (`--te-precision-config-file` YAML, Bridge `quant_recipe`; `pattern`: a
+    HybridModel's layer pattern, which names its modules); a recipe the layout or the GPU cannot
+    take is left out, the reason recorded (`layout_error`: every one, for that reason).
+    {budget: {what: file or why}}."""
     from snip_megatron.export import plan_text
 
     written = {}
@@ -72,7 +73,7 @@ def write_plans(out: Path, rows: Sequence[BudgetPlan], kind: str, *, origin: str
             try:
                 text = plan_text(row.plan, fmt, origin=where, pp=pp, vpp=vpp, backend=backend, sm=sm,
                                  extra={"step": step, "source": origin, "budget": {kind: row.budget}},
-                                 fp8_recipe=formats.fp8_recipe, fp4_recipe=formats.fp4_recipe)
+                                 fp8_recipe=formats.fp8_recipe, fp4_recipe=formats.fp4_recipe, pattern=pattern)
             except ValueError as e:
                 files[fmt] = f"not written: {e}"
                 continue
@@ -125,11 +126,12 @@ def draw(rows: Sequence[BudgetPlan], kind: str, path: Path, title: str) -> Path:
 
 
 def write_all(out: Path, rows, kind: str, table: str, *, origin: str, step: int, measured: int, pp: int,
-              vpp, backend: str, sm: int, formats, measure_s: float, layout_error: "str | None" = None) -> dict:
+              vpp, backend: str, sm: int, formats, measure_s: float, layout_error: "str | None" = None,
+              pattern: "str | None" = None) -> dict:
     """Every file of one analysis under `out`; returns the summary."""
     out.mkdir(parents=True, exist_ok=True)
     files = write_plans(out, rows, kind, origin=origin, step=step, pp=pp, vpp=vpp, backend=backend, sm=sm,
-                        formats=formats, layout_error=layout_error)
+                        formats=formats, layout_error=layout_error, pattern=pattern)
     about = {"checkpoint": origin, "step": step, "measured_microbatches": measured, "measure_s": measure_s,
              "layout": {"pp": pp, "vpp": vpp}, "recipes": {"backend": backend, "sm": sm}}
     doc = summary(rows, kind, files, **about)

@@ -109,7 +109,9 @@ def solve_budgets(stats, snip: SnipConfig, budgets: Sequence[float],
 
 def rule_costs(costs, controller, snip: SnipConfig, budget: float) -> dict:
     """Each recipe rule's plan at FP4 budget `budget`, priced on the measured `costs` (relaxed: a
-    rule that keeps too much high gives FP4 to its kept linears last, so every budget has a plan)."""
+    rule that keeps too much high gives FP4 to its kept linears last, so every budget has a plan);
+    None where the rule's plan puts a linear in a precision the run cannot give it (the
+    controller's exclusions: TE's shape rules, FP4 on multi-token prediction)."""
     from snip_megatron.planner.baselines import baseline_plan
 
     out = {}
@@ -118,5 +120,6 @@ def rule_costs(costs, controller, snip: SnipConfig, budget: float) -> dict:
                                stages=controller.stages if snip.per_stage_budget else None,
                                k=snip.baseline_k, fraction=snip.baseline_fraction, relax=True,
                                gemm_cost=snip.gemm_costs())
-        out[rule] = plan_sum(costs.costs, result.plan)
+        runnable = all(p not in controller.excluded.get(k, ()) for k, p in result.plan.items())
+        out[rule] = plan_sum(costs.costs, result.plan) if runnable else None
     return out

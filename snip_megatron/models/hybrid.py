@@ -220,6 +220,21 @@ def module_path(entry: InventoryEntry, layer_offset: int = 0) -> str:
     return f"decoder.layers.{local}.{entry.suffix}"
 
 
+def module_pattern(key: LayerKey, pattern: str, layer_offset: int = 0) -> str:
+    """The path of a plan key's module inside the chunk whose first layer is `layer_offset` + 1,
+    its layer's kind read from `pattern` (a Mamba and a gated-delta-net layer both have in_proj);
+    ValueError where that layer has no such linear."""
+    symbols = layer_symbols(pattern)
+    if not 1 <= key.layer <= len(symbols):
+        raise ValueError(f"{key} is beyond --hybrid-layer-pattern {pattern!r} ({len(symbols)} layers)")
+    symbol = symbols[key.layer - 1]
+    slot = next((s for s in LINEARS[symbol] if s.name == key.name), None)
+    if slot is None:
+        raise ValueError(f"{key}: layer {key.layer} of --hybrid-layer-pattern {pattern!r} is a '{symbol}' layer "
+                         f"({LAYER_NAMES[symbol]}), which has no {key.name}")
+    return module_path(InventoryEntry(key, slot.suffix, (0, 0), slot.kind), layer_offset)
+
+
 def module_paths(entry: InventoryEntry, layer_offset: int = 0) -> tuple[str, ...]:
     """The paths the modules of an entry can have in the chunk (one: a hybrid layer's linear has no
     local experts; the GPT adapter's expert units have two)."""

@@ -99,23 +99,36 @@ def parse_megatron_args(argv: "list[str] | None" = None, prog: str = "snip-pretr
                                    args_defaults={"tokenizer_type": "NullTokenizer"})
 
 
-def run_pretrain(args, controller=None, family: str = "gpt") -> None:
-    """SNIP set up on Megatron's parsed `args`, then Megatron-LM's `pretrain` with its GPT
-    datasets and forward step, on the model config of `family` (see `main`)."""
+def model_config(args, family: str = "gpt"):
+    """Megatron-LM's model config of `family` from its parsed `args` (pretrain_gpt.py's
+    `gpt_config_from_args`, pretrain_hybrid.py's `hybrid_config_from_args`), after refusing what
+    SNIP cannot run (before Megatron builds anything) and, on CPU, setting the CPU's flags."""
     import torch
+    from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args
+
+    from snip_megatron.pretrain import cpu
+    from snip_megatron.pretrain.setup import check_run
+
+    check_run(args, family)
+    if not torch.cuda.is_available():
+        cpu.prepare_cpu(args)
+    return (hybrid_config_from_args if family == "hybrid" else gpt_config_from_args)(args)
+
+
+def run_pretrain(args, controller=None, family: str = "gpt", model_cfg=None) -> None:
+    """SNIP set up on Megatron's parsed `args`, then Megatron-LM's `pretrain` with its GPT
+    datasets and forward step, on the model config of `family` (see `main`; `model_cfg`: the one
+    `model_config` gave, default made here)."""
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
-    from megatron.training.argument_utils import (gpt_config_from_args, hybrid_config_from_args,
-                                                  pretrain_cfg_container_from_args)
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from snip_megatron.pretrain import cpu
     from snip_megatron.pretrain.data import datasets_provider, forward_step
-    from snip_megatron.pretrain.setup import check_run, start
+    from snip_megatron.pretrain.setup import start
 
-    check_run(args, family)  # refuse what SNIP cannot run before Megatron builds anything
-    if not torch.cuda.is_available():
-        cpu.prepare_cpu(args)
-    model_cfg = (hybrid_config_from_args if family == "hybrid" else gpt_config_from_args)(args)
+    if model_cfg is None:
+        model_cfg = model_config(args, family)
     start(args, model_cfg, controller=controller)
     cpu.skip_prebuilt_helpers()
     pretrain(pretrain_cfg_container_from_args(args, model_cfg), datasets_provider,

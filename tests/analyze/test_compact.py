@@ -1,16 +1,20 @@
-"""snip-analyze on a checkpoint saved by the compact loop (python -m snip_megatron.train): the
-table, the plans and their recipes, nothing written into the checkpoint; a checkpoint of another
-model is refused in one line naming the flag."""
+"""snip-analyze on a checkpoint saved by the compact loop (python -m snip_megatron.train) of its
+MoE preset (llama_tiny_moe: layers 1, 3, 5 MoE, the others dense): the table, the plans keyed by
+the preset's inventory (its expert units) and their recipes, nothing written into the checkpoint;
+a checkpoint of another model is refused in one line naming the flag."""
 
 import subprocess
 import sys
 
 from snip_megatron.analyze.cli import main
 from snip_megatron.errors import run_cli
+from snip_megatron.models import gpt
+from snip_megatron.plan import Plan
+from snip_megatron.shapes import PRESETS
 from tests.analyze.helpers import check_analysis, snapshot
 from tests.distributed import ROOT
 
-LOOP = ["--model", "llama_tiny", "--micro-batch-size", "2", "--global-batch-size", "8", "--max-bytes", "300000"]
+LOOP = ["--model", "llama_tiny_moe", "--micro-batch-size", "2", "--global-batch-size", "8", "--max-bytes", "300000"]
 
 
 def test_a_compact_loop_checkpoint_is_analyzed_without_writing_into_it(tmp_path, capsys):
@@ -30,6 +34,8 @@ def test_a_compact_loop_checkpoint_is_analyzed_without_writing_into_it(tmp_path,
     assert f"[snip-analyze] {ckpt} at step 2: 2 micro-batches measured" in printed
     doc = check_analysis(out, printed, budgets, linears=24, step=2)
     assert doc["plans"][-1]["stay_high"] == []  # all FP4
+    inventory = gpt.inventory(PRESETS["llama_tiny_moe"], moe=gpt.PRESET_MOE["llama_tiny_moe"])
+    assert list(Plan.load(out / doc["plans"][0]["files"]["json"])) == list(inventory.keys())  # expert units
     assert snapshot(ckpt) == before
 
     # Another vocabulary (a tokenizer of 640 tokens): refused by the parameters' shapes, nothing written.
