@@ -76,6 +76,11 @@ def _runs(entry, models, backend, *rows) -> tuple[Run, ...]:
 
 
 PRETRAIN = "tests/pretrain/"
+LAYOUT = PRETRAIN + "test_layouts.py::"
+GENERATIONS = (("te_hopper", 90), ("te_blackwell", 100))
+EXPORT_CASES = (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("moe_local", "moe_local"), ("moe_te_grouped", "moe_te_grouped"),
+                ("hybrid", "hybrid"), ("hybrid_moe_mamba_gdn", "hybrid_moe+hybrid_ssm"))
+"""tests/test_export_shapes.py's cases and the model shapes each exports."""
 TESTED: tuple[Run, ...] = (
     *_runs("megatron-lm", "dense", "emulated",
            ("one", PRETRAIN + "test_runs.py::test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_loaded_one"),
@@ -109,6 +114,26 @@ TESTED: tuple[Run, ...] = (
            ("pp", PRETRAIN + "test_hybrid_runs.py::test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers_and_resumes")),
     *_runs("megatron-lm", "hybrid_moe", "te_hopper",
            ("one", PRETRAIN + "test_hybrid_runs.py::test_one_process_hybrid_moe_layer_with_grouped_experts_measures_replans_and_resumes")),
+    *_runs("megatron-lm", "dense", "emulated",
+           ("tp+pp+vpp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[dense]"),
+           ("dp+recompute", LAYOUT + "test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute[dense]")),
+    *_runs("megatron-lm", "mla+mtp", "emulated",
+           ("pp+vpp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[mla_mtp]"),
+           ("dp+recompute", LAYOUT + "test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute[mla_mtp]")),
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp")) for backend, sm in GENERATIONS
+      for run in _runs("megatron-lm", models, backend,
+                       ("one", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
+                       ("tp+pp+vpp", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
+                       ("dp+recompute", LAYOUT + "test_te_data_parallel_with_the_distributed_optimizer_and_recompute"
+                                                 f"[{model}-{sm}]"))),
+    *_runs("analyze", "moe_local", "emulated",
+           ("one", "tests/analyze/test_models.py::test_moe_checkpoints_local_and_te_grouped_are_analyzed_by_their_inventory")),
+    *_runs("analyze", "moe_te_grouped", "te_hopper",
+           ("one", "tests/analyze/test_models.py::test_moe_checkpoints_local_and_te_grouped_are_analyzed_by_their_inventory")),
+    *_runs("analyze", "mla+mtp", "emulated",
+           ("one", "tests/analyze/test_models.py::test_an_mla_checkpoint_with_an_mtp_layer_is_analyzed_by_its_inventory")),
+    *_runs("analyze", "hybrid+hybrid_moe", "te_hopper",
+           ("one", "tests/analyze/test_models.py::test_a_hybrid_checkpoint_is_analyzed_by_its_layer_pattern")),
     *_runs("bridge", "dense", "emulated",
            ("one", "tests/bridge/test_checkpoint.py::test_killed_and_resumed_run_matches_an_uninterrupted_one"),
            ("tp", "tests/bridge/test_distributed.py::test_layout_gives_the_single_process_plan[tp2]"),
@@ -134,12 +159,14 @@ TESTED: tuple[Run, ...] = (
            ("tp", "tests/analyze/test_runs.py::test_a_tp2_megatron_lm_checkpoint_is_analyzed_without_writing_into_it"),
            ("pp", "tests/analyze/test_runs.py::test_a_tp2_megatron_lm_checkpoint_is_analyzed_without_writing_into_it")),
     *_runs("export", "dense", "emulated",
-           ("one", "tests/test_export.py::test_megatron_format_gives_every_linear_its_precision_through_megatrons_parser"),
            ("pp+vpp", "tests/test_export.py::test_pipelined_export_only_where_every_stage_local_path_has_one_precision")),
-    *_runs("export", "dense", "te_blackwell",
-           ("one", "tests/test_export.py::test_te_configs_are_what_a_snip_run_on_that_gpu_gives_its_te_linears")),
-    *_runs("export", "moe_local", "emulated",
-           ("one", "tests/test_export.py::test_an_moe_plans_expert_units_reach_every_local_expert_through_megatrons_parser")),
+    *(run for case, models in EXPORT_CASES for run in _runs(
+        "export", models, "te_blackwell",
+        ("one", f"tests/test_export_shapes.py::test_every_shape_exports_every_planned_module_through_megatrons_parser"
+                f"[{case}]"))),
+    *(run for case, models in EXPORT_CASES[:3] for run in _runs(
+        "export", models, "emulated",
+        ("one", f"tests/test_export_shapes.py::test_a_gpt_built_from_the_exported_recipe_runs_its_plan[{case}]"))),
 )
 
 COMPACT_FLAGS = "the compact loop's flags are --tp, --pp, its processes and --distributed-optimizer"

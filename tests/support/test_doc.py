@@ -31,8 +31,8 @@ def test_every_test_a_tested_cell_names_exists():
         path = ROOT / file
         assert path.is_file(), run.test
         assert function in _defined(path), run.test
-        if param:  # a parametrized case: its id is written in the file
-            assert re.search(rf"[\"']{re.escape(param.rstrip(']'))}[\"']", path.read_text()), run.test
+        for part in param.rstrip("]").split("-") if param else ():  # a parametrized case: its ids are in the file
+            assert re.search(rf"[\"']{re.escape(part)}[\"']|\b{re.escape(part)}\b", path.read_text()), run.test
 
 
 def test_the_runs_name_the_matrixs_axes():
