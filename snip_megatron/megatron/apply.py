@@ -7,6 +7,8 @@ Megatron DDP or not. Keys come from each enclosing `TransformerLayer.layer_numbe
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from megatron.core.quantization.quant_config import MatchContext, QuantizationConfig
@@ -161,6 +163,14 @@ def _config_inventory(model) -> "Inventory | None":
     return None
 
 
+def match_context(module_path: str) -> MatchContext:
+    """The MatchContext Megatron gives a module when it builds it: the layer number is the first
+    `layers.<n>` of its path, None without one (megatron/core/quantization/utils.py
+    get_quant_config_or_none, 0.19.2: lines 15-19); an MTP layer's is its `mtp.layers.<n>`."""
+    found = re.search(r"layers\.(\d+)", module_path)
+    return MatchContext(module_path, int(found.group(1)) if found else None)
+
+
 def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOptions | None" = None,
                formats: Formats = Formats(), num_layers=None) -> list[AppliedChange]:
     """Set every planned linear of this rank to its precision in `plan`; returns what changed.
@@ -204,7 +214,6 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         todo.append((pl, new, config))
 
     changes: list[AppliedChange] = []
-    parse_path = adapter(family).parse_path
     for pl, new, config in todo:
         if is_te_linear(pl.module):
             keep_te_weights_fresh(pl.module)
@@ -214,8 +223,7 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
         if is_emulated_linear(pl.module):
             pl.module.set_precision(new, formats)
         else:
-            local = parse_path(pl.module_path)[0]
-            pl.module.finish_init(QuantizationConfig(config, MatchContext(pl.module_path, local), new.value))
+            pl.module.finish_init(QuantizationConfig(config, match_context(pl.module_path), new.value))
         if not any(c.key == pl.key for c in changes[-1:]):  # an expert unit's experts: one change
             changes.append(AppliedChange(pl.key, pl.module_path, pl.chunk, old, new))
     return changes

@@ -91,9 +91,8 @@ def check_user_recipe(user_recipe, model, source: str) -> None:
     """A user's precision config (`--te-precision-config-file`) may set modules SNIP does not
     plan; one that sets a planned linear, or reuses SNIP's config names, is refused. `model`: an
     Inventory, or a dense GPT's layer count."""
-    from megatron.core.quantization.quant_config import MatchContext
-
     from snip_megatron.formats.precision import Precision
+    from snip_megatron.megatron.apply import match_context
     from snip_megatron.models import gpt
     from snip_megatron.models.registry import adapter
     from snip_megatron.plan import model_keys
@@ -108,7 +107,7 @@ def check_user_recipe(user_recipe, model, source: str) -> None:
              else [(e.key, path) for e in model for path in adapter(model.family).module_paths(e)])
     for planned, path in paths:
         for matcher in user_recipe.matchers:
-            key = matcher.match(MatchContext(path, planned.layer - 1))
+            key = matcher.match(match_context(path))
             if key is not None:
                 raise ValueError(f"{source} sets {path} (config {key!r}), a linear SNIP plans; "
                                  "drop that matcher, or freeze a plan with --snip-plan PATH "

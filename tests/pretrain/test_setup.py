@@ -147,8 +147,9 @@ def test_what_each_generation_runs_by_default(te_gpu):
     assert emulated.formats == Formats() and emulated.precisions == ["fp8", "fp4"]
 
 
-def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures():
-    args = megatron_args("--snip", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
+def test_the_layouts_of_a_70b_run_are_accepted_while_snip_measures(te_gpu):
+    te_gpu(90)  # CP needs Transformer Engine's attention
+    args = megatron_args("--snip", "--transformer-impl", "transformer_engine", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity",
                          "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
                          "--context-parallel-size", "2", "--use-distributed-optimizer", world_size=8)
     assert check_run(args).config.enabled
