@@ -11,7 +11,8 @@
 Both accumulate exact products in FP32, so they differ by summation order and by the rounding of
 the scale products only (tests/emulation/test_gemm.py holds them to that bound, per recipe).
 Which one runs: `QuantRuntime.gemm`, else `SNIP_EMULATED_GEMM` (tensor_core | fp32), else the
-device's default, `DEFAULT_PATH`: measured on each device (bench/gpu/emulated_gemm_bench.py).
+device's default (`DEFAULT_PATH`, and `DEFAULT_KBLOCK_PATH` for operands with FP32 block scales),
+the faster where measured (bench/gpu/linear_timing.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ torch has no CPU GEMM from BF16 to an FP32 result, so the tensor-core path multi
 FP32 numbers and adds the K-block loop and conversions (figures in docs/method.md). CUDA: the
 tensor cores against CUDA-core FP32, ~790 against ~60 TFLOP/s on an H100 (bench/gpu/run_all.sh
 measures it); any other device runs "fp32"."""
+DEFAULT_KBLOCK_PATH = {"cuda": "tensor_core", "cpu": "fp32"}
+"""The same for a GEMM whose operands carry FP32 block scales along K (blockwise FP8's default):
+the tensor-core path runs one GEMM per 128-wide K block and scales each FP32 partial product, so
+it moves K/128 partial results through memory; on a GPU it is expected to beat CUDA-core FP32
+(estimate, not measured: linear_timing.py's "fp8" line says which is faster)."""
 KBLOCK_GROUP_BYTES = 1 << 28
 """FP32 partial products computed by one batched GEMM of the K-block path (bounds its memory)."""
 
@@ -37,9 +43,11 @@ _LOG = logging.getLogger(__name__)
 _NO_OUT_DTYPE: set = set()  # device types whose torch.mm has no out_dtype (logged once)
 
 
-def gemm_path(device: torch.device, requested: "str | None" = None) -> str:
-    """The path a GEMM on `device` runs: `requested`, else SNIP_EMULATED_GEMM, else the default."""
-    path = requested or os.environ.get("SNIP_EMULATED_GEMM") or DEFAULT_PATH.get(device.type, "fp32")
+def gemm_path(device: torch.device, requested: "str | None" = None, kblock: bool = False) -> str:
+    """The path a GEMM on `device` runs: `requested`, else SNIP_EMULATED_GEMM, else the default
+    (`kblock`: its operands carry FP32 block scales along K)."""
+    default = (DEFAULT_KBLOCK_PATH if kblock else DEFAULT_PATH).get(device.type, "fp32")
+    path = requested or os.environ.get("SNIP_EMULATED_GEMM") or default
     if path not in PATHS:
         raise ValueError(f"emulated GEMM path {path!r} (QuantRuntime.gemm or SNIP_EMULATED_GEMM): "
                          f"choose one of {', '.join(PATHS)}")
@@ -92,7 +100,7 @@ def _kblock_mm(a: GemmOperand, b: GemmOperand) -> torch.Tensor:
         bb = bv[:, k0 * bk:k1 * bk].reshape(rows_b, k1 - k0, bk).permute(1, 2, 0)
         part = _bf16_mm(ab, bb)  # (blocks, rows_a, rows_b)
         part.mul_(sa[:, k0:k1].t()[:, :, None]).mul_(sb[:, k0:k1].t()[:, None, :])
-        part = part.sum(0)
+        part = part[0] if k1 - k0 == 1 else part.sum(0)
         out = part if out is None else out.add_(part)
     return out
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from snip_megatron.emulation.gemm import fp32_mm, gemm_path, tensor_core_mm
-from snip_megatron.formats import FormatSpec, Role, Rounding, quantize_for_role
+from snip_megatron.formats import FormatSpec, Role, Rounding, ScaleFormat, quantize_for_role
 from snip_megatron.formats.operand import GemmOperand, quantize_operand
 from snip_megatron.formats.sr_noise import CounterNoise, draw_seed, shard_noise
 
@@ -68,7 +68,7 @@ class QuantizedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, input, weight, bias, spec: FormatSpec, runtime: QuantRuntime):
-        path = gemm_path(input.device, runtime.gemm)
+        path = gemm_path(input.device, runtime.gemm, kblock=_has_block_scales(spec))
         input_hp = input.reshape(-1, input.shape[-1])
         input_q = _q(input_hp, spec, Role.FPROP_INPUT, runtime.input_group, path)
         weight_q = _q(weight, spec, Role.FPROP_WEIGHT, runtime.weight_group, path)
@@ -147,6 +147,12 @@ def _q(tensor, spec, role, group, path: str, runtime: QuantRuntime | None = None
         return quantize_operand(tensor, cast, dim=role.contraction_dim, noise=noise, amax_group=group)
     deq = quantize_for_role(tensor, spec, role, out_dtype=torch.float32, noise=noise, amax_group=group)
     return deq if role.contraction_dim == -1 else deq.t()
+
+
+def _has_block_scales(spec: FormatSpec) -> bool:
+    """Whether the spec's casts have FP32 block scales (the tensor-core path runs per K block)."""
+    cast = spec.cast(Role.FPROP_INPUT)
+    return cast is not None and cast.block is not None and cast.scale is ScaleFormat.FP32
 
 
 def _mm(a, b, quantized: bool) -> torch.Tensor:

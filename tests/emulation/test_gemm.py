@@ -125,6 +125,11 @@ def test_path_choice(monkeypatch):
     monkeypatch.setenv("SNIP_EMULATED_GEMM", "tensor_core")
     assert gemm_path(torch.device("cpu")) == "tensor_core"
     assert gemm_path(torch.device("cpu"), "fp32") == "fp32"
+    import snip_megatron.emulation.gemm as gemm
+
+    monkeypatch.setitem(gemm.DEFAULT_KBLOCK_PATH, "cuda", "fp32")  # as a measurement could set it
+    monkeypatch.delenv("SNIP_EMULATED_GEMM")
+    assert gemm_path(torch.device("cuda"), kblock=True) == "fp32" and gemm_path(torch.device("cuda")) == "tensor_core"
     monkeypatch.setenv("SNIP_EMULATED_GEMM", "tf32")
     with pytest.raises(ValueError, match="tensor_core, fp32"):
         gemm_path(torch.device("cpu"))
