@@ -72,7 +72,7 @@ class QuantizedLinear(torch.autograd.Function):
         input_hp = input.reshape(-1, input.shape[-1])
         input_q = _q(input_hp, spec, Role.FPROP_INPUT, runtime.input_group, path)
         weight_q = _q(weight, spec, Role.FPROP_WEIGHT, runtime.weight_group, path)
-        output = _mm(input_q, weight_q, spec.cast(Role.FPROP_INPUT) is not None)
+        output = _gemm(input_q, weight_q, spec.cast(Role.FPROP_INPUT) is not None)
         if bias is not None:
             output = output + bias  # in FP32 when quantized, as a GEMM epilogue
         # Save what the backward GEMMs read: fprop's quantized operand where the backward role
@@ -102,7 +102,7 @@ class QuantizedLinear(torch.autograd.Function):
                                runtime.grad_output_group, path, runtime)
             if dgrad_weight_q is None:
                 dgrad_weight_q = _q(weight, spec, Role.DGRAD_WEIGHT, runtime.weight_group, path)
-            grad_input = _mm(grad_output_q, dgrad_weight_q, quantized)
+            grad_input = _gemm(grad_output_q, dgrad_weight_q, quantized)
             grad_input = grad_input.to(ctx.input_dtype).reshape(ctx.input_shape)
 
         if ctx.needs_input_grad[1]:
@@ -114,7 +114,7 @@ class QuantizedLinear(torch.autograd.Function):
                                      runtime.grad_output_group, path, runtime)
             input_q_t = (wgrad_input if ctx.wgrad_input_is_quantized
                          else _q(wgrad_input, spec, Role.WGRAD_INPUT, runtime.input_group, path))
-            grad_weight = _mm(grad_output_q_t, input_q_t, quantized).to(weight.dtype)
+            grad_weight = _gemm(grad_output_q_t, input_q_t, quantized).to(weight.dtype)
             if runtime.accumulate_into_main_grad:
                 grad_weight = _accumulate_main_grad(weight, grad_weight)
 
@@ -155,7 +155,7 @@ def _has_block_scales(spec: FormatSpec) -> bool:
     return cast is not None and cast.block is not None and cast.scale is ScaleFormat.FP32
 
 
-def _mm(a, b, quantized: bool) -> torch.Tensor:
+def _gemm(a, b, quantized: bool) -> torch.Tensor:
     """a @ b^T of two operands in the GEMM layout."""
     if isinstance(a, GemmOperand):
         return tensor_core_mm(a, b)
