@@ -1,23 +1,8 @@
 """bench/gpu/pretrain_local_check.py's verdict (its run itself is run_all.sh's step 4; on CPU it takes
 half a minute, so the dry-run test leaves it to its deadline)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "pretrain_local_check.py"
-
-
-@pytest.fixture(scope="module")
-def check():
-    spec = importlib.util.spec_from_file_location("bench_pretrain_local_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_pretrain_local_check"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("bench_pretrain_local_check", None)
 
 
 def _records(precisions_last, moved=True):
@@ -30,15 +15,15 @@ def _records(precisions_last, moved=True):
 LINES = ["[snip] this GPU lacks fused kernels ...", "[snip] step 3: plan abc  FP4 56.2% of linear FLOPs"]
 
 
-def test_a_good_run(check, monkeypatch):
-    monkeypatch.setattr(check, "_lacks_kernels", lambda: True)
-    verdict = check.judge(_records(["fp8", "fp4", "fp8", "fp4"]), LINES, 0, cuda=True)
+def test_a_good_run(pretrain_local_check, monkeypatch):
+    monkeypatch.setattr(pretrain_local_check, "_lacks_kernels", lambda: True)
+    verdict = pretrain_local_check.judge(_records(["fp8", "fp4", "fp8", "fp4"]), LINES, 0, cuda=True)
     assert verdict == {"flags_line": 1, "replanned": 1, "trained": "3/3", "fp4_share": 0.75, "ok": 1}
 
 
 @pytest.mark.parametrize("case", ["exit", "no_replan", "not_moved", "under_budget", "no_flags_line"])
-def test_what_fails_it(check, monkeypatch, case):
-    monkeypatch.setattr(check, "_lacks_kernels", lambda: True)
+def test_what_fails_it(pretrain_local_check, monkeypatch, case):
+    monkeypatch.setattr(pretrain_local_check, "_lacks_kernels", lambda: True)
     records, lines, rc = _records(["fp8", "fp4", "fp8", "fp4"]), list(LINES), 0
     if case == "exit":
         rc = 1
@@ -50,6 +35,6 @@ def test_what_fails_it(check, monkeypatch, case):
         records = _records(["fp4", "fp8", "fp8", "fp8"])  # 3 of 16 weights
     else:
         lines = lines[1:]
-    assert check.judge(records, lines, rc, cuda=True)["ok"] == 0
+    assert pretrain_local_check.judge(records, lines, rc, cuda=True)["ok"] == 0
     if case == "no_flags_line":  # on CPU, or on a GPU with TE and apex, there is no line to print
-        assert check.judge(records, lines, rc, cuda=False)["ok"] == 1
+        assert pretrain_local_check.judge(records, lines, rc, cuda=False)["ok"] == 1
