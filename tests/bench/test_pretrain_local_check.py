@@ -1,7 +1,6 @@
 """bench/gpu/pretrain_local_check.py's verdict (its run itself is run_all.sh's step 4; on CPU it takes
 half a minute, so the dry-run test leaves it to its deadline)."""
 
-
 import pytest
 
 
