@@ -18,6 +18,10 @@ column chunks: `shard_noise` draws each at its own offset.
 
 The compiled CPU kernel (csrc/quantize_cpu.cpp, `noise_bits`) computes the same formula;
 `uniform` here is its torch form (any device), used by the reference and the eager paths.
+
+Each stochastic cast takes one seed, drawn on the host so that no cast waits for a device: from a
+`SeedStream` (a counter; the emulated linears' streams) or, by `draw_seed`, from a CPU
+torch.Generator (a device generator through its CPU twin).
 """
 
 from __future__ import annotations
