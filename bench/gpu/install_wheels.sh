@@ -3,7 +3,7 @@
 #
 #   bench/gpu/install_wheels.sh PYTHON WHEEL_DIR TARGET MODULE:WHEEL_PREFIX...
 #
-# For each MODULE:WHEEL_PREFIX (e.g. megatron.core:megatron_core) that PYTHON cannot import, the
+# For each MODULE:WHEEL_PREFIX (e.g. megatron.core:megatron_core) that PYTHON cannot find, the
 # newest WHEEL_DIR/WHEEL_PREFIX-*.whl goes into TARGET (put TARGET on PYTHONPATH): with
 # `pip install --no-index --no-deps --target`, or, where pip is missing, unzipped; either way each
 # file keeps the wheel's mode (PuLP's CBC binary stays executable). One line per module; exit status 0 when every listed
@@ -14,9 +14,11 @@ PY="$1" WHEELS="$2" TARGET="$3"
 shift 3
 export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 missing=""
+# found without importing it (megatron.core's import takes seconds; the machine line imports it)
+found() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
 for pair in "$@"; do
   module="${pair%%:*}" prefix="${pair#*:}"
-  if "$PY" -c "import $module" 2>/dev/null; then
+  if found "$module"; then
     echo "$module: importable"
     missing="${missing// $module /}"
     continue
@@ -41,7 +43,7 @@ with zipfile.ZipFile(wheel) as z:
         if mode and os.path.isfile(path):
             os.chmod(path, mode)
 PYEOF
-  if "$PY" -c "import $module" 2>/dev/null; then
+  if found "$module"; then
     echo "$module: installed from $(basename "$wheel")"
     missing="${missing// $module /}"
   else

@@ -55,29 +55,30 @@ WHEELS=$("$ROOT/bench/gpu/install_wheels.sh" "$PY" "$ROOT/.whl" "$SITE" megatron
 
 # -- the machine, in one line ---------------------------------------------------------------------
 "$PY" - "$DEVICE" "$WHEELS" >> "$SUMMARY" <<'EOF'
-import importlib, shutil, sys, sysconfig, os, warnings
-warnings.filterwarnings("ignore")  # megatron's import-time notices: the line says what is there
+import importlib.metadata, importlib.util, shutil, sys, sysconfig, os
 device, wheels = sys.argv[1], sys.argv[2].strip()
 try:
     import torch
 except Exception as e:
     print(f"[0/6] machine: {sys.executable} cannot import torch ({e}); set PYTHON to the one that can")
     sys.exit(2)
-def version(module):
+def version(module, dist):
+    # the installed distribution's version, without importing it (megatron.core takes seconds)
     try:
-        return getattr(importlib.import_module(module), "__version__", "yes")
+        return importlib.metadata.version(dist)
     except Exception:
-        return None
+        return "(no version)" if importlib.util.find_spec(module) is not None else None
 if device == "cuda":
     p = torch.cuda.get_device_properties(0)
     where = f"{p.name} SM{p.major}{p.minor} {p.total_memory / 2**30:.0f} GiB; CUDA {torch.version.cuda}"
 else:
     where = "CPU (dry run)"
-mc = version("megatron.core")
+mc = version("megatron.core", "megatron-core")
 mc = f"megatron-core {mc}" if mc else "megatron-core MISSING (put megatron_core-0.19.2-*.whl in .whl/)"
 header = os.path.join(sysconfig.get_paths()["include"], "Python.h")
-print(f"[0/6] machine: {where}; torch {torch.__version__}; Triton {version('triton') or 'absent'}; {mc}; "
-      f"PuLP {version('pulp') or 'absent (exact solver)'}; g++ {'yes' if shutil.which('g++') else 'no'}; "
+print(f"[0/6] machine: {where}; torch {torch.__version__}; Triton {version('triton', 'triton') or 'absent'}; "
+      f"{mc}; PuLP {version('pulp', 'PuLP') or 'absent (exact solver)'}; "
+      f"g++ {'yes' if shutil.which('g++') else 'no'}; "
       f"Python.h {'yes' if os.path.exists(header) else 'no'}" + (f"; {wheels}" if wheels else ""))
 EOF
 PROBE=$?
