@@ -20,12 +20,15 @@ SNIP's emulated linears (the layers `--transformer-impl local` builds with SNIP 
    (`--fused-wgrad`); `apply_plan` at a step boundary switches exactly the re-planned linears
    (their outputs change, the others' do not), training continues and the loss falls;
 4. the cost of emulation, so users know what an FP4 study costs: the training step of this model
-   under uniform BF16, FP8, NVFP4 and MXFP4 plans (`--timing-steps`), and one emulated linear's
-   forward + backward at a realistic shape (`--timing-shape tokens,in,out`, default a Llama-70B
-   fc1 shard at TP=8 on 8192 tokens) against the same linear in BF16.
+   with BF16 parameters under uniform BF16, FP8, NVFP4 and MXFP4 plans (`--timing-steps`), and one
+   emulated linear's forward + backward at a realistic shape (`--timing-shape tokens,in,out`,
+   default a Llama-70B fc1 shard at TP=8 on 8192 tokens) on the device's default GEMM path (the
+   tensor cores on CUDA) and on the FP32 path, against the same linear in BF16.
 Last line: `RESULT device=<cuda|cpu> world=<n> linears=<n> replanned=<n> max_rel_err=<e>
 step_ms=<t> loss_first=<l> loss_last=<l> fp4_recipes=<r,...> trained=<n>/<n> fused_wgrad=<0|1>
-step_x=<p>:<x>,... linear_x=<p>:<x>,... ok=<0|1>` (step_x / linear_x: time relative to BF16).
+step_x=<p>:<x>,... linear_x=<p>:<x>,... linear_x_fp32=<p>:<x>,... ok=<0|1>` (step_x, linear_x
+and linear_x_fp32: time relative to BF16; linear_x on the default GEMM path, linear_x_fp32 on the
+FP32 one).
 
 Needs torch and megatron-core (no Transformer Engine; apex only for --fused-wgrad on: fused
 kernels are switched off otherwise). Not run on a GPU yet in this project (no GPU was lent when it
@@ -43,11 +46,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling linear_timing.py
 
+from snip_megatron.emulation.gemm import gemm_path  # noqa: E402
 from snip_megatron.formats.precision import FP4_RECIPES, Formats, Precision  # noqa: E402
 from snip_megatron.models import gpt  # noqa: E402
 from snip_megatron.plan import LayerKey, Plan  # noqa: E402
 from snip_megatron.shapes import ModelShape  # noqa: E402
+from linear_timing import sync, time_linear  # noqa: E402
 
 # Dimensions are multiples of 128, so FP8 blockwise and NVFP4 blocks never straddle TP shards.
 SHAPE = ModelShape(name="gpu_check", num_layers=4, hidden_size=256, ffn_hidden_size=512,
@@ -149,32 +155,36 @@ def fused_wgrad_available() -> "str | None":
     return None
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def time_steps(shape: ModelShape, tp: int, fused: bool, fp4_recipes: list[str], device: torch.device,
+               steps: int, batches: list) -> dict[str, float]:
+    """Median seconds of a training step of a BF16 model (BF16 parameters and GEMMs, Megatron's
+    mixed-precision Adam) under uniform BF16, FP8 and each FP4 recipe's plan."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from snip_megatron.megatron.batch import make_forward_step
+    from snip_megatron.megatron.model import CPU_SAFE_FLAGS, make_transformer_config
+    from snip_megatron.megatron.smoke import wrap_ddp_and_optimizer
 
-def time_linear(spec, shape: tuple[int, int, int], device: torch.device, iters: int) -> float:
-    """Median seconds of one emulated linear's forward + backward (both GEMMs of the backward) in
-    `spec`, BF16 operands as in training."""
-    from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
-
-    tokens, n_in, n_out = shape
-    g = torch.Generator(device=device).manual_seed(5)
-    x = torch.randn(tokens, n_in, device=device, generator=g).bfloat16().requires_grad_()
-    w = (0.02 * torch.randn(n_out, n_in, device=device, generator=g)).bfloat16().requires_grad_()
-    gy = torch.randn(tokens, n_out, device=device, generator=g).bfloat16()
-    runtime = QuantRuntime(generator=torch.Generator(device=device).manual_seed(6))
-    times = []
-    for i in range(iters + 1):  # the first is a warm-up
-        sync(device)
-        start = time.perf_counter()
-        quantized_linear(x, w, None, spec, runtime).backward(gy)
-        sync(device)
-        if i:
-            times.append(time.perf_counter() - start)
-        x.grad = w.grad = None
-    return statistics.median(times)
+    config = make_transformer_config(shape, tp=tp, params_dtype=torch.bfloat16,
+                                     **{**CPU_SAFE_FLAGS, "gradient_accumulation_fusion": fused})
+    model = build(shape, config, Plan.uniform(shape.num_layers, Precision.BF16), device)
+    chunks, optimizer = wrap_ddp_and_optimizer([model], config, lr=1e-4, clip_grad=1.0, distributed_optimizer=False)
+    forward_backward, forward_step, times = get_forward_backward_func(), make_forward_step(), {}
+    for label, precision, formats in timed_plans(fp4_recipes):
+        apply_with_formats(chunks, Plan.uniform(shape.num_layers, precision), formats)
+        took = []
+        for _ in range(steps + 1):  # the first step warms up
+            start = time.perf_counter()
+            chunks[0].zero_grad_buffer()
+            optimizer.zero_grad()
+            forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
+                             num_microbatches=len(batches), seq_length=shape.seq_length, micro_batch_size=4,
+                             forward_only=False)
+            optimizer.step()
+            sync(device)
+            took.append(time.perf_counter() - start)
+        times[label] = statistics.median(took[1:])
+    return times
 
 
 def main(argv=None) -> int:
@@ -233,7 +243,8 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability()
         log(f"GPU {torch.cuda.get_device_name()} = SM{major}{minor}: FP8 and FP4 ({', '.join(fp4_recipes)}) in "
-            "SNIP's emulation (float32 GEMMs on quantized operands), the FP4 study path on any GPU")
+            "SNIP's emulation (tensor-core GEMMs on exact BF16 operands, FP32 scales after), the FP4 "
+            "study path on any GPU")
     log(f"gradient_accumulation_fusion {'on' if fused else 'off (' + str(why_not_fused) + ')'}")
 
     shape = TINY if args.tiny else SHAPE
@@ -338,21 +349,26 @@ def main(argv=None) -> int:
     ok &= falls
     step_ms = 1e3 * sorted(times[1:])[len(times[1:]) // 2] if len(times) > 1 else float("nan")
 
-    # 4. what emulation costs: a step under uniform plans, and one linear at a realistic shape
-    step_times, linear_times = {}, {}
+    # 4. what emulation costs: a step of a BF16 model under uniform plans, and one linear at a
+    # realistic shape on each GEMM path
+    step_times, linear_times, fp32_times = {}, {}, {}
     if timing_steps > 0:
-        for label, precision, formats in timed_plans(fp4_recipes):
-            apply_with_formats(chunks, Plan.uniform(n, precision), formats)
-            took = train(timing_steps + 1, record=False)[1:]  # the first step warms up
-            step_times[label] = statistics.median(took)
-        log("step time by uniform plan: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in step_times.items())
+        step_times = time_steps(shape, args.tp, fused, fp4_recipes, device, timing_steps, batches)
+        log("step time of the BF16 model by uniform plan: "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in step_times.items())
             + f" (relative to BF16: {ratios(step_times)})")
         for label, precision, formats in timed_plans(fp4_recipes):
-            linear_times[label] = time_linear(formats.spec(precision), timing_shape, device, timing_iters)
+            spec = formats.spec(precision)
+            linear_times[label] = time_linear(spec, timing_shape, device, timing_iters)
+            if precision is not Precision.BF16:
+                fp32_times[label] = time_linear(spec, timing_shape, device, timing_iters, "fp32")
+        fp32_times["bf16"] = linear_times["bf16"]
         tokens, n_in, n_out = timing_shape
-        log(f"one linear {n_out}x{n_in} on {tokens} tokens, forward + backward: "
-            + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in linear_times.items())
-            + f" (relative to BF16: {ratios(linear_times)})")
+        log(f"one linear {n_out}x{n_in} on {tokens} tokens, forward + backward, default GEMM path "
+            f"({gemm_path(device)}): " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in linear_times.items())
+            + f" (relative to BF16: {ratios(linear_times)}); FP32 path: "
+            + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in fp32_times.items() if k != "bf16")
+            + f" (relative to BF16: {ratios(fp32_times)})")
 
     ok_all = torch.tensor([int(ok)], device=device)
     torch.distributed.all_reduce(ok_all, op=torch.distributed.ReduceOp.MIN)
@@ -360,7 +376,7 @@ def main(argv=None) -> int:
         f"max_rel_err={max_err:.2e} step_ms={step_ms:.1f} loss_first={losses[0]:.4f} "
         f"loss_last={losses[-1]:.4f} fp4_recipes={','.join(fp4_recipes)} trained={len(moved)}/{len(linears)} "
         f"fused_wgrad={int(fused)} step_x={ratios(step_times)} linear_x={ratios(linear_times)} "
-        f"ok={int(ok_all.item())}")
+        f"linear_x_fp32={ratios(fp32_times)} ok={int(ok_all.item())}")
     runtime.destroy(process_group=owns_group)
     return 0 if ok_all.item() else 1
 

@@ -35,6 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = str(HERE.parents[1])
 sys.path.insert(0, ROOT)
+sys.path.insert(0, str(HERE))  # its sibling single_gpu.py, when loaded by path
 
 from snip_megatron.models import hybrid  # noqa: E402
 
@@ -52,6 +53,15 @@ MODEL = ["--hidden-size", "256", "--ffn-hidden-size", "512", "--num-attention-he
          "--mock-data", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
          "--transformer-impl", "transformer_engine"]
 SNIP = ["--snip", "--snip-warmup", "2", "--snip-interval", "3", "--snip-lag", "1"]
+
+
+def run_worker(out: str, flags: list[str], timeout: int = 900):
+    """This script's `--worker` (snip-pretrain-hybrid with the probe) as one rank without a launcher
+    (Megatron-LM's process group reads MASTER_ADDR/PORT: single_gpu.py)."""
+    from single_gpu import single_process_env
+
+    return subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", out, "--", *flags], cwd=ROOT,
+                          env=single_process_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def load_te_check():
@@ -178,9 +188,7 @@ def main(argv=None) -> int:
     flags = [*MODEL, "--hybrid-layer-pattern", args.pattern, "--train-iters", str(args.steps), *SNIP,
              *args.snip_flags.split()]
     with tempfile.TemporaryDirectory(prefix="hybrid_check_") as tmp:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-        proc = subprocess.run([sys.executable, __file__, "--worker", tmp, "--", *flags], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=900)
+        proc = run_worker(tmp, flags)
         probe = Path(tmp) / "probe.jsonl"
         records = [json.loads(line) for line in probe.read_text().splitlines()] if probe.exists() else []
     lines = [line for line in proc.stdout.splitlines() if line.startswith("[snip]")]

@@ -14,7 +14,7 @@ Transformer Engine is needed), pair by pair, with uniform FP4 saying how much FP
 Every run is a separate process on the one GPU (8 at a time). Writes docs/results_gpu.md and
 runs/quality_gpu/results.jsonl, and always resumes from that log; the last line is bench/quality.py's
 RESULT line (its 75% and oracle keys read nan: this subset runs neither). Refuses to start without
-CUDA (use bench/quality.py on a CPU).
+CUDA unless given `--device cpu` (the same command on a CPU, with tiny flags: run_all.sh's dry run).
 
 Not run yet in this project: no GPU was lent when it was written, so the eight minutes are an
 estimate (about 70 ms per emulated FP4 step of this model, 15 runs); the printed per-run seconds
@@ -75,8 +75,16 @@ def main(argv=None) -> None:
     import torch
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu/quality_gpu.py needs a CUDA GPU; on a CPU run bench/quality.py")
+    device = "cuda"
+    if "--device" in argv:  # `--device cpu`: the same command on a CPU (run_all.sh's dry run, tiny flags)
+        i = argv.index("--device")
+        device = argv[i + 1] if i + 1 < len(argv) else ""
+        del argv[i:i + 2]
+        if device not in ("cuda", "cpu"):
+            raise SystemExit(f"--device {device}: cuda or cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench/gpu/quality_gpu.py needs a CUDA GPU; on a CPU run bench/quality.py "
+                         "(or this script with --device cpu)")
     import quality
 
     quality.main(gpu_argv(argv))

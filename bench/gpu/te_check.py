@@ -66,12 +66,14 @@ import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling single_gpu.py, when loaded by path
 
 from snip_megatron.formats.precision import Precision  # noqa: E402
 from snip_megatron.models import gpt  # noqa: E402
 from snip_megatron.models.inventory import ParallelKind  # noqa: E402
 from snip_megatron.plan import LayerKey, Plan  # noqa: E402
 from snip_megatron.shapes import PRESETS, ModelShape  # noqa: E402
+from single_gpu import single_process_env  # noqa: E402
 
 # Multiples of 128: no FP8 / NVFP4 block straddles a tensor edge.
 SHAPE = ModelShape(name="te_check", num_layers=4, hidden_size=256, ffn_hidden_size=512,
@@ -955,7 +957,8 @@ def pretrain_worker(argv: list[str]) -> int:
                       "fusion": getattr(chunk_config, "gradient_accumulation_fusion", None), "linears": {}}
             for pl in linears:
                 record["linears"][str(pl.key)] = {
-                    "precision": str(precision_of(pl.module)), "moved": state[pl.key][0],
+                    "precision": str(precision_of(pl.module)), "numel": pl.module.weight.numel(),
+                    "moved": state[pl.key][0],
                     "main_grad": state[pl.key][1], "fused": getattr(pl.module, "fuse_wgrad_accumulation", None),
                     "cache_disabled": getattr(pl.module, "disable_parameter_transpose_cache", None)}
             if not dist.is_initialized() or dist.get_rank() == 0:
@@ -975,8 +978,8 @@ def pretrain_worker(argv: list[str]) -> int:
 def _pretrain(args: list[str], out: "Path | None" = None, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, os.path.abspath(__file__), "--pretrain-worker", str(out), "--", *args] if out else \
         [sys.executable, "-m", "snip_megatron.pretrain", *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # one rank without a launcher: Megatron-LM's process group reads MASTER_ADDR/PORT (single_gpu.py)
+    return subprocess.run(cmd, cwd=ROOT, env=single_process_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def check_pretrain_refuses_fp4(sm: int, log) -> bool:

@@ -13,8 +13,9 @@ does; stochastic-rounding noise is the whole gradient's, counted from its first 
 multiple of the block length along it (e.g. 128 for FP8 blockwise, 16 for NVFP4): a misaligned
 shard pads its last block, and a warning says so.
 
-Stochastic rounding uses one dedicated torch.Generator per layer (and device), never the global
-RNG streams. Its seed is `quant_config.config["sr_seed"]` if given, else a CRC32 of the module
+Stochastic rounding draws its seeds from one dedicated stream per layer, counted on the host
+(formats/sr_noise.py SeedStream: no device sync, the same seeds on CPU and GPU), never from the
+global RNG streams. Its seed is `quant_config.config["sr_seed"]` if given, else a CRC32 of the module
 path Megatron passes to finish_init, else the layer's construction index; so every TP rank of a
 layer, and the TP=1 run, draw the same bits.
 """
@@ -34,6 +35,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
 from snip_megatron.formats import Formats, FormatSpec, Precision, Role
+from snip_megatron.formats.sr_noise import SeedStream
 
 FORMAT_KEYS = ("fp8_recipe", "fp4_recipe", "fp8_format", "fp8_block_scales", "fp4_gradient_rounding")
 """Formats fields a quant_recipe config may carry (the others keep the layer's formats)."""
@@ -51,7 +53,7 @@ class _QuantLinearMixin:
     def _init_quant(self) -> None:
         self.formats = Formats()
         self._sr_seed = next(_CONSTRUCTED)
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._sr_stream: SeedStream | None = None
         self.precision = Precision.BF16
         self.format_spec = FormatSpec.for_precision(Precision.BF16)
 
@@ -90,18 +92,18 @@ class _QuantLinearMixin:
         self._warn_if_shards_split_blocks()
 
     def set_sr_seed(self, seed: int) -> None:
-        """Seed the stochastic-rounding generator; a new seed restarts its stream, the same seed
-        keeps it running (finish_init may be called again with the same config)."""
+        """Seed the stochastic-rounding stream; a new seed restarts it, the same seed keeps it
+        running (finish_init may be called again with the same config)."""
         seed = int(seed) & 0x7FFF_FFFF_FFFF_FFFF
         if seed != self._sr_seed:
             self._sr_seed = seed
-            self._generators.clear()
+            self._sr_stream = None
 
-    def sr_generator(self, device) -> torch.Generator:
-        device = torch.device(device)
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(self._sr_seed)
-        return self._generators[device]
+    def sr_stream(self) -> SeedStream:
+        """This layer's stochastic-rounding seeds (one per stochastic cast), whatever its device."""
+        if self._sr_stream is None:
+            self._sr_stream = SeedStream(self._sr_seed)
+        return self._sr_stream
 
     def extra_repr(self) -> str:
         return f"formats={self.format_spec.short_str()}"
@@ -132,7 +134,7 @@ class _QuantLinearMixin:
                                                          group=group)
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=group)
-        runtime = self._runtime(group, input.device, gradient_accumulation_fusion)
+        runtime = self._runtime(group, gradient_accumulation_fusion)
         return quantized_linear(input, weight, bias, self.format_spec, runtime)
 
     def _tp_group(self):
@@ -149,7 +151,7 @@ class _QuantLinearMixin:
         group = self._tp_group()
         return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
-    def _runtime(self, group, device, accumulate) -> QuantRuntime:
+    def _runtime(self, group, accumulate) -> QuantRuntime:
         rank, world = self._tp_rank_world()
         sharded = self._sharded_operands()
         pick = lambda operand: group if world > 1 and operand in sharded else None  # noqa: E731
@@ -158,7 +160,7 @@ class _QuantLinearMixin:
             grad_output_group=pick("grad_output"),
             grad_output_shard=((rank, world, int(getattr(self.weight, "partition_stride", 1) or 1))
                                if "grad_output" in sharded else (0, 1, 1)),
-            generator=self.sr_generator(device), accumulate_into_main_grad=accumulate)
+            generator=self.sr_stream(), accumulate_into_main_grad=accumulate)
 
     def _warn_if_shards_split_blocks(self) -> None:
         _, world = self._tp_rank_world()

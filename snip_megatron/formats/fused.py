@@ -22,9 +22,10 @@ nothing to compile), and:
   scale (NVFP4's, tensorwise FP8's) costs one read pass before.
 
 On CPU with the compiled kernel (formats/cpu_kernel.py) each cast is one kernel call instead
-(`_quantize_2d_kernel`, `_quantize_hadamard_kernel`): per-tensor amax, block scales, rounding with
-counter-based stochastic-rounding noise drawn in registers (formats/sr_noise.py) and, for the
-Hadamard roles, the transform and its inverse.
+(formats/kernel_path.py): per-tensor amax, block scales, rounding with counter-based
+stochastic-rounding noise drawn in registers (formats/sr_noise.py) and, for the Hadamard roles,
+the transform and its inverse. A cast as a GEMM operand (`operand=True`, formats/operand.py)
+runs the eager path.
 
 Contract (tests/formats/test_fused.py): the dequantized values equal the reference's bit for bit
 (NaN where the reference has NaN); codes and scales too, except inside a scaling group that holds
@@ -47,7 +48,7 @@ from snip_megatron.formats.constants import (
 )
 from snip_megatron.formats import compiled
 from snip_megatron.formats.elements import e2m1_codes, e8m0_round_up, fp8_dtype
-from snip_megatron.formats.hadamard import hadamard_factor, hadamard_last_dim, hadamard_signs
+from snip_megatron.formats.hadamard import hadamard_last_dim
 from snip_megatron.formats.spec import CastConfig, ElementFormat, Rounding, ScaleFormat
 from snip_megatron.formats.sr_noise import CounterNoise
 
@@ -76,9 +77,12 @@ _GRID = {
 def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
                    out_dtype: torch.dtype | None = None, noise: torch.Tensor | None = None,
                    generator: torch.Generator | None = None, amax_group=None,
-                   return_codes: bool = False):
+                   return_codes: bool = False, operand: bool = False):
     """`quantize_reference(...)`, bit for bit (see the module docstring), fast. `cast` is not None
-    and `tensor` was checked by `quantize`."""
+    and `tensor` was checked by `quantize`. operand=True: the cast as a GEMM reads it
+    (`formats/operand.py`), a tuple (values in the GEMM layout, tensor scale, block scales,
+    block)."""
+    from snip_megatron.formats import kernel_path
     from snip_megatron.formats.quantize import QuantizedTensor, stochastic_noise
 
     out_dtype = tensor.dtype if out_dtype is None else out_dtype
@@ -86,18 +90,20 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
         raise ValueError(f"quantize: dim must be 0 or -1 (the blocked dimension), got {dim}")
     transposed = dim == 0 and tensor.dim() > 1
     x2 = tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() != 1 else tensor.reshape(1, -1)
+    # The CPU kernel writes dequantized values only; operands take the eager path.
+    kernel = tensor.device.type == "cpu" and not operand and use_cpu_kernel()
     # Stochastic-rounding noise: a tensor in x2's layout, or (CPU kernel) the counter-based
     # generator's parameters, which the kernel draws from in registers.
     u = None
     if cast.rounding is Rounding.STOCHASTIC:
         u = stochastic_noise(noise, generator, tensor)
-        if not (isinstance(u, CounterNoise) and tensor.device.type == "cpu" and use_cpu_kernel()):
+        if not (isinstance(u, CounterNoise) and kernel):
             if isinstance(u, CounterNoise):
                 u = u.uniform(tensor.shape, tensor.device)
             u = u.float().reshape(x2.shape)
 
-    if cast.hadamard and _hadamard_kernel_serves(tensor, cast, u, amax_group):
-        return _quantize_hadamard_kernel(x2, tensor, cast, transposed, u, out_dtype, return_codes)
+    if cast.hadamard and kernel and kernel_path.hadamard_kernel_serves(tensor, cast, u, amax_group):
+        return kernel_path.quantize_hadamard_kernel(x2, tensor, cast, transposed, u, out_dtype, return_codes)
     if cast.hadamard:
         # The reference's layout and transform; the quantization in between is this module's.
         xg = _float_copy(x2.t() if transposed else x2)
@@ -111,8 +117,12 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
             xg = F.pad(xg, (0, pads[1], 0, pads[0]))
             u = u if u is None or isinstance(u, _KernelNoise) else F.pad(u, (0, pads[1], 0, pads[0]))
         xg = hadamard_last_dim(xg, cast.hadamard)
+        if operand:  # the GEMM contracts in the transformed domain, padding included (zeros before)
+            values, _, scales, tensor_scale = _quantize_2d(xg, cast, cast.block, u, torch.bfloat16,
+                                                           amax_group, False, kernel, factor=True)
+            return values, tensor_scale, scales, cast.block
         deq, codes, scales, tensor_scale = _quantize_2d(xg, cast, cast.block, u, torch.float32,
-                                                       amax_group, return_codes)
+                                                       amax_group, return_codes, kernel)
         deq = hadamard_last_dim(deq, cast.hadamard, inverse=True)[:rows, :cols]
         deq = (deq.t() if transposed else deq).reshape(tensor.shape).to(out_dtype)
         return QuantizedTensor(deq, codes, scales, tensor_scale) if return_codes else deq
@@ -128,8 +138,15 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
     if any(pads):
         x2 = F.pad(x2, (0, pads[1], 0, pads[0]))
         u = u if u is None or isinstance(u, _KernelNoise) else F.pad(u, (0, pads[1], 0, pads[0]))
+    if operand:
+        values, _, scales, tensor_scale = _quantize_2d(x2, cast, block, u, torch.bfloat16, amax_group,
+                                                       False, kernel, factor=True)
+        values = values[:rows, :cols]
+        if transposed:  # the GEMM layout: blocked (contracted) dim last
+            values, scales = values.t(), (None if scales is None else scales.t())
+        return values, tensor_scale, scales, cast.block
     deq, codes, scales, tensor_scale = _quantize_2d(
-        x2, cast, block, u, torch.float32 if any(pads) else out_dtype, amax_group, return_codes)
+        x2, cast, block, u, torch.float32 if any(pads) else out_dtype, amax_group, return_codes, kernel)
     deq = deq[:rows, :cols].reshape(tensor.shape).to(out_dtype)
     if not return_codes:
         return deq
@@ -154,20 +171,23 @@ class _KernelNoise(NamedTuple):
     cols: int
 
 
-def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes):
+def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes, kernel: bool,
+                 factor: bool = False):
     """Q of a 2D tensor whose dims are whole blocks of `block` (rows, cols, in x's own layout), or
     per-tensor (block None): (dequantized, codes, scales, tensor scale); codes and scales are None
-    unless want_codes."""
+    unless want_codes. `kernel`: the CPU kernel runs it. `factor`: see `_quantize_2d_eager`."""
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()  # float64: rounded to float32 first, as the reference
     x = x.contiguous()
-    if x.device.type == "cpu" and use_cpu_kernel():
-        return _quantize_2d_kernel(x, cast, block, u, out_dtype, amax_group, want_codes)
-    if compiled.serves(x, want_codes, amax_group):
+    if kernel:
+        from snip_megatron.formats.kernel_path import quantize_2d_kernel
+
+        return quantize_2d_kernel(x, cast, block, u, out_dtype, amax_group, want_codes)
+    if not factor and compiled.serves(x, want_codes, amax_group):
         out = compiled.cast_2d(x, cast, block, u, out_dtype, lambda: _quantize_2d_eager(
             x, cast, block, u, out_dtype, amax_group, False)[0])
         return out, None, None, None
-    return _quantize_2d_eager(x, cast, block, u, out_dtype, amax_group, want_codes)
+    return _quantize_2d_eager(x, cast, block, u, out_dtype, amax_group, want_codes, factor)
 
 
 def per_tensor_scales(amax, cast: CastConfig, block):
@@ -185,9 +205,11 @@ def per_tensor_scales(amax, cast: CastConfig, block):
     return amax, global_scale, 1.0 / global_scale
 
 
-def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes):
+def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes,
+                       factor: bool = False):
     """`_quantize_2d` in eager ops, a chunk of rows at a time (x float32/bfloat16/float16,
-    contiguous)."""
+    contiguous). factor=True: the values keep only the scales BF16 holds exactly with an element
+    (`_operand_decode`); returns (values, None, FP32 block scales or None, tensor scale or None)."""
     rows, cols = x.shape
     br, bc = block if block is not None else (1, cols)
     c = _constants(x.device)
@@ -220,11 +242,18 @@ def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, wan
             enc, decode = (s.view(shape[0], 1, shape[2], 1) for s in (enc, decode))
             if want_codes:
                 scales_all.append(scales)
+        if factor:
+            decode, k_scales = _operand_decode(decode, cast, scales if block is not None else None)
+            if k_scales is not None:
+                scales_all.append(k_scales.reshape(-1))
         y = y.view(shape)
         torch.mul(xc.view(shape), enc, out=y)  # in place when xc is the buffer
         _round_in_place(y.view(-1), cast.element, None if u is None else u[r0:r1], scratch, c)
         torch.mul(y, decode, out=out[r0:r1].view(shape))
 
+    if factor:
+        k_scales = torch.cat(scales_all).reshape(rows // br, cols // bc) if scales_all else None
+        return out, None, k_scales, None if per_tensor is None else per_tensor[1].reshape(())
     if not want_codes:
         return out, None, None, None
     if block is None:
@@ -239,8 +268,21 @@ def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, wan
     return out, codes, scales, tensor_scale
 
 
-_ELEMENT_CODES = {ElementFormat.E2M1: 0, ElementFormat.E4M3: 1, ElementFormat.E5M2: 2}
-_SCALE_CODES = {ScaleFormat.FP32: 1, ScaleFormat.POW2: 2, ScaleFormat.E8M0: 3}  # else NVFP4: 4
+def _operand_decode(decode, cast: CastConfig, block_scales):
+    """(the decode scale a GEMM operand keeps, the FP32 block scale the GEMM applies or None).
+    An element times a power of two (E8M0, pow2) or times an E4M3 block scale (NVFP4: at most
+    2 + 4 significant bits) is exact in BF16 and stays; an FP32 scale goes to the GEMM (the
+    per-tensor one: the caller returns it; a block one: returned here). NaN (a group that is not
+    finite) stays in the operand."""
+    nan = torch.isnan(decode)
+    if cast.block is None or cast.scale is ScaleFormat.FP32:
+        kept = torch.where(nan, decode, torch.ones_like(decode))
+        return kept, (None if cast.block is None else decode)
+    if cast.tensor_scale:
+        return torch.where(nan, decode, block_scales.float().view(decode.shape)), None
+    return decode, None
+
+
 USE_CPU_KERNEL = True
 """Whether CPU tensors go through the compiled kernel (formats/cpu_kernel.py) when it builds;
 False runs this module's eager path (tests compare both to the reference)."""
@@ -261,123 +303,6 @@ def use_cpu_kernel() -> bool:
     from snip_megatron.formats.cpu_kernel import kernel
 
     return USE_CPU_KERNEL and kernel() is not None
-
-
-def _quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes):
-    """`_quantize_2d` on CPU by the compiled kernel: one call. The kernel computes the per-tensor
-    scales from its own amax pass (with the reference's formulas, as the 0-dim torch ops here
-    compute them) unless the amax is all-reduced over a group of more than one rank; then here.
-    It computes the block scales with the same formulas and rounds as `_round_in_place`, drawing
-    counter-based noise itself (`_KernelNoise`)."""
-    from snip_megatron.formats.cpu_kernel import kernel
-
-    k = kernel()
-    if x.dtype == torch.float16:
-        x = x.float()
-    rows, cols = x.shape
-    enc = dec = global_scale = inv_global = 1.0
-    tensor_finite = True
-    per_tensor_scale = None
-    per_tensor = block is None or cast.tensor_scale
-    amax_in_kernel = per_tensor and (amax_group is None or _group_size(amax_group) == 1)
-    if per_tensor and not amax_in_kernel:
-        amax = _reduce_amax(k.abs_max(x), amax_group)
-        tensor_finite = bool(torch.isfinite(amax))
-        if block is None:
-            enc_t, dec_t = per_tensor_scales(amax, cast, block)
-            enc, dec, per_tensor_scale = float(enc_t), float(dec_t), dec_t
-        else:
-            _, g, inv_g = per_tensor_scales(amax, cast, block)
-            global_scale, inv_global, per_tensor_scale = float(g), float(inv_g), g
-    kernel_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
-    out = torch.empty((rows, cols), dtype=kernel_dtype)
-    q = torch.empty((rows, cols), dtype=torch.float32) if want_codes else None
-    if block is None:
-        br, bc, scale_code, scales = 1, cols, 0, None
-    else:
-        br, bc = block
-        scale_code = _SCALE_CODES.get(cast.scale, 4)
-        scale_dtype = torch.float32 if scale_code in (1, 2) else torch.uint8
-        scales = torch.empty((rows // br, cols // bc), dtype=scale_dtype)
-    noise_args = {}
-    if isinstance(u, _KernelNoise):
-        seed, col_offset = u.noise
-        noise_args = dict(noise_counter=True, seed_lo=seed & 0xFFFFFFFF,
-                          seed_hi=(seed >> 32) & 0xFFFFFFFF, col_offset=col_offset,
-                          noise_transposed=u.transposed, nat_rows=u.rows, nat_cols=u.cols)
-        u = None
-    kernel_scale = k.quantize_blocks(
-        x, out, q, None if u is None else u.float().contiguous(), scales, br, bc,
-        _ELEMENT_CODES[cast.element], scale_code, cast.element.max, enc, dec, global_scale,
-        inv_global, tensor_finite, tensor_amax=amax_in_kernel, **noise_args)
-    out = out if out.dtype == out_dtype else out.to(out_dtype)
-    if not want_codes:
-        return out, None, None, None
-    if amax_in_kernel:
-        per_tensor_scale = torch.tensor(kernel_scale, dtype=torch.float32)
-        per_tensor_scale = per_tensor_scale.reshape(1, 1) if block is None else per_tensor_scale
-    tensor_scale = None
-    if block is None:
-        scales = per_tensor_scale
-    elif scale_code == 4:
-        scales, tensor_scale = scales.view(torch.float8_e4m3fn), per_tensor_scale
-    if cast.element is ElementFormat.E2M1:
-        codes = e2m1_codes(q)
-    else:
-        codes = q.to(fp8_dtype(cast.element))  # exact: q is on the grid
-    return out, codes, scales, tensor_scale
-
-
-def _hadamard_kernel_serves(tensor, cast: CastConfig, u, amax_group) -> bool:
-    """Whether the kernel's one-call Hadamard path (`quantize_hadamard`) takes this cast: CPU,
-    NVFP4's shape of it (16-point transform, 1 x 16 blocks), no noise or counter-based noise,
-    and no amax group to all-reduce the per-tensor amax over."""
-    return (tensor.device.type == "cpu" and cast.hadamard == 16 and cast.block == (1, 16)
-            and (u is None or isinstance(u, CounterNoise))
-            and (amax_group is None or _group_size(amax_group) == 1) and use_cpu_kernel())
-
-
-_HADAMARD_SIGNS: dict = {}
-
-
-def _quantize_hadamard_kernel(x2, tensor, cast: CastConfig, transposed: bool, noise, out_dtype,
-                              want_codes):
-    """M^T Q(M x) by the kernel in one call: it reads the operand in its own layout, transforms
-    16-element chunks of the GEMM layout (hadamard.py's order), takes the per-tensor amax of the
-    transformed tensor (a first pass, transforming again), quantizes, transforms back and writes
-    the result in the GEMM layout; returned as its transposed view where the blocks run along
-    dim 0, as the other path."""
-    from snip_megatron.formats.cpu_kernel import kernel
-    from snip_megatron.formats.quantize import QuantizedTensor
-
-    if x2.dtype not in (torch.float32, torch.bfloat16):
-        x2 = x2.float()  # float64 rounded to float32 first, as the reference
-    x2 = x2.contiguous()
-    g_rows, g_cols = (x2.shape[1], x2.shape[0]) if transposed else x2.shape
-    g_pad = g_cols + (-g_cols % 16)
-    out = torch.empty((g_rows, g_cols), dtype=torch.float32)
-    q = torch.empty((g_rows, g_pad), dtype=torch.float32) if want_codes else None
-    scale_code = _SCALE_CODES.get(cast.scale, 4)
-    scales = torch.empty((g_rows, g_pad // 16),
-                         dtype=torch.float32 if scale_code in (1, 2) else torch.uint8)
-    if cast.hadamard not in _HADAMARD_SIGNS:
-        _HADAMARD_SIGNS[cast.hadamard] = hadamard_signs(cast.hadamard).float()
-    seed, col_offset = noise if noise is not None else (0, 0)
-    global_scale = kernel().quantize_hadamard(
-        x2, out, q, scales, _HADAMARD_SIGNS[cast.hadamard], hadamard_factor(cast.hadamard),
-        transposed, _ELEMENT_CODES[cast.element], scale_code, cast.element.max,
-        noise is not None, seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, col_offset)
-    deq = (out.t() if transposed else out).reshape(tensor.shape).to(out_dtype)
-    if not want_codes:
-        return deq
-    tensor_scale = None
-    if scale_code == 4:
-        scales, tensor_scale = scales.view(torch.float8_e4m3fn), torch.tensor(global_scale)
-    if cast.element is ElementFormat.E2M1:
-        codes = e2m1_codes(q)
-    else:
-        codes = q.to(fp8_dtype(cast.element))  # exact: q is on the grid
-    return QuantizedTensor(deq, codes, scales, tensor_scale)
 
 
 def _chunk_rows(x, br: int) -> int:

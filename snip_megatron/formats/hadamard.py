@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 
 import torch
 
@@ -53,8 +54,8 @@ def hadamard_signs(size: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def hadamard_factor(size: int) -> float:
-    """1/sqrt(size) as the float32 the transform multiplies by."""
-    return float(torch.tensor(1.0 / math.sqrt(size), dtype=torch.float32))
+    """1/sqrt(size) as the float32 the transform multiplies by (rounded on the host: no tensor)."""
+    return struct.unpack("f", struct.pack("f", 1.0 / math.sqrt(size)))[0]
 
 
 def hadamard_last_dim(x: torch.Tensor, size: int, *, inverse: bool = False) -> torch.Tensor:

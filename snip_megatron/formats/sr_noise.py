@@ -18,15 +18,22 @@ column chunks: `shard_noise` draws each at its own offset.
 
 The compiled CPU kernel (csrc/quantize_cpu.cpp, `noise_bits`) computes the same formula;
 `uniform` here is its torch form (any device), used by the reference and the eager paths.
+
+Each stochastic cast takes one seed, drawn on the host so that no cast waits for a device: from a
+`SeedStream` (a counter; the emulated linears' streams) or, by `draw_seed`, from a CPU
+torch.Generator (a device generator through its CPU twin).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
 
 _MASK = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
 _MIX = (0x7FEB352D, 0x846CA68B)
 _GOLDEN = 0x9E3779B9
 
@@ -77,11 +84,54 @@ def shard_noise(seed: int, shape, *, rank: int = 0, world: int = 1, stride: int 
                       for s in range(stride)], dim=-1)
 
 
-def draw_seed(generator: torch.Generator) -> int:
-    """A 64-bit seed drawn from `generator` (advancing it: each cast gets its own stream)."""
-    words = torch.randint(0, 1 << 32, (2,), generator=generator, device=generator.device,
-                          dtype=torch.int64).tolist()
+class SeedStream:
+    """Stochastic-rounding seeds counted on the host: the n-th seed is splitmix64 of (seed, n), a
+    pure function of both. Drawing one never waits for a device, and a CPU run and a GPU run with
+    the same seed draw the same seeds (so round alike). Restart it with a new `SeedStream`."""
+
+    def __init__(self, seed: int):
+        self.seed = int(seed) & _MASK64
+        self.drawn = 0
+        """Seeds drawn so far."""
+
+    def next_seed(self) -> int:
+        self.drawn += 1
+        return _splitmix64((self.seed + self.drawn * _GOLDEN64) & _MASK64)
+
+    def __repr__(self) -> str:
+        return f"SeedStream(seed={self.seed}, drawn={self.drawn})"
+
+
+def draw_seed(generator: "SeedStream | torch.Generator") -> int:
+    """A 64-bit seed from `generator` (advancing it: each cast gets its own stream). A torch
+    generator on a device is read through its host twin, a CPU generator seeded with its initial
+    seed: reading the device generator's draw would wait for the device (a host sync per cast)."""
+    if isinstance(generator, SeedStream):
+        return generator.next_seed()
+    if generator.device.type != "cpu":
+        generator = _host_twin(generator)
+    words = torch.randint(0, 1 << 32, (2,), generator=generator, dtype=torch.int64).tolist()
     return words[0] | (words[1] << 32)
+
+
+_TWINS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _host_twin(generator: torch.Generator) -> torch.Generator:
+    """The CPU generator that stands for a device generator in `draw_seed`: seeded with its initial
+    seed, re-seeded when that changes (the device generator's own state is never read)."""
+    seed = generator.initial_seed()
+    kept = _TWINS.get(generator)
+    if kept is None or kept[0] != seed:
+        kept = _TWINS[generator] = (seed, torch.Generator().manual_seed(seed))
+    return kept[1]
+
+
+def _splitmix64(z: int) -> int:
+    # Vigna's splitmix64 finaliser: a bijection of 64-bit ints with full avalanche.
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _check_range(rows: int, cols: int) -> None:

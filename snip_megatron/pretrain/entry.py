@@ -68,7 +68,8 @@ def main(argv: "list[str] | None" = None, controller=None, family: str = "gpt") 
 def parse_megatron_args(argv: "list[str] | None" = None, prog: str = "snip-pretrain-gpt"):
     """Megatron-LM's parsed and validated arguments, with SNIP's and the data flags (None after
     `--help`): the SNIP flags checked first, on their own, so a bad one fails in a second, not
-    after Megatron's start-up; on CPU the CPU flags go first (the user's own still win)."""
+    after Megatron's start-up; on CPU the CPU flags go first, on a GPU the flags for the fused
+    kernels it lacks (the user's own still win)."""
     from snip_megatron.megatron.startup import quiet_startup
 
     quiet_startup()  # before anything imports megatron.core: one line per expected absence
@@ -86,6 +87,8 @@ def parse_megatron_args(argv: "list[str] | None" = None, prog: str = "snip-pretr
         cpu.patch_arguments_for_cpu()
         # Megatron requires this with TP > 1 (a CUDA stream setting); meaningless on CPU.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    else:  # a GPU without TE or apex (e.g. --transformer-impl local for FP4 on Hopper)
+        argv = cpu.gpu_flags() + argv
     sys.argv = [sys.argv[0]] + argv  # Megatron parses sys.argv
     import warnings
 

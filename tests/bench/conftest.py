@@ -32,3 +32,6 @@ planner_scale = _bench_fixture("planner_scale", "bench_planner_scale", "planner_
 fidelity = _bench_fixture("fidelity", "bench_fidelity", "estimator_fidelity.py")
 emulation_profile = _bench_fixture("emulation_profile", "bench_emulation_profile", "emulation_profile.py")
 measure_scale = _bench_fixture("measure_scale", "bench_measure_scale", "measure_scale.py")
+cast_bits_check = _bench_fixture("cast_bits_check", "bench_cast_bits_check", "gpu/cast_bits_check.py")
+pretrain_local_check = _bench_fixture("pretrain_local_check", "bench_pretrain_local_check",
+                                      "gpu/pretrain_local_check.py")

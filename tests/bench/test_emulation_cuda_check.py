@@ -44,3 +44,20 @@ def test_arguments(check):
     with pytest.raises(SystemExit) as bad:
         check.main(["--device", "cpu", "--fp4-recipes", "int4"])
     assert bad.value.code == 2
+
+
+def test_steps_are_timed_on_a_bf16_model(check, monkeypatch):
+    # step_x compares emulated steps with BF16 ones of a model with BF16 parameters (not FP32 GEMMs)
+    import torch
+
+    class Built(Exception):
+        pass
+
+    def build(shape, config, plan, device):
+        raise Built(config.params_dtype, config.bf16, {p: n for p, n in plan.counts().items() if n})
+
+    monkeypatch.setattr(check, "build", build)
+    with pytest.raises(Built) as built:
+        check.time_steps(check.TINY, 1, False, ["nvfp4"], torch.device("cpu"), 1, [])
+    dtype, bf16, counts = built.value.args
+    assert dtype is torch.bfloat16 and bf16 and counts == {"bf16": 16}

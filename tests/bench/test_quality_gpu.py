@@ -80,3 +80,13 @@ def test_refuses_without_cuda(modules):
     gpu, _ = modules
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         gpu.main([])
+
+
+def test_device_cpu_runs_the_same_command_on_a_cpu(modules, monkeypatch):
+    gpu, quality = modules
+    seen = []
+    monkeypatch.setattr(quality, "main", seen.append)
+    gpu.main(["--device", "cpu", "--seeds", "1"])
+    assert seen == [gpu.gpu_argv(["--seeds", "1"])]  # --device taken out, the rest as on a GPU
+    with pytest.raises(SystemExit, match="cuda or cpu"):
+        gpu.main(["--device", "tpu"])

@@ -7,6 +7,7 @@ import torch
 
 from snip_megatron.emulation import QuantRuntime, quantized_linear
 from snip_megatron.formats import Formats, FormatSpec, Precision
+from snip_megatron.formats.sr_noise import SeedStream
 from snip_megatron.shapes import ModelShape
 
 SHAPE = ModelShape(num_layers=1, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4,
@@ -78,7 +79,7 @@ def test_quantized_forward_is_quantized_linear(megatron_single, precision, recip
     wr = layer.weight.detach().clone().requires_grad_()
     br = layer.bias.detach().clone().requires_grad_()
     yr = quantized_linear(xr, wr, br, layer.format_spec,
-                          QuantRuntime(generator=torch.Generator().manual_seed(9)))
+                          QuantRuntime(generator=SeedStream(9)))
     yr.backward(gy)
     assert torch.equal(y, yr) and torch.equal(gx, xr.grad)
     assert torch.equal(gw, wr.grad) and torch.equal(gb, br.grad)
@@ -124,14 +125,14 @@ def test_repr_shows_formats(megatron_single):
     assert repr(layers["qrow"]).count("formats=bf16") == 1
 
 
-def test_sr_generator_is_dedicated_and_seeded_by_path(megatron_single):
+def test_sr_stream_is_dedicated_and_seeded_by_path(megatron_single):
     layers = _pair()
     a, b = layers["qcol"], layers["qrow"]
     a.finish_init(_QC({"precision": "fp4"}, path="decoder.layers.1.mlp.linear_fc1"))
     b.finish_init(_QC({"precision": "fp4"}, path="decoder.layers.1.mlp.linear_fc1"))
-    assert a.sr_generator("cpu").initial_seed() == b.sr_generator("cpu").initial_seed()
+    assert a.sr_stream().seed == b.sr_stream().seed
     b.finish_init(_QC({"precision": "fp4"}, path="decoder.layers.1.mlp.linear_fc2"))
-    assert a.sr_generator("cpu").initial_seed() != b.sr_generator("cpu").initial_seed()
+    assert a.sr_stream().seed != b.sr_stream().seed
     state = torch.get_rng_state()
     x = torch.randn(8, 2, 128).requires_grad_()
     state = torch.get_rng_state()
@@ -158,10 +159,10 @@ def test_warns_when_tp_shards_split_blocks(megatron_single, monkeypatch):
 def test_finish_init_again_keeps_the_sr_stream(megatron_single):
     layer = _pair()["qcol"]
     layer.finish_init(_QC({"precision": "fp4", "sr_seed": 3}))
-    gen = layer.sr_generator("cpu")
-    first = torch.rand(4, generator=gen)
+    stream = layer.sr_stream()
+    first = stream.next_seed()
     layer.finish_init(_QC({"precision": "fp4", "sr_seed": 3}))
-    assert layer.sr_generator("cpu") is gen and not torch.equal(torch.rand(4, generator=gen), first)
+    assert layer.sr_stream() is stream and stream.next_seed() != first
     with pytest.raises(ValueError, match="sr_seed"):
         layer.finish_init(_QC({"precision": "fp8", "sr_seed": "x"}))
     assert layer.precision is Precision.FP4

@@ -6,6 +6,7 @@ import torch
 from snip_megatron.emulation import QuantRuntime, quantized_linear
 from snip_megatron.emulation.quantized_linear import shares_quantization
 from snip_megatron.formats import FormatSpec, Role, quantize_for_role
+from snip_megatron.formats.operand import quantize_operand
 from snip_megatron.formats.sr_noise import CounterNoise, draw_seed
 
 RECIPES = {"blockwise": ("fp8", {}), "tensorwise": ("fp8", {"fp8_recipe": "tensorwise"}),
@@ -26,11 +27,13 @@ def _data(dtype=torch.float32, n=(8, 4), k=256, m=128, seed=0):
     return x, w, gy
 
 
-def _run(x, w, gy, spec, seed=5, bias=None):
+def _run(x, w, gy, spec, seed=5, bias=None, gemm="fp32"):
+    # The FP32 GEMM path: its results are the FP32 products of the dequantized operands, bit for
+    # bit (tests/emulation/test_gemm.py holds the tensor-core path to them).
     x = x.clone().requires_grad_()
     w = w.clone().requires_grad_()
     b = None if bias is None else bias.clone().requires_grad_()
-    y = quantized_linear(x, w, b, spec, QuantRuntime(generator=torch.Generator().manual_seed(seed)))
+    y = quantized_linear(x, w, b, spec, QuantRuntime(generator=torch.Generator().manual_seed(seed), gemm=gemm))
     y.backward(gy)
     return y, x.grad, w.grad, (None if b is None else b.grad)
 
@@ -110,7 +113,7 @@ def test_accumulate_into_main_grad():
     wp = torch.nn.Parameter(w.clone())
     wp.main_grad = torch.ones_like(w)
     wp.grad_added_to_main_grad = False
-    y = quantized_linear(x, wp, None, spec, QuantRuntime(accumulate_into_main_grad=True))
+    y = quantized_linear(x, wp, None, spec, QuantRuntime(accumulate_into_main_grad=True, gemm="fp32"))
     y.backward(gy)
     assert torch.equal(wp.main_grad, 1 + ref_gw) and wp.grad_added_to_main_grad
 
@@ -150,8 +153,9 @@ def test_shared_quantizations_follow_the_casts(name):
     assert shared == SHARED[name]
 
 
+@pytest.mark.parametrize("gemm", ["fp32", "tensor_core"])
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_each_operand_is_quantized_once_per_distinct_cast(name, monkeypatch):
+def test_each_operand_is_quantized_once_per_distinct_cast(name, gemm, monkeypatch):
     spec = _spec(name)
     calls = []
 
@@ -159,9 +163,17 @@ def test_each_operand_is_quantized_once_per_distinct_cast(name, monkeypatch):
         calls.append(Role(role))
         return quantize_for_role(tensor, spec, role, **kw)
 
+    def counting_operand(tensor, cast, *, dim, **kw):
+        calls.append(next(r for r in Role if spec.cast(r) == cast and r.contraction_dim == dim
+                          and r.operand == _operand_of(tensor, x, w)))
+        return quantize_operand(tensor, cast, dim=dim, **kw)
+
     # the module, not the function the package exports under the same name
-    monkeypatch.setattr(sys.modules["snip_megatron.emulation.quantized_linear"], "quantize_for_role", counting)
-    _run(*_data(), spec)
+    module = sys.modules["snip_megatron.emulation.quantized_linear"]
+    monkeypatch.setattr(module, "quantize_for_role", counting)
+    monkeypatch.setattr(module, "quantize_operand", counting_operand)
+    x, w, gy = _data()
+    _run(x, w, gy, spec, gemm=gemm)
     expected = set(Role)
     if "weight" in SHARED[name]:
         expected.discard(Role.DGRAD_WEIGHT)
@@ -186,3 +198,10 @@ def test_shared_quantizations_are_bit_exact_on_partial_tiles(name, m):
     assert torch.equal(gx.reshape(-1, 256), q(gy2, Role.DGRAD_GRAD_OUTPUT, noise=u_dgrad) @ q(w, Role.DGRAD_WEIGHT))
     assert torch.equal(gw, q(gy2, Role.WGRAD_GRAD_OUTPUT, noise=u_wgrad).t() @ q(x2, Role.WGRAD_INPUT))
     assert torch.equal(y.reshape(-1, m), q(x2, Role.FPROP_INPUT) @ q(w, Role.FPROP_WEIGHT).t())
+
+
+def _operand_of(tensor, x, w) -> str:
+    """Which of the layer's tensors a quantized tensor is (by shape: X and G_Y differ in width)."""
+    if tensor.shape == w.shape:
+        return "weight"
+    return "input" if tensor.shape[-1] == x.shape[-1] else "grad_output"

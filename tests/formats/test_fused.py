@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import snip_megatron.formats.fused as fused
+import snip_megatron.formats.kernel_path as kernel_path
 from snip_megatron.formats import (
     ElementFormat, Formats, Role, Rounding, hadamard_last_dim, quantize, quantize_for_role,
     quantize_reference,
@@ -218,7 +219,7 @@ def test_kernel_element_rounding_equals_the_casts(element):
     want = cast_fp8(y, element).float() if element is not ElementFormat.E2M1 else round_e2m1(y.clone())
     x = y.view(1, -1)
     out, q = torch.empty_like(x), torch.empty_like(x)
-    kernel().quantize_blocks(x, out, q, None, None, 1, x.shape[1], fused._ELEMENT_CODES[element],
+    kernel().quantize_blocks(x, out, q, None, None, 1, x.shape[1], kernel_path.ELEMENT_CODES[element],
                              0, element.max, 1.0, 1.0, 1.0, 1.0, True)
     _assert_bits_equal(want, q.view(-1), element.value)
     _assert_bits_equal(want, out.view(-1), element.value)

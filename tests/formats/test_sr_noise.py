@@ -7,7 +7,7 @@ import torch
 
 import snip_megatron.formats.fused as fused
 from snip_megatron.formats import Formats, Role, Rounding, quantize_for_role
-from snip_megatron.formats.sr_noise import CounterNoise, draw_seed, shard_noise
+from snip_megatron.formats.sr_noise import CounterNoise, SeedStream, draw_seed, shard_noise
 
 NVFP4 = Formats().spec("fp4")
 SR_ROLES = [r for r in Role if NVFP4.cast(r) is not None and NVFP4.cast(r).rounding is Rounding.STOCHASTIC]
@@ -115,3 +115,35 @@ def test_the_int32_element_path_is_the_uint32_formula(seed, col_offset):
     c = torch.arange(col_offset, col_offset + 1000, dtype=torch.int64)
     want = (_mix(_mix(c[None, :] ^ k0[:, None]) ^ k1[:, None]) >> 8).to(torch.float32) * 2.0**-24
     assert torch.equal(noise.uniform((7, 1000)), want)
+
+
+def test_seed_stream_is_a_function_of_seed_and_count():
+    a, b, c = SeedStream(7), SeedStream(7), SeedStream(8)
+    first = [draw_seed(a) for _ in range(4)]
+    assert first == [b.next_seed() for _ in range(4)] and a.drawn == 4
+    assert len(set(first)) == 4 and not set(first) & {c.next_seed() for _ in range(4)}
+    assert all(0 <= s < 2**64 for s in first)
+    assert [SeedStream(7).next_seed(), SeedStream(7).next_seed()] == first[:1] * 2  # a new stream restarts
+
+
+class _DeviceGenerator:
+    """Stands for a torch.Generator on a GPU: its seed is known on the host; drawing from it
+    (what would wait for the device) fails."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, seed):
+        self.seed = seed
+
+    def initial_seed(self):
+        return self.seed
+
+    def __getattr__(self, name):
+        raise AssertionError(f"draw_seed used the device generator's {name}")
+
+
+def test_a_device_generator_draws_from_its_host_twin():
+    device, host = _DeviceGenerator(5), torch.Generator().manual_seed(5)
+    assert [draw_seed(device) for _ in range(3)] == [draw_seed(host) for _ in range(3)]
+    device.seed = 6  # re-seeded (manual_seed): the twin restarts from the new seed
+    assert draw_seed(device) == draw_seed(torch.Generator().manual_seed(6))
