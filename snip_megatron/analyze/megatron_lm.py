@@ -138,7 +138,7 @@ def measure(argv: list, load: Path, ckpt_step: "int | None", k: int) -> "Measure
     check_same_model(args, iteration_folder(load, loaded))
     _for_analysis(args, k, 0 if loaded == "release" else int(loaded))
     family = family_of(args)
-    checked = check_run(args, family)
+    checked = check_run(args, family, entry="analyze")
     model_cfg = model_config(args, family)
     inventory = expected_inventory(args, model_cfg.transformer, family)
     taken = _measure_first_step(args, MeasureOnce(checked.config, inventory), family, model_cfg)

@@ -93,8 +93,8 @@ def refused(cfg, snip, backend: "str | None" = None, *, resolved: bool = False) 
 def check(cfg, snip, backend: "str | None" = None, *, resolved: bool = False) -> None:
     """ValueError listing every setting of `cfg` to change, if any (`resolved`: the rules on the
     SNIP config resolved for the backend and GPU)."""
-    from snip_megatron.support.check import TAKE_SNIP, refusal_message
+    from snip_megatron.support.check import refusal_message
 
     lines = refused(cfg, snip, backend, resolved=resolved)
     if lines:
-        raise ValueError(refusal_message(f"this Megatron-Bridge run {TAKE_SNIP}", lines))
+        raise ValueError(refusal_message("this Megatron-Bridge run cannot take SNIP as configured", lines))

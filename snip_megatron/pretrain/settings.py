@@ -18,18 +18,19 @@ def _config_from_args(cls, args):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
 
-def run_facts(args, family: str, backend: str) -> RunFacts:
+def run_facts(args, family: str, backend: str, entry: str = "megatron-lm") -> RunFacts:
     import torch
 
     from snip_megatron.te.installed import te_installed
 
-    return RunFacts(entry="megatron-lm", family=family, backend=backend, world_size=int(getattr(args, "world_size", 1)),
+    return RunFacts(entry=entry, family=family, backend=backend, world_size=int(getattr(args, "world_size", 1)),
                     hybrid_pattern=getattr(args, "hybrid_layer_pattern", None),
                     dataloader_type=getattr(args, "dataloader_type", None),
                     te_installed=te_installed(), cuda=torch.cuda.is_available())
 
 
-def settings_of(args, snip, backend: str, family: str = "gpt", transformer_config=None) -> Settings:
+def settings_of(args, snip, backend: str, family: str = "gpt", transformer_config=None,
+                entry: str = "megatron-lm") -> Settings:
     """The Settings of a Megatron-LM run: its TransformerConfig (`transformer_config`, the one the
     run's model config holds, else built from `args` as Megatron-LM builds it), DDP, optimizer,
     checkpoint and distributed configs, and its facts."""
@@ -42,6 +43,6 @@ def settings_of(args, snip, backend: str, family: str = "gpt", transformer_confi
         model = transformer_config if transformer_config is not None else core_transformer_config_from_args(args)
         ddp = get_megatron_ddp_config(args)
         optimizer, _ = get_megatron_optimizer_config(args)
-    return Settings(model=model, snip=snip, run=run_facts(args, family, backend), ddp=ddp, optimizer=optimizer,
+    return Settings(model=model, snip=snip, run=run_facts(args, family, backend, entry), ddp=ddp, optimizer=optimizer,
                     checkpoint=_config_from_args(CheckpointConfig, args),
                     dist=_config_from_args(DistributedInitConfig, args))

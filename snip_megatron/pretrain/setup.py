@@ -284,7 +284,12 @@ class CheckedRun(NamedTuple):
         return None if self.te is None else self.te.sm
 
 
-def check_run(args, family: str = "gpt", transformer_config=None) -> Optional[CheckedRun]:
+HEADS = {"megatron-lm": "this Megatron-LM run cannot take SNIP as configured",
+         "analyze": "snip-analyze cannot measure this run as configured"}
+"""The first words of a refusal, per entry."""
+
+
+def check_run(args, family: str = "gpt", transformer_config=None, entry: str = "megatron-lm") -> Optional[CheckedRun]:
     """The run's resolved SnipConfig and, for the TE backend, the GPU's compute capability and the
     installed TE's own answers (None when SNIP is off), after refusing every Megatron setting it
     cannot honour (snip_megatron.support's rules, on the configs Megatron-LM builds from `args`;
@@ -295,7 +300,7 @@ def check_run(args, family: str = "gpt", transformer_config=None) -> Optional[Ch
 
     from snip_megatron.megatron.args import named_as_flags
     from snip_megatron.pretrain.settings import settings_of
-    from snip_megatron.support.check import TAKE_SNIP, refusal_message, refusals
+    from snip_megatron.support.check import refusal_message, refusals
     from snip_megatron.support.names import MegatronLMNames
 
     snip = snip_config_from_args(args)
@@ -306,7 +311,7 @@ def check_run(args, family: str = "gpt", transformer_config=None) -> Optional[Ch
         raise ValueError(f"--te-precision-config-file {config_file}: no such file (a YAML of matchers "
                          "and configs, as Megatron's load_quantization_recipe reads)")
     backend = resolve_backend(args)
-    settings = settings_of(args, snip, backend, family, transformer_config)
+    settings = settings_of(args, snip, backend, family, transformer_config, entry)
     names = MegatronLMNames()
     refused = refusals(settings, names)
     te = None
@@ -324,7 +329,7 @@ def check_run(args, family: str = "gpt", transformer_config=None) -> Optional[Ch
         else:
             refused += refusals(dataclasses.replace(settings, snip=snip), names, resolved=True)
     if refused:
-        raise ValueError(refusal_message(f"this Megatron-LM run {TAKE_SNIP}", refused))
+        raise ValueError(refusal_message(HEADS[entry], refused))
     return CheckedRun(snip, te)
 
 

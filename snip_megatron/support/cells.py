@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from snip_megatron.support import matrix
 
 TESTED, REFUSED, UNREACHABLE, UNKNOWN = "tested", "refused", "not reachable", "unknown"
-RULES_OF = {"analyze": "megatron-lm", "export": None}
-"""Whose rules an entry's cells are refused by: snip-analyze starts Megatron-LM's loop (its
-checkpoints' runs); export reads a plan and starts nothing."""
+RULES_OF = {"export": None}
+"""Whose rules an entry's cells are refused by (its own, but export's: it reads a plan and starts
+nothing)."""
 
 
 @dataclass(frozen=True)

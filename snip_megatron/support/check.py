@@ -29,9 +29,6 @@ def refusals(settings: Settings, names, *, resolved: bool = False) -> list[str]:
     return lines
 
 
-TAKE_SNIP = "cannot take SNIP as configured"
-
-
 def refusal_message(head: str, lines: list[str]) -> str:
     """The one error an entry raises: `head` ("this Megatron-LM run cannot take SNIP as
     configured") and every refusal, on one line when there is one."""

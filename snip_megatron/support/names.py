@@ -174,4 +174,5 @@ class CompactNames(Names):
 
 def names_for(entry: str) -> Names:
     """The default spelling of each entry (Bridge's without a mixed-precision recipe)."""
-    return {"megatron-lm": MegatronLMNames, "bridge": BridgeNames, "compact": CompactNames}[entry]()
+    return {"megatron-lm": MegatronLMNames, "analyze": MegatronLMNames, "bridge": BridgeNames,
+            "compact": CompactNames}[entry]()

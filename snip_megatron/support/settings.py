@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-ENTRIES = ("megatron-lm", "bridge", "compact")
-"""The loops a run starts from (snip-analyze and the report read runs of these)."""
+ENTRIES = ("megatron-lm", "bridge", "compact", "analyze")
+"""The loops a run starts from, and snip-analyze (which starts Megatron-LM's loop on a checkpoint: the
+rules of megatron-lm hold there too, and its own)."""
 SECTIONS = ("model", "ddp", "optimizer", "checkpoint", "dist", "run", "snip")
 
 
