@@ -75,10 +75,23 @@ def layout_config(shape: ModelShape, *, tp: int = 1, pp: int = 1, vpp: "int | No
 
 
 def chunk_layers(config, pp_rank: int, vp_stage: "int | None") -> tuple[int, int]:
-    """(layer offset, number of layers) of one pipeline chunk, by Megatron's own functions."""
+    """(layer offset, number of layers) of one pipeline chunk, by Megatron's own functions; of a
+    custom layout (--pipeline-model-parallel-layout) from the layout itself, whose offset Megatron
+    computes for the calling process's rank only (transformer_layer.py get_transformer_layer_offset
+    does not pass `pp_rank` on, 0.19.2: lines 70-73)."""
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None and config.pipeline_model_parallel_size > 1:
+        from megatron.core.transformer.enums import LayerType
+
+        chunks, stage = layout.layout, vp_stage or 0
+        # PipelineParallelLayerLayout.get_layer_offset's sum, for any rank: every chunk before
+        # (vp_stage, pp_rank) in the interleaved order
+        offset = sum(chunks[p][v].count(LayerType.decoder) for v in range(stage + 1)
+                     for p in range(config.pipeline_model_parallel_size if v < stage else pp_rank))
+        return offset, chunks[pp_rank][stage].count(LayerType.decoder)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return int(offset), int(count)

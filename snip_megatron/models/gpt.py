@@ -84,9 +84,11 @@ MTP_INNER = ("mtp_model_layer", "transformer_layer")
 transformer_layer in 0.16."""
 
 
-def mtp_slots(mla: "MLADims | None" = None) -> tuple[LinearSlot, ...]:
-    """The planned linears of one MTP layer, in forward order: eh_proj, then its inner layer's."""
-    return (MTP_EH_PROJ,) + tuple(LinearSlot(MTP + s.name, s.suffix, s.kind) for s in layer_slots(mla))
+def mtp_slots(mla: "MLADims | None" = None, moe: "MoEDims | None" = None) -> tuple[LinearSlot, ...]:
+    """The planned linears of one MTP layer, in forward order: eh_proj, then its inner layer's (an
+    MoE layer's with `moe`: Megatron builds the MTP layer from the last decoder layer's spec,
+    megatron/core/models/gpt/gpt_layer_specs.py get_gpt_mtp_block_spec_for_backend)."""
+    return (MTP_EH_PROJ,) + tuple(LinearSlot(MTP + s.name, s.suffix, s.kind) for s in layer_slots(mla, moe))
 
 
 def is_mtp(key: LayerKey) -> bool:
@@ -94,15 +96,20 @@ def is_mtp(key: LayerKey) -> bool:
     return key.name.startswith(MTP)
 
 
-SLOTS = {s.name: s for s in LINEARS + MLA_LINEARS}
-SLOTS.update({MTP + s.name: LinearSlot(MTP + s.name, s.suffix, s.kind) for s in LINEARS + MLA_LINEARS})
+SLOTS = {s.name: s for s in LINEARS + MLA_LINEARS + MOE_LINEARS}
+SLOTS.update({MTP + s.name: LinearSlot(MTP + s.name, s.suffix, s.kind) for s in LINEARS + MLA_LINEARS + MOE_LINEARS})
 SLOTS[MTP_EH_PROJ.name] = MTP_EH_PROJ
-SLOTS.update({s.name: s for s in MOE_LINEARS})
+EXPERT_NAMES = tuple(s.name for s in EXPERT_LINEARS)
+
+
+def is_expert_name(name: str) -> bool:
+    """Whether a linear name is a routed-expert unit's, in the decoder or an MTP layer."""
+    return name.removeprefix(MTP) in EXPERT_NAMES
 
 
 def is_expert(key: LayerKey) -> bool:
-    """Whether `key` names an MoE layer's routed-expert unit."""
-    return key.name in (EXPERT_LINEARS[0].name, EXPERT_LINEARS[1].name)
+    """Whether `key` names an MoE layer's routed-expert unit (a decoder's or an MTP layer's)."""
+    return is_expert_name(key.name)
 
 UNPLANNED = (
     Unplanned("embedding", "embeddings stay in BF16"),
@@ -134,7 +141,8 @@ _PATH = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.(" + "|".join(dict.fromkeys
     _suffix_pattern(s.suffix) for s in SLOTS.values())) + r")$")
 _NAME_OF_SUFFIX = {s.suffix: s.name for s in LINEARS + MLA_LINEARS + MOE_LINEARS}
 _MTP_PATH = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.(?:(?:" + "|".join(MTP_INNER) + r")\.("
-                       + "|".join(re.escape(s.suffix) for s in LINEARS + MLA_LINEARS) + r")|(eh_proj))$")
+                       + "|".join(dict.fromkeys(_suffix_pattern(s.suffix) for s in LINEARS + MLA_LINEARS + MOE_LINEARS))
+                       + r")|(eh_proj))$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,10 +251,10 @@ def parse_path(module_path: str) -> "tuple[int, str] | None":
 
 
 def expert_index(module_path: str) -> "int | None":
-    """The local expert index of one SequentialMLP expert's linear (`...local_experts.<i>.linear_fc1`),
-    else None."""
-    m = _PATH.search(module_path)
-    e = _LOCAL_EXPERT.search(m.group(2)) if m else None
+    """The local expert index of one SequentialMLP expert's linear (`...local_experts.<i>.linear_fc1`,
+    in a decoder or an MTP layer), else None."""
+    m = _PATH.search(module_path) or _MTP_PATH.search(module_path)
+    e = _LOCAL_EXPERT.search(m.group(2) or "") if m else None
     return int(e.group(1)) if e else None
 
 
@@ -255,7 +263,7 @@ def parse_mtp_path(module_path: str) -> "LayerKey | None":
     m = _MTP_PATH.search(module_path)
     if m is None:
         return None
-    name = MTP_EH_PROJ.name if m.group(3) else MTP + _NAME_OF_SUFFIX[m.group(2)]
+    name = MTP_EH_PROJ.name if m.group(3) else MTP + _NAME_OF_SUFFIX[_LOCAL_EXPERT.sub("", m.group(2))]
     return LayerKey(int(m.group(1)) + 1, name)
 
 
@@ -365,7 +373,7 @@ def entry(layer: int, name: str, out_in: tuple[int, int], *, sequence_parallel: 
     """One planned linear's entry; an expert unit's counts `moe`'s experts and top-k."""
     slot = SLOTS[name]
     kind = slot.kind if kind is None else ParallelKind(kind)
-    expert = slot in EXPERT_LINEARS
+    expert = is_expert_name(name)
     if expert and moe is None:
         raise ValueError(f"{layer}.{name} is a routed-expert unit: its entry needs the MoEDims")
     # Under SP a column-parallel linear gathers its token-sharded input itself, and a duplicated one
@@ -381,15 +389,14 @@ def inventory(shape: ModelShape, *, sequence_parallel: bool = False, mla: "MLADi
     """Every planned linear of a GPT of `shape` (with multi-latent attention of `mla`, the MoE
     layers of `moe`, and `mtp_num_layers` multi-token-prediction layers after the decoder),
     without building it (the 70B layout in microseconds)."""
-    if moe is not None and mtp_num_layers:
-        raise ValueError("SNIP plans MoE layers in the decoder only, not with multi-token prediction")
     shapes = linear_shapes(shape, mla, moe)
     shapes.update({MTP + name: out_in for name, out_in in shapes.items()})
     shapes[MTP_EH_PROJ.name] = (shape.hidden_size, 2 * shape.hidden_size)
     L = shape.num_layers
     decoder = ((layer, s) for layer in range(1, L + 1)
                for s in layer_slots(mla, moe if moe is not None and moe.is_moe_layer(layer, L) else None))
-    mtp = ((depth, s) for depth in range(1, mtp_num_layers + 1) for s in mtp_slots(mla))
+    mtp_moe = moe if moe is not None and moe.is_moe_layer(L, L) else None  # the last decoder layer's kind
+    mtp = ((depth, s) for depth in range(1, mtp_num_layers + 1) for s in mtp_slots(mla, mtp_moe))
     return Inventory(FAMILY, [entry(layer, s.name, shapes[s.name], sequence_parallel=sequence_parallel, moe=moe)
                               for layer, s in (*decoder, *mtp)],
                      UNPLANNED + (moe.unplanned() if moe is not None else ()))
@@ -449,7 +456,8 @@ def planned_modules(chunk):
         config = getattr(module, "config", None)
         tp = int(getattr(config, "tensor_model_parallel_size", 1) or 1)
         slot = SLOTS[parsed[1]]
-        if slot in EXPERT_LINEARS:  # experts are split over the expert TP group
+        expert = is_expert_name(slot.name)
+        if expert:  # experts are split over the expert TP group
             tp = int(getattr(config, "expert_tensor_parallel_size", None) or tp)
         out_f, in_f = (int(d) for d in gemm_weight(module).shape)
         kind = module_kind(module) if slot.kind is ParallelKind.DUPLICATED else slot.kind
@@ -457,7 +465,7 @@ def planned_modules(chunk):
                  ParallelKind.DUPLICATED: (out_f, in_f)}[kind]
         yield path, module, entry(number, parsed[1], whole, kind=kind,
                                   sequence_parallel=bool(getattr(config, "sequence_parallel", False)),
-                                  moe=MoEDims.of(config) if slot in EXPERT_LINEARS else None)
+                                  moe=MoEDims.of(config) if expert else None)
 
 
 def discover(model_chunks) -> Inventory:

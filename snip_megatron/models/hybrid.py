@@ -136,7 +136,12 @@ def chunk_offset(pattern: str, pp_group, vp_stage: "int | None" = None) -> int:
 
 
 def stage_of_layers(pattern: str, pp: int, vpp: "int | None" = None) -> dict[int, int]:
-    """Global layer number -> pipeline stage (the per-stage budgets), by `segment`."""
+    """Global layer number -> pipeline stage (the per-stage budgets), by `segment`; `vpp` default:
+    the pattern's segments per stage beyond one (Megatron-LM derives the virtual pipeline from them,
+    training/arguments.py validate_args, 0.19.2)."""
+    if vpp is None and pp > 1:
+        segments = len(parse_pattern(pattern))
+        vpp = segments // pp if segments > pp else None
     out = {}
     for vp_stage in range(vpp) if vpp else [None]:
         for pp_rank in range(pp):

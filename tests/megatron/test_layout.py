@@ -117,3 +117,32 @@ def test_planner_stage_map_agrees_with_megatron_split(pp, vpp):
     ranks = enumerate_layout(shape, tp=1, pp=pp, vpp=vpp)
     megatron = {s.key.layer: r.pp_rank for r in ranks for s in r.linears}
     assert stage_of_layers(shape.num_layers, pp, vpp) == megatron
+
+
+def test_a_custom_pipeline_layout_places_every_rank_as_its_layout_says():
+    """--pipeline-model-parallel-layout (DeepSeek-V3's recipes use one): each pipeline rank's layers,
+    per virtual chunk in the interleaved order, as the layout lists them (Megatron computes a layout's
+    offset for the calling rank only; SNIP's stage map is every rank's), MTP on the rank that holds
+    it, read without any process group."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from snip_megatron.megatron.layout import chunk_layers, pipeline_stages
+
+    layout = [["embedding", "decoder"], ["decoder", "decoder"], ["decoder"], ["decoder", "decoder"],
+              ["decoder", "decoder"], ["decoder"], ["decoder"], ["mtp", "loss"]]  # pp=4 x vpp=2, model order
+    config = TransformerConfig(num_layers=10, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=4,
+                               virtual_pipeline_model_parallel_size=2, pipeline_model_parallel_layout=layout,
+                               mtp_num_layers=1, pipeline_dtype=__import__("torch").float32)
+    # the list is in the model's order: vp stage 0 of ranks 0..3, then vp stage 1 (Megatron's
+    # PipelineParallelLayerLayout reads layout[vpp_rank * pp + pp_rank] for (pp_rank, vpp_rank))
+    chunks = {(rank, vp): layout[vp * 4 + rank] for rank in range(4) for vp in range(2)}
+    expected, layer = {}, 0
+    for vp in range(2):
+        for rank in range(4):
+            count = chunks[rank, vp].count("decoder")
+            assert chunk_layers(config, rank, vp) == (layer, count), (rank, vp)
+            expected.update({layer + i + 1: rank for i in range(count)})
+            layer += count
+    stages = pipeline_stages(config)
+    assert {k.layer: s for k, s in stages.items() if not k.name.startswith("mtp.")} == expected
+    assert {s for k, s in stages.items() if k.name.startswith("mtp.")} == {3}

@@ -203,3 +203,12 @@ def test_discovery_from_built_chunks_keys_by_layer_number_with_the_stage_offset(
     assert any(u.path == "module.output_layer" for u in merged.unplanned)
     paths = [p for p, _, _ in hybrid.planned_modules(stages[1])]
     assert paths[0] == "module.decoder.layers.0.self_attention.linear_qkv"
+
+
+def test_a_pattern_cut_in_more_segments_than_stages_is_interleaved_over_the_stages():
+    """'*-|*-|*-|*-' at PP=2: four chunks, two per stage (Megatron-LM's virtual pipeline from the
+    segments): chunk c on stage c % 2."""
+    from snip_megatron.models import hybrid
+
+    assert hybrid.stage_of_layers("*-|*-|*-|*-", 2) == {1: 0, 2: 0, 3: 1, 4: 1, 5: 0, 6: 0, 7: 1, 8: 1}
+    assert hybrid.stage_of_layers("*-|*-", 2) == {1: 0, 2: 0, 3: 1, 4: 1}

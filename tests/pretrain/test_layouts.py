@@ -29,6 +29,33 @@ MODELS = {  # name: (the model's flags, its features)
     "dense": (test_runs.MODEL, []),
     "mla_mtp": (test_mla_runs.MODEL, [*test_mla_runs.MLA, "--mtp-num-layers", "1"]),
 }
+HYBRID = "*-*-*-*-"
+"""snip-pretrain-hybrid's model (TE only): 4 attention and 4 MLP layers, as a GPT of 4 layers;
+its pipeline cuts the pattern in segments (`|`), one per stage and virtual chunk."""
+TE_MODELS = {**MODELS, "hybrid": (test_runs.MODEL, [])}
+
+
+def model_flags(model: str, layout: list) -> "tuple[list, dict]":
+    """(the flags of `model` at `layout`, the worker's environment): a HybridModel takes its layer
+    count from the pattern and its virtual pipeline from the pattern's segments (`|`), one per
+    stage and virtual chunk (Megatron-LM refuses the GPT's flags for them)."""
+    base, features = TE_MODELS[model]
+    if model != "hybrid":
+        return [*features, "--num-layers", "4", *layout], {}
+    drop = {"--num-layers", "--num-layers-per-virtual-pipeline-stage"}
+    kept, skip = [], False
+    for arg in layout:  # the GPT's layer-count flags, each with its value
+        if skip:
+            skip = False
+        elif arg in drop:
+            skip = True
+        else:
+            kept.append(arg)
+    segments = 4 if "--num-layers-per-virtual-pipeline-stage" in layout else 1
+    pattern = "|".join(HYBRID[i * 8 // segments:(i + 1) * 8 // segments] for i in range(segments))
+    return [*features, "--hybrid-layer-pattern", pattern, *kept], {"PROBE_FAMILY": "hybrid"}
+
+
 ITERS = ["--global-batch-size", "8", "--train-iters", "12", "--save-interval", "3"]
 """Measurements at steps 2, 5, 8, 11 (warm-up 2, interval 3, lag 1), plans at 3, 6, 9, 12; a launch
 of a chain runs three of them and saves."""
@@ -71,10 +98,10 @@ def emulated(tmp_path, model: list, *argv: str, nproc: int) -> str:
 
 
 @needs_training
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(TE_MODELS))
 def test_te_chain_across_layouts_and_generations(tmp_path, model):
     """One process (SM90) -> TP=2+SP x PP=2 x VPP=2 (SM90) -> the same (SM100) -> one process (SM100)."""
-    base, features = MODELS[model]
+    base = TE_MODELS[model][0]
     ckpt = tmp_path / "ckpt"
     tp_pp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", *PP2_VPP2]
     links = [(1, [], 90), (4, tp_pp, 90), (4, tp_pp, 100), (1, [], 100)]
@@ -82,10 +109,10 @@ def test_te_chain_across_layouts_and_generations(tmp_path, model):
     for i, (nproc, layout, sm) in enumerate(links):
         steps = [3 * i + 1, 3 * i + 2, 3 * i + 3]
         probe = tmp_path / f"p{i}"
-        argv = [*features, "--num-layers", "4", *layout, *DATA, *ITERS, "--save", str(ckpt),
-                "--exit-interval", str(steps[-1]), *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP),
-                *(["--load", str(ckpt)] if plan else [])]
-        out = run_te(tmp_path, [str(WORKER), str(probe)], *argv, sm=sm, nproc=nproc, timeout=900, model=base)
+        flags, env = model_flags(model, layout)
+        argv = [*flags, *DATA, *ITERS, "--save", str(ckpt), "--exit-interval", str(steps[-1]),
+                *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP), *(["--load", str(ckpt)] if plan else [])]
+        out = run_te(tmp_path, [str(WORKER), str(probe)], *argv, sm=sm, nproc=nproc, timeout=900, model=base, **env)
         check_launch(out, steps, plan)
         rows = check_ranks(probe, nproc, steps)
         if plan is not None:
@@ -96,11 +123,12 @@ def test_te_chain_across_layouts_and_generations(tmp_path, model):
 
 @needs_training
 @pytest.mark.parametrize("sm", [90, 100])
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(TE_MODELS))
 def test_te_data_parallel_with_the_distributed_optimizer_and_recompute(tmp_path, model, sm):
-    base, features = MODELS[model]
-    argv = [*features, *DP2, *DATA, *ITERS, "--exit-interval", "3", *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP)]
-    out = run_te(tmp_path, [str(WORKER), str(tmp_path / "p")], *argv, sm=sm, nproc=2, timeout=900, model=base)
+    flags, env = model_flags(model, DP2)
+    argv = [*flags, *DATA, *ITERS, "--exit-interval", "3", *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP)]
+    out = run_te(tmp_path, [str(WORKER), str(tmp_path / "p")], *argv, sm=sm, nproc=2, timeout=900,
+                 model=TE_MODELS[model][0], **env)
     check_launch(out, [1, 2, 3])
     rows = check_ranks(tmp_path / "p", 2, [1, 2, 3])
     assert any(p == ("bf16" if sm == 90 else "fp4") for p in rows[-1]["plan"].values())

@@ -82,6 +82,12 @@ LAYOUTS.update({"moe_single": (1, 1, "global", MOE, None), "moe_pp2": (1, 2, "gl
                                                            recompute_modules=["moe"]), None),
                 # 4 processes: TP=2 with SP over two data-parallel replicas, experts on ETP=2 x EP=2
                 "moe_tp2_sp_etp2_ep2": (2, 1, "global", dict(MOE, ep=2, etp=2, **SP), None)})
+# MoE with multi-token prediction (DeepSeek-V3's layout): layer 2 and the MTP layer MoE (Megatron
+# builds the MTP layer from the last decoder layer's spec), at EP=2 with TP=2 and SP, and at PP=2
+# with the MTP layer on the last stage
+MOE_MTP = dict(MOE, moe_layer_freq=[0, 1], **MTP)
+LAYOUTS.update({"moemtp_single": (1, 1, "global", MOE_MTP, None), "moemtp_pp2": (1, 2, "global", MOE_MTP, None),
+                "moemtp_tp2_sp_ep2": (2, 1, "global", dict(MOE_MTP, ep=2, etp=1, **SP), None)})
 DP2_STEP = 4
 """Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
 micro-batches r, r + 2, ...)."""
@@ -156,19 +162,22 @@ def draw_by_global_name(chunks) -> None:
 
     from megatron.core import parallel_state as ps
 
-    def global_name(layer, name):
+    config = chunks[0].config
+
+    def global_name(prefix, name):
+        """A decoder layer's parameter under its layer number, an MTP layer's under its own path;
+        a local expert's under its global expert id."""
         m = re.search(r"local_experts\.(\d+)\.", name)
         if m is None:
-            return f"{layer.layer_number}.{name}"
-        experts = layer.mlp.experts
-        first = ps.get_expert_model_parallel_rank() * experts.num_local_experts
-        return f"{layer.layer_number}.{name[:m.start(1)]}{first + int(m.group(1))}{name[m.end(1):]}"
+            return f"{prefix}{name}"
+        first = ps.get_expert_model_parallel_rank() * (config.num_moe_experts // ps.get_expert_model_parallel_world_size())
+        return f"{prefix}{name[:m.start(1)]}{first + int(m.group(1))}{name[m.end(1):]}"
 
-    gated = chunks[0].config.gated_linear_unit
+    gated = config.gated_linear_unit
     for chunk in chunks:
-        named = [(n, n, p) for n, p in chunk.named_parameters() if not n.startswith("decoder.layers")]
+        named = [(global_name("", n), n, p) for n, p in chunk.named_parameters() if not n.startswith("decoder.layers")]
         for layer in chunk.decoder.layers:
-            named += [(global_name(layer, n), n, p) for n, p in layer.named_parameters()]
+            named += [(global_name(f"{layer.layer_number}.", n), n, p) for n, p in layer.named_parameters()]
         for name, local_name, p in named:
             if p.dim() != 2:
                 continue

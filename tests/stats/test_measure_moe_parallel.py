@@ -21,18 +21,15 @@ from tests.distributed import run_distributed
 from tests.stats.test_measure_parallel import assert_same
 
 WORKER = str(Path(__file__).with_name("measure_worker.py"))
-DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2"]
+DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2", "moemtp_tp2_sp_ep2", "moemtp_pp2"]
 
 
-def _keys():
-    from tests.stats.measure_worker import MOE, SHAPE
+def _keys(layout: str):
+    from tests.stats.measure_worker import LAYOUTS, SHAPE
 
-    from snip_megatron.models.gpt import MoEDims
-
-    moe = MoEDims(num_experts=MOE["num_moe_experts"], topk=MOE["moe_router_topk"],
-                  ffn_hidden_size=MOE["moe_ffn_hidden_size"], layer_freq=tuple(MOE["moe_layer_freq"]),
-                  shared_ffn_hidden_size=MOE["moe_shared_expert_intermediate_size"])
-    return list(gpt.inventory(SHAPE, moe=moe).keys())
+    overrides = LAYOUTS[layout][3]
+    return list(gpt.inventory(SHAPE, moe=gpt.MoEDims.of(type("Config", (), overrides)),
+                              mtp_num_layers=overrides.get("mtp_num_layers", 0)).keys())
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +40,9 @@ def tables(tmp_path_factory):
     d = tmp_path_factory.mktemp("moe_stats")
     run_distributed([WORKER, "--layouts", ",".join(DISTRIBUTED), "--out", str(d)], nproc=2, timeout=900)
     run_distributed([WORKER, "--layouts", "moe_tp2_sp_etp2_ep2", "--out", str(d)], nproc=4, timeout=900)
-    keys = _keys()
-    out = {p.stem: StatsTable.from_array(keys, np.load(p)) for p in d.glob("*.npy")}
+    out = {p.stem: StatsTable.from_array(_keys(p.stem), np.load(p)) for p in d.glob("*.npy")}
     runtime.init_process_group()
-    for name in ("moe_single", "moe_single4", "moe_full_recompute", "moe_selective_moe"):
+    for name in ("moe_single", "moe_single4", "moe_full_recompute", "moe_selective_moe", "moemtp_single"):
         out[name] = measure_layout(name)
     return out
 
@@ -60,6 +56,20 @@ def test_moe_statistics_equal_single_process(tables, layout):
     for f in ("x_sq", "w_sq", "gw_sq", "fwd_z_sq", "bwd_dgw_sq", "ex.fp4", "egy_w.fp4"):
         assert (table.column(f)[:-1] > 0).all(), f
     assert table.globals_["dp_size"] == 1
+
+
+@pytest.mark.parametrize("layout", ["moemtp_tp2_sp_ep2", "moemtp_pp2"])
+def test_an_mtp_layers_experts_are_measured_as_one_process_measures_them(tables, layout):
+    """DeepSeek-V3's layout: the MTP layer is an MoE layer (as the last decoder layer is), its
+    routed experts planned units `mtp.expert_fc1/2` of depth 1, measured with frozen routing; at
+    EP=2 with TP=2 + SP and at PP=2 (the MTP layer on the last stage) the statistics equal one
+    process's."""
+    reference, table = tables["moemtp_single"], tables[layout]
+    mtp = [str(k) for k in table.keys if gpt.is_mtp(k)]
+    assert {"1.mtp.expert_fc1", "1.mtp.expert_fc2", "1.mtp.shared_expert_fc1"} <= set(mtp), mtp
+    assert_same(reference, table)
+    for key in (gpt.LayerKey(1, "mtp.expert_fc1"), gpt.LayerKey(2, "expert_fc2")):
+        assert table.get(key, "x_sq") > 0 and table.get(key, "fwd_z_sq") > 0, key
 
 
 # an expert's token sums: each row of the step once, whichever rank's expert took it

@@ -43,13 +43,14 @@ def megatron_lm(monkeypatch, capsys):
     # Megatron's validation asks TE's version for --fp4-format and FP8 parameters: a GPU machine's TE
     monkeypatch.setattr(arguments, "is_te_min_version", lambda version: True)
 
-    def run(argv, env, family, te_installed=False):
+    def run(argv, env, family, te_installed=False, prog=None, main=None):
         monkeypatch.setattr(installed, "te_installed", lambda: te_installed)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        main = entry.main_hybrid if family == "hybrid" else entry.main
+        if main is None:
+            main = entry.main_hybrid if family == "hybrid" else entry.main
         try:
-            status = run_cli(entry.PROGRAMS[family], main, [*TINY_MEGATRON_LM, *argv])
+            status = run_cli(prog or entry.PROGRAMS[family], main, [*TINY_MEGATRON_LM, *argv])
         finally:
             global_vars.unset_global_variables()
             for name in env:
@@ -71,3 +72,27 @@ def test_each_rule_is_refused_through_megatron_lms_command_line(megatron_lm, rul
     error = err[err.index(f"{'snip-pretrain-hybrid' if family == 'hybrid' else 'snip-pretrain-gpt'}: error: "):]
     assert error.startswith(f"{error.split(':')[0]}: error: this Megatron-LM run cannot take SNIP as configured"), err
     assert line in error, (line, err)
+
+
+ANALYZED = [rule for rule in RULES if "analyze" in rule.entries and megatron_lm_input(rule.example) is not None]
+
+
+@pytest.mark.parametrize("rule", ANALYZED, ids=[r.name for r in ANALYZED])
+def test_each_rule_of_snip_analyze_is_refused_through_its_command_line(megatron_lm, rule, tmp_path):
+    """snip-analyze on a checkpoint folder (nothing in it is read before the refusal) with the run's
+    flags derived from the rule's example: exit 2 with the rule's line, before Megatron builds anything."""
+    from snip_megatron.analyze.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "iter_0000002").mkdir(parents=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    argv, env, family = megatron_lm_input(rule.example)
+    env.update(ENV.get(rule.name, {}))
+    status, err = megatron_lm(["--load", str(ckpt), "--out", str(tmp_path / "out"), *argv], env, family,
+                              te_installed=rule.example.get("run.te_installed", False), prog="snip-analyze", main=main)
+    s = settings(rule.example, "analyze")
+    assert status == 2, err
+    error = err[err.index("snip-analyze: error: "):]
+    assert error.startswith("snip-analyze: error: snip-analyze cannot measure this run as configured"), err
+    assert rule.text(s, MegatronLMNames(), rule.holds(s)) in error, err
+    assert not (tmp_path / "out").exists()

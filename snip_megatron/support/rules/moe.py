@@ -117,10 +117,6 @@ RULES = (
     Rule("moe-latent", ("model.moe_latent_size",), lambda s: moe(s) and s.get("model.moe_latent_size"),
          "{n[model.moe_latent_size]}: SNIP does not plan the latent projections yet", "{drop[model.moe_latent_size]}",
          example={**MOE, "model.moe_latent_size": 32}),
-    Rule("moe-mtp", ("model.mtp_num_layers", "model.num_moe_experts"),
-         lambda s: moe(s) and s.get("model.mtp_num_layers"),
-         "{n[model.mtp_num_layers]} with {n[model.num_moe_experts]}: SNIP plans MoE layers in the decoder, not in "
-         "multi-token-prediction layers yet", "drop one of them", example={**MOE, "model.mtp_num_layers": 1}),
     Rule("moe-grouped-fp4-sizes", ("model.moe_grouped_gemm", "snip.precisions"), _grouped_fp4_sizes,
          "{n[model.moe_grouped_gemm]} with FP4 candidates: TE's NVFP4 grouped GEMM needs {n[model.hidden_size]} "
          "({v[model.hidden_size]}) and {n[model.moe_ffn_hidden_size]} ({v[model.moe_ffn_hidden_size]}) to be multiples of 128 (TE 2.14 csrc/extensions/cast.cpp split_quantize; SNIP pads token splits, "
