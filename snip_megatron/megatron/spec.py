@@ -26,11 +26,21 @@ def get_local_layer_spec(normalization: str = "RMSNorm", multi_latent_attention:
 
     spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=multi_latent_attention,
                                     qk_layernorm=qk_layernorm)
-    if multi_latent_attention:
-        from snip_megatron.megatron.mla import DuplicatedDownProjection
+    return with_local_mla(spec) if multi_latent_attention else spec
 
-        spec = with_local_mla_core(replace_duplicated_linears(spec, DuplicatedDownProjection))
-    return spec
+
+def with_local_mla(spec):
+    """A local GPT layer spec (or each layer of a block spec) whose MLA, if it has one, builds on
+    the local spec: down-projections duplicated over TP and SNIP's core attention."""
+    from snip_megatron.megatron.mla import DuplicatedDownProjection
+    from snip_megatron.models import gpt
+
+    def one(layer_spec):
+        if not gpt.is_mla_spec(layer_spec):
+            return layer_spec
+        return with_local_mla_core(replace_duplicated_linears(layer_spec, DuplicatedDownProjection))
+
+    return gpt.map_layer_specs(spec, one)
 
 
 def with_local_mla_core(spec):
@@ -97,7 +107,9 @@ def get_moe_block_spec(config, backend: str = "emulated", vp_stage=None):
         raise ValueError(f"unknown linear backend {backend!r}; valid: {', '.join(BACKENDS)}")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=backend == "te",
                                       normalization=config.normalization, vp_stage=vp_stage)
-    return with_emulated_linears(spec) if backend == "emulated" else spec
+    if backend == "emulated":
+        return with_emulated_linears(spec)
+    return with_local_mla(spec) if backend == "local" else spec
 
 
 def get_layer_spec(backend: str = "emulated", normalization: str = "RMSNorm", multi_latent_attention: bool = False):

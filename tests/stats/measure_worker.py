@@ -88,6 +88,12 @@ LAYOUTS.update({"moe_single": (1, 1, "global", MOE, None), "moe_pp2": (1, 2, "gl
 MOE_MTP = dict(MOE, moe_layer_freq=[0, 1], **MTP)
 LAYOUTS.update({"moemtp_single": (1, 1, "global", MOE_MTP, None), "moemtp_pp2": (1, 2, "global", MOE_MTP, None),
                 "moemtp_tp2_sp_ep2": (2, 1, "global", dict(MOE_MTP, ep=2, etp=1, **SP), None)})
+# a DeepSeek-style model (MLA + MoE + MTP; layers 2-4 and the MTP layer MoE) at PP=2 x VPP=2 (four
+# chunks of one layer, the MTP layer on the last stage) and at TP=2 + SP x EP=2
+DEEPSEEK = dict(MOE, moe_layer_freq=[0, 1, 1, 1], mla=MLA, layers=4, **MTP)
+LAYOUTS.update({"ds_single": (1, 1, "global", DEEPSEEK, None),
+                "ds_pp2_vpp2": (1, 2, "global", dict(DEEPSEEK, vpp=2), None),
+                "ds_tp2_sp_ep2": (2, 1, "global", dict(DEEPSEEK, ep=2, etp=1, **SP), None)})
 DP2_STEP = 4
 """Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
 micro-batches r, r + 2, ...)."""
@@ -125,15 +131,15 @@ def cpu_current_device():
         torch.cuda.current_device = saved
 
 
-def build(tp=1, pp=1, seed=1234, reinit=True, ep=1, etp=None, **overrides):
+def build(tp=1, pp=1, seed=1234, reinit=True, ep=1, etp=None, vpp=None, layers=None, **overrides):
     from snip_megatron.megatron.model import build_model_chunks
 
-    runtime.initialize_model_parallel(tp=tp, pp=pp, seed=seed, ep=ep, etp=etp)
+    runtime.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep, etp=etp)
     runtime.seed_all(seed)
     if ep > 1 or etp is not None:
         overrides.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
     with sp_tolerant_norms() if overrides.get("sequence_parallel") else contextlib.nullcontext():
-        chunks = build_model_chunks(SHAPE, backend="local", **overrides)
+        chunks = build_model_chunks(SHAPE.with_(num_layers=layers or SHAPE.num_layers), backend="local", **overrides)
     if reinit == "global":
         draw_by_global_name(chunks)
         return chunks

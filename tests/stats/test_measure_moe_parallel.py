@@ -21,14 +21,16 @@ from tests.distributed import run_distributed
 from tests.stats.test_measure_parallel import assert_same
 
 WORKER = str(Path(__file__).with_name("measure_worker.py"))
-DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2", "moemtp_tp2_sp_ep2", "moemtp_pp2"]
+DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2", "moemtp_tp2_sp_ep2", "moemtp_pp2",
+               "ds_pp2_vpp2", "ds_tp2_sp_ep2"]
 
 
 def _keys(layout: str):
     from tests.stats.measure_worker import LAYOUTS, SHAPE
 
     overrides = LAYOUTS[layout][3]
-    return list(gpt.inventory(SHAPE, moe=gpt.MoEDims.of(type("Config", (), overrides)),
+    shape = SHAPE.with_(num_layers=overrides.get("layers", SHAPE.num_layers))
+    return list(gpt.inventory(shape, moe=gpt.MoEDims.of(type("Config", (), overrides)), mla=overrides.get("mla"),
                               mtp_num_layers=overrides.get("mtp_num_layers", 0)).keys())
 
 
@@ -42,7 +44,7 @@ def tables(tmp_path_factory):
     run_distributed([WORKER, "--layouts", "moe_tp2_sp_etp2_ep2", "--out", str(d)], nproc=4, timeout=900)
     out = {p.stem: StatsTable.from_array(_keys(p.stem), np.load(p)) for p in d.glob("*.npy")}
     runtime.init_process_group()
-    for name in ("moe_single", "moe_single4", "moe_full_recompute", "moe_selective_moe", "moemtp_single"):
+    for name in ("moe_single", "moe_single4", "moe_full_recompute", "moe_selective_moe", "moemtp_single", "ds_single"):
         out[name] = measure_layout(name)
     return out
 
@@ -70,6 +72,17 @@ def test_an_mtp_layers_experts_are_measured_as_one_process_measures_them(tables,
     assert_same(reference, table)
     for key in (gpt.LayerKey(1, "mtp.expert_fc1"), gpt.LayerKey(2, "expert_fc2")):
         assert table.get(key, "x_sq") > 0 and table.get(key, "fwd_z_sq") > 0, key
+
+
+@pytest.mark.parametrize("layout", ["ds_pp2_vpp2", "ds_tp2_sp_ep2"])
+def test_a_deepseek_style_model_is_measured_as_one_process_measures_it(tables, layout):
+    """MLA + MoE + MTP at PP=2 x VPP=2 (the interleaved schedule: four one-layer chunks) and at
+    TP=2 + SP x EP=2: every planned linear's statistics (MLA's, the routed and shared experts', the
+    MTP layer's) equal one process's."""
+    reference, table = tables["ds_single"], tables[layout]
+    names = {k.name for k in table.keys}
+    assert {"linear_kv_down_proj", "expert_fc1", "mtp.expert_fc2", "mtp.linear_q_up_proj"} <= names, names
+    assert_same(reference, table)
 
 
 # an expert's token sums: each row of the step once, whichever rank's expert took it
