@@ -129,9 +129,9 @@ def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None,
                 placed.add(key)
     if len(placed) < len(decoder):  # never drop a planned linear silently
         lost = ", ".join(str(k) for k, _ in decoder if k not in placed)
-        raise ValueError(f"no model chunk of PP={pp}" + (f" VPP={vpp}" if vpp else "")
-                         + (f" over --hybrid-layer-pattern {pattern!r}" if pattern else "") + f" holds the plan's {lost}"
-                         + (" (the pattern is not the run's)" if pattern else ""))
+        over = f" over --hybrid-layer-pattern {pattern!r}" if pattern else ""
+        raise ValueError(f"no model chunk of PP={pp}" + (f" VPP={vpp}" if vpp else "") + f"{over} holds the plan's "
+                         f"{lost}" + (" (the pattern is not the run's)" if pattern else ""))
     for path, entries in seen.items():
         if len({p for _, p in entries}) > 1:
             detail = ", ".join(f"layer {k.layer} {p.value}" for k, p in entries)

@@ -234,7 +234,8 @@ def test_every_cell_exports_each_stages_planned_modules_through_megatrons_parser
     plan = layout_plan(case, layout, HOPPER if hopper else CYCLE)
     flags = {**BACKENDS[backend], **LAYOUT_FLAGS[layout], "pattern": layout_pattern(case.pattern, layout)}
     run = logged(tmp_path / "run", plan, case.inventory)
-    recipes = (load_quantization_recipe(str(export(run, "megatron", **flags))), bridge_recipe(export(run, "bridge", **flags)))
+    recipes = (load_quantization_recipe(str(export(run, "megatron", **flags))),
+               bridge_recipe(export(run, "bridge", **flags)))
     stages = chunk_paths(case, layout)
     assert sorted(key for stage in stages for key in stage.values()) == sorted(case.paths.values())
     built = [path for stage in stages for path in stage]
@@ -259,7 +260,8 @@ HYBRID_EMULATED = [(m, lay) for m in HYBRID_PATTERNS for lay in CHUNKS]
 
 
 @pytest.mark.parametrize("model,layout", HYBRID_EMULATED, ids=[f"{m}-emulated-{lay}" for m, lay in HYBRID_EMULATED])
-def test_a_hybrid_export_is_refused_for_emulated_linears_and_where_the_pattern_is_not_the_layouts(tmp_path, model, layout):
+def test_a_hybrid_export_is_refused_for_emulated_linears_and_where_the_pattern_is_not_the_layouts(tmp_path, model,
+                                                                                                 layout):
     case = MODELS[model]
     run = logged(tmp_path, layout_plan(case, layout, CYCLE), case.inventory)
     flags = {**LAYOUT_FLAGS[layout], "pattern": layout_pattern(case.pattern, layout)}
@@ -270,8 +272,9 @@ def test_a_hybrid_export_is_refused_for_emulated_linears_and_where_the_pattern_i
     for other in ("pp", "vpp"):  # '|' segments other than the layout's chunks would drop or misplace layers
         if other != layout:
             chunks, segments = len(CHUNKS[layout]), len(CHUNKS[other])
-            with pytest.raises(ValueError, match=rf"has {segments} '\|' segments, one per model chunk, but PP=\d.* "
-                                                 rf"has {chunks} chunks: export with --pp and --vpp whose product is {segments}"):
+            refusal = (rf"has {segments} '\|' segments, one per model chunk, but PP=\d.* has {chunks} chunks: "
+                       rf"export with --pp and --vpp whose product is {segments}")
+            with pytest.raises(ValueError, match=refusal):
                 export(run, "megatron", **{**flags, "pattern": layout_pattern(case.pattern, other)})
     last = ", ".join(str(k) for k in case.inventory.keys() if k.layer == 4)
     with pytest.raises(ValueError, match=re.escape(f"holds the plan's {last} (the pattern is not the run's)")):
