@@ -26,14 +26,15 @@ module, e.g. a Mamba layer's `mixer.in_proj`, and whose '|' segments are the pip
 Module paths carry the layer index *local to the pipeline stage* (and virtual chunk), and one file
 configures every rank, so a matcher cannot tell layer 1 of the first stage from layer 1 of the
 second. The megatron and bridge exports are therefore for one layout: PP=1 by default, or
-`--pp N [--vpp V]` (Megatron's even split; a HybridModel's '|' segments). For PP > 1 the export is written only when every
-stage-local path gets one precision across all stages that have it, and refused otherwise,
-naming the path and the layers that disagree (train with PP=1 paths in mind, export the JSON
-plan and pin it, or keep SNIP's own matcher, which knows each chunk's offset). The configs
-are Transformer Engine's (`--backend te`: what a SNIP run on SM`--sm`, default 100, gives its TE
-linears in TE's default environment; on Hopper FP4 goes through TE's reference quantizer, for
-accuracy only) or SNIP's emulated linears' (`--backend emulated`); a recipe TE cannot run on that
-GPU (MXFP4; MXFP8 before SM100) is refused with the reason.
+`--pp N [--vpp V]` (Megatron's even split; a HybridModel's '|' segments, one per chunk, so
+N x V of them). For PP > 1 the export is written only when every stage-local path gets one
+precision across all stages that have it, and refused otherwise, naming the path and the layers
+that disagree (train with PP=1 paths in mind, export the JSON plan and pin it, or keep SNIP's own
+matcher, which knows each chunk's offset); MTP layers keep their own paths on the last stage. The
+configs are Transformer Engine's (`--backend te`: what a SNIP run on SM`--sm`, default 100, gives
+its TE linears in TE's default environment) or SNIP's emulated linears' (`--backend emulated`; not
+for a HybridModel, whose layer spec is TE's); a recipe TE cannot run on that GPU (FP4 and MXFP8
+before SM100, MXFP4) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ def _chunks(num_layers: int, pp: int, vpp: "int | None", pattern: "str | None" =
     if pattern is not None:
         from snip_megatron.models import hybrid
 
+        cut = len(hybrid.parse_pattern(pattern))
+        if cut > 1 and cut != pp * (vpp or 1):
+            raise ValueError(f"--hybrid-layer-pattern {pattern!r} has {cut} '|' segments, one per model chunk, but "
+                             f"PP={pp}" + (f" x VPP={vpp}" if vpp else "") + f" has {pp * (vpp or 1)} chunks: "
+                             f"export with --pp and --vpp whose product is {cut} (Megatron-LM reads VPP as "
+                             "segments / PP), or without '|' for PP=1")
         segments = [hybrid.segment(pattern, rank, pp, vp) for vp in (range(vpp) if vpp else [None])
                     for rank in range(pp)]
         return [(offset, len(symbols)) for offset, symbols in segments]
@@ -112,12 +119,19 @@ def path_precisions(plan: Plan, *, pp: int = 1, vpp: "int | None" = None,
     out: dict[str, Precision] = {}
     seen: dict[str, list] = {}
     decoder = [(k, p) for k, p in plan.items() if not gpt.is_mtp(k)]
-    for offset, count in _chunks(plan.num_layers, pp, vpp, pattern):
+    placed = set()
+    for offset, count in _chunks(max((k.layer for k, _ in decoder), default=0), pp, vpp, pattern):
         for key, precision in decoder:
             if offset < key.layer <= offset + count:
                 path = module_glob(key, offset, pattern)
                 seen.setdefault(path, []).append((key, precision))
                 out.setdefault(path, precision)
+                placed.add(key)
+    if len(placed) < len(decoder):  # never drop a planned linear silently
+        lost = ", ".join(str(k) for k, _ in decoder if k not in placed)
+        over = f" over --hybrid-layer-pattern {pattern!r}" if pattern else ""
+        raise ValueError(f"no model chunk of PP={pp}" + (f" VPP={vpp}" if vpp else "") + f"{over} holds the plan's "
+                         f"{lost}" + (" (the pattern is not the run's)" if pattern else ""))
     for path, entries in seen.items():
         if len({p for _, p in entries}) > 1:
             detail = ", ".join(f"layer {k.layer} {p.value}" for k, p in entries)
@@ -148,11 +162,8 @@ def precision_configs(precisions, *, backend: str = "te", sm: int = 100, fp8_rec
         return {n: emulated_params(n, formats) for n in names}
     if backend != "te":
         raise ValueError(f"--backend {backend!r} is unknown; valid: te, emulated")
-    try:
-        formats = te_formats(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, sm=sm, uses=names, environ={},
-                             name_of=lambda f: "--" + f.replace("_", "-"))
-    except ValueError as e:
-        raise ValueError(f"{e}\n(or export with --backend emulated for SNIP's emulated linears)") from None
+    formats = te_formats(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, sm=sm, uses=names, environ={},
+                         name_of=lambda f: "--" + f.replace("_", "-"))
     configs = te_config_dict(formats=formats, sm=sm)
     return {n: configs[n] for n in names}
 
@@ -188,9 +199,17 @@ def plan_text(plan: Plan, fmt: str, *, origin: str, extra: "dict | None" = None,
         raise ValueError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
     if fmt == "json":
         return json.dumps({**plan.to_dict(), **(extra or {})}, indent=1)
+    if pattern is not None and backend == "emulated":
+        raise ValueError("--backend emulated: SNIP's emulated linears build no HybridModel (Megatron's hybrid "
+                         "layer spec is Transformer Engine's); export a HybridModel's plan with --backend te")
     paths = path_precisions(plan, pp=pp, vpp=vpp, pattern=pattern)
-    configs = precision_configs(set(paths.values()), backend=backend, sm=sm, fp8_recipe=fp8_recipe,
-                                fp4_recipe=fp4_recipe)
+    try:
+        configs = precision_configs(set(paths.values()), backend=backend, sm=sm, fp8_recipe=fp8_recipe,
+                                    fp4_recipe=fp4_recipe)
+    except ValueError as e:
+        fix = ("a HybridModel's linears are TE's: plan only what this GPU runs" if pattern is not None
+               else "or export with --backend emulated for SNIP's emulated linears")
+        raise ValueError(f"{e}\n({fix})") from None
     doc = (megatron_config if fmt == "megatron" else bridge_config)(paths, configs)
     layout = (f"HybridModel {pattern!r}, " if pattern else "") + f"PP={pp}" + (f" VPP={vpp}" if vpp else "")
     return (f"# {origin}, digest {plan.digest()[:12]}: {plan.counts()}; module paths for {layout}, "

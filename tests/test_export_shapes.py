@@ -7,8 +7,16 @@ MTP layer's, a HybridModel's attention, MLP, MoE, Mamba and GDN layers) and noth
 The GPT shapes built on the CPU from the exported file run its plan (GPTModel's finish_init loop
 read it); a HybridModel's and TE's grouped experts are built over the TE double by
 tests/analyze/test_models.py, which checks its exports against that model's modules. A hybrid
-plan is exported by its pattern (the layer kinds and '|' segments), and refused without one."""
+plan is exported by its pattern (the layer kinds and '|' segments), and refused without one.
 
+Every export cell of the support matrix (model shape x backend x layout: PP=1, PP=2, PP=2 x VPP=2)
+exports a plan with one precision per stage-local path, and each chunk's modules (their layer index
+in the chunk, MTP on the last) get the plan's precision from the backend's configs; an FP4 plan
+is refused on Hopper, and a HybridModel's for the emulated linears, which build none."""
+
+import dataclasses
+import fnmatch
+import re
 from typing import NamedTuple
 
 import pytest
@@ -150,3 +158,124 @@ def test_a_hybrid_plan_is_exported_by_its_pattern_and_refused_without_one(tmp_pa
     assert paths["decoder.layers.1.mlp.linear_fc1"] is plan["2.linear_fc1"]
     assert paths["decoder.layers.2.self_attention.linear_qkv"] is plan["3.linear_qkv"]
     assert len(paths) == len(plan)
+
+
+# Every export cell of the support matrix: model shape x backend x pipeline layout, on 4-layer models.
+CHUNKS = {"one": ((1, 2, 3, 4),), "pp": ((1, 2), (3, 4)), "vpp": ((1,), (2,), (3,), (4,))}
+"""The global layers of each model chunk as Megatron builds them (GPT: get_transformer_layer_offset;
+HybridModel: select_pipeline_segment over the pattern's '|' segments), chunk (pp_rank, vp_stage) at
+index vp_stage * PP + pp_rank; MTP is built on the last."""
+LAYOUT_FLAGS = {"one": {}, "pp": {"pp": 2}, "vpp": {"pp": 2, "vpp": 2}}
+BACKENDS = {"emulated": {"backend": "emulated"}, "te_hopper": {"backend": "te", "sm": 90},
+            "te_blackwell": {"backend": "te", "sm": 100}}
+HOPPER = (Precision.BF16, Precision.FP8)
+"""What Transformer Engine runs on SM90 (a plan with FP4 is refused there)."""
+MOE4 = dataclasses.replace(MOE, layer_freq=(1, 0, 1, 0))
+HYBRID_PATTERNS = {"hybrid": "*-*-", "hybrid_moe": "*E*E", "hybrid_ssm": "M*M*"}
+"""The support matrix's HybridModel shapes."""
+
+
+def matrix_models() -> dict:
+    """The support matrix's model shapes, 4 layers each (their PP=1 module paths)."""
+    shape = SHAPE.with_(num_layers=4)
+    dense, mla, mtp = gpt.inventory(shape), gpt.inventory(shape, mla=MLA), gpt.inventory(shape, mtp_num_layers=1)
+    moe = gpt.inventory(shape, moe=MOE4)
+    mtp_unplanned = GPT_UNPLANNED + ("mtp.layers.0.enorm", "mtp.layers.0.hnorm", "mtp.layers.0.final_layernorm")
+    return {"dense": Case(dense, None, gpt_paths(dense), GPT_UNPLANNED),
+            "mla": Case(mla, None, gpt_paths(mla), GPT_UNPLANNED),
+            "mtp": Case(mtp, None, gpt_paths(mtp), mtp_unplanned),
+            "moe_local": Case(moe, None, gpt_paths(moe, "local"), GPT_UNPLANNED + ("decoder.layers.0.mlp.experts",)),
+            "moe_te_grouped": Case(moe, None, gpt_paths(moe, "grouped"), GPT_UNPLANNED),
+            **{name: hybrid_case(pattern) for name, pattern in HYBRID_PATTERNS.items()}}
+
+
+MODELS = matrix_models()
+
+
+def layout_pattern(pattern: "str | None", layout: str) -> "str | None":
+    """A HybridModel's pattern cut into the layout's chunks by '|' (Megatron-LM reads PP x VPP from them)."""
+    if pattern is None or layout == "one":
+        return pattern
+    return "|".join(pattern[chunk[0] - 1:chunk[-1]] for chunk in CHUNKS[layout])
+
+
+def chunk_paths(case: Case, layout: str) -> list[dict]:
+    """{module path Megatron builds on the chunk for a planned linear: key} of each chunk: a decoder
+    layer's under its index in the chunk, an MTP layer's on the last chunk."""
+    chunks = CHUNKS[layout]
+    out = [{} for _ in chunks]
+    for path, key in case.paths.items():
+        if gpt.is_mtp(key):
+            out[-1][path] = key
+            continue
+        i = next(i for i, chunk in enumerate(chunks) if key.layer in chunk)
+        out[i][re.sub(r"^decoder\.layers\.\d+\.", f"decoder.layers.{chunks[i].index(key.layer)}.", path)] = key
+    return out
+
+
+def layout_plan(case: Case, layout: str, precisions) -> Plan:
+    """Precision by (layer index in its chunk, linear name): one precision per stage-local path, as a
+    pipelined export needs, and neighbours differing."""
+    local = {layer: chunk.index(layer) for chunk in CHUNKS[layout] for layer in chunk}
+    names = sorted({k.name for k in case.inventory.keys()})
+    return Plan({k: precisions[(local[k.layer] + names.index(k.name)) % len(precisions)]
+                 for k in case.inventory.keys()}, inventory=case.inventory)
+
+
+EXPORT_CELLS = [(m, b, lay) for m in MODELS for b in BACKENDS for lay in CHUNKS
+                if b != "emulated" or (m not in HYBRID_PATTERNS and m != "moe_te_grouped")]
+"""Cells with an export to check: SNIP's emulated linears build no TE grouped experts and no HybridModel."""
+
+
+@pytest.mark.parametrize("model,backend,layout", EXPORT_CELLS, ids=["-".join(cell) for cell in EXPORT_CELLS])
+def test_every_cell_exports_each_stages_planned_modules_through_megatrons_parser(tmp_path, model, backend, layout):
+    case = MODELS[model]
+    hopper = backend == "te_hopper"
+    plan = layout_plan(case, layout, HOPPER if hopper else CYCLE)
+    flags = {**BACKENDS[backend], **LAYOUT_FLAGS[layout], "pattern": layout_pattern(case.pattern, layout)}
+    run = logged(tmp_path / "run", plan, case.inventory)
+    recipes = (load_quantization_recipe(str(export(run, "megatron", **flags))),
+               bridge_recipe(export(run, "bridge", **flags)))
+    stages = chunk_paths(case, layout)
+    assert sorted(key for stage in stages for key in stage.values()) == sorted(case.paths.values())
+    built = [path for stage in stages for path in stage]
+    for recipe in recipes:
+        for stage in stages:  # each rank resolves its own chunks' stage-local paths
+            for path, key in stage.items():
+                qc = get_quant_config_or_none(path, recipe)
+                assert qc is not None and precision_of(qc.config) is plan[key], (path, key)
+                assert ("precision" in qc.config) is (backend == "emulated"), qc.config  # the backend's configs
+        for path in case.unplanned:
+            assert get_quant_config_or_none(path, recipe) is None, path
+        for matcher in recipe.matchers:  # none written for a module no stage builds (a wrong layer index)
+            assert any(fnmatch.fnmatch(path, matcher.pattern) for path in built), matcher.pattern
+    if hopper:  # the same layout's plan with FP4 layers: TE has no FP4 kernels before SM100
+        fp4 = layout_plan(case, layout, CYCLE)
+        fix = "a HybridModel's linears are TE's" if case.pattern else "or export with --backend emulated"
+        with pytest.raises(ValueError, match=r"(?s)SM90 \(Hopper\).*TE's NVFP4 kernels need SM100\+.*\n\(" + fix):
+            export(logged(tmp_path / "fp4", fp4, case.inventory), "megatron", **flags)
+
+
+HYBRID_EMULATED = [(m, lay) for m in HYBRID_PATTERNS for lay in CHUNKS]
+
+
+@pytest.mark.parametrize("model,layout", HYBRID_EMULATED, ids=[f"{m}-emulated-{lay}" for m, lay in HYBRID_EMULATED])
+def test_a_hybrid_export_is_refused_for_emulated_linears_and_where_the_pattern_is_not_the_layouts(tmp_path, model,
+                                                                                                 layout):
+    case = MODELS[model]
+    run = logged(tmp_path, layout_plan(case, layout, CYCLE), case.inventory)
+    flags = {**LAYOUT_FLAGS[layout], "pattern": layout_pattern(case.pattern, layout)}
+    with pytest.raises(ValueError, match=r"^--backend emulated: SNIP's emulated linears build no HybridModel "
+                                         r"\(Megatron's hybrid layer spec is Transformer Engine's\); export a "
+                                         r"HybridModel's plan with --backend te$"):
+        export(run, "bridge", backend="emulated", **flags)
+    for other in ("pp", "vpp"):  # '|' segments other than the layout's chunks would drop or misplace layers
+        if other != layout:
+            chunks, segments = len(CHUNKS[layout]), len(CHUNKS[other])
+            refusal = (rf"has {segments} '\|' segments, one per model chunk, but PP=\d.* has {chunks} chunks: "
+                       rf"export with --pp and --vpp whose product is {segments}")
+            with pytest.raises(ValueError, match=refusal):
+                export(run, "megatron", **{**flags, "pattern": layout_pattern(case.pattern, other)})
+    last = ", ".join(str(k) for k in case.inventory.keys() if k.layer == 4)
+    with pytest.raises(ValueError, match=re.escape(f"holds the plan's {last} (the pattern is not the run's)")):
+        export(run, "megatron", **{**flags, "pattern": flags["pattern"][:-1]})  # its last layer left out
