@@ -186,6 +186,22 @@ def bridge_config(paths: dict[str, Precision], configs: dict[str, dict]) -> dict
     return {"model": {"quant_recipe": recipe}}
 
 
+def _check_supported(pattern: "str | None", backend: str) -> None:
+    """The model x backend rules of snip_megatron.support (a HybridModel's linears are TE's), as
+    `report export` spells them; ValueError with the first."""
+    from types import SimpleNamespace
+
+    from snip_megatron.support.check import refusals
+    from snip_megatron.support.names import ExportNames
+    from snip_megatron.support.settings import RunFacts, Settings
+
+    facts = RunFacts(entry="export", family="hybrid" if pattern else "gpt", backend=backend, hybrid_pattern=pattern)
+    impl = "transformer_engine" if backend == "te" else "local"
+    refused = refusals(Settings(model=SimpleNamespace(transformer_impl=impl), snip=None, run=facts), ExportNames())
+    if refused:
+        raise ValueError(refused[0])
+
+
 def plan_text(plan: Plan, fmt: str, *, origin: str, extra: "dict | None" = None, pp: int = 1,
               vpp: "int | None" = None, backend: str = "te", sm: int = 100, fp8_recipe: "str | None" = None,
               fp4_recipe: str = "nvfp4", pattern: "str | None" = None) -> str:
@@ -199,9 +215,7 @@ def plan_text(plan: Plan, fmt: str, *, origin: str, extra: "dict | None" = None,
         raise ValueError(f"--format {fmt!r} is unknown; valid: {', '.join(FORMATS)}")
     if fmt == "json":
         return json.dumps({**plan.to_dict(), **(extra or {})}, indent=1)
-    if pattern is not None and backend == "emulated":
-        raise ValueError("--backend emulated: SNIP's emulated linears build no HybridModel (Megatron's hybrid "
-                         "layer spec is Transformer Engine's); export a HybridModel's plan with --backend te")
+    _check_supported(pattern, backend)
     paths = path_precisions(plan, pp=pp, vpp=vpp, pattern=pattern)
     try:
         configs = precision_configs(set(paths.values()), backend=backend, sm=sm, fp8_recipe=fp8_recipe,

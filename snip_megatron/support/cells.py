@@ -13,9 +13,6 @@ from dataclasses import dataclass
 from snip_megatron.support import matrix
 
 TESTED, REFUSED, UNREACHABLE, UNKNOWN = "tested", "refused", "not reachable", "unknown"
-RULES_OF = {"export": None}
-"""Whose rules an entry's cells are refused by (its own, but export's: it reads a plan and starts
-nothing)."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,7 @@ def cell_settings(entry: str, model: str, backend: str, layout: str):
     values.setdefault("run.cuda", False)
     if layout == "tp" and backend != "emulated":
         values["model.sequence_parallel"] = True
-    return settings(values, RULES_OF.get(entry, entry))
+    return settings(values, entry)
 
 
 def unreachable(entry: str, model: str, backend: str, layout: str) -> "str | None":
@@ -41,17 +38,19 @@ def unreachable(entry: str, model: str, backend: str, layout: str) -> "str | Non
         why = matrix.UNREACHABLE.get((entry, axis, name))
         if why is not None:
             return why
+    why = matrix.UNREACHABLE.get((entry, "model", model, backend))
+    if why is not None:
+        return why
     if layout in matrix.EXPERT_LAYOUTS and not matrix.MODELS[model][1].get("model.num_moe_experts"):
         return "a model without experts has no expert parallelism"
     return None
 
 
 def refused_by(entry: str, model: str, backend: str, layout: str) -> tuple[str, ...]:
-    """The names of the rules that refuse the cell (none for export, which starts no run)."""
+    """The names of the rules that refuse the cell (export's: the model x backend rules that name it;
+    it reads a plan and starts nothing)."""
     from snip_megatron.support.check import holding
 
-    if RULES_OF.get(entry, entry) is None:
-        return ()
     s = cell_settings(entry, model, backend, layout)
     return tuple(rule.name for rule, _ in holding(s) + holding(s, resolved=True))
 

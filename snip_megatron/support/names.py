@@ -172,7 +172,15 @@ class CompactNames(Names):
         return path in FACTS or path in self._FLAGS or path.startswith("snip.") or path == "model.moe_router_topk"
 
 
+class ExportNames(CompactNames):
+    """`python -m snip_megatron.report export`'s flags: --backend te|emulated, --hybrid-layer-pattern."""
+
+    entry = "export"
+    _FLAGS = {"model.transformer_impl": "--backend", "run.backend": "--backend",
+              "run.hybrid_pattern": "--hybrid-layer-pattern"}
+
+
 def names_for(entry: str) -> Names:
     """The default spelling of each entry (Bridge's without a mixed-precision recipe)."""
     return {"megatron-lm": MegatronLMNames, "analyze": MegatronLMNames, "bridge": BridgeNames,
-            "compact": CompactNames}[entry]()
+            "compact": CompactNames, "export": ExportNames}[entry]()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from snip_megatron.models import hybrid
 from snip_megatron.support.rule import Rule
+from snip_megatron.support.settings import ENTRIES
 
 
 def _mla(s) -> bool:
@@ -87,10 +88,10 @@ RULES = (
                   "model.transformer_impl": "transformer_engine", "run.backend": "te", "run.te_installed": True}),
     Rule("hybrid-needs-te", ("model.transformer_impl",),
          lambda s: s.run.family == hybrid.FAMILY and s.run.backend != "te",
-         "SNIP plans a HybridModel's Transformer Engine linears (Megatron's hybrid layer spec is TE-only)",
-         "use {set[model.transformer_impl]:transformer_engine}",
+         "SNIP plans a HybridModel's Transformer Engine linears (Megatron's hybrid layer spec is TE-only; SNIP's "
+         "emulated linears build no HybridModel)", "use {set[model.transformer_impl]:transformer_engine}",
          example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*-", "run.backend": "emulated",
-                  "model.transformer_impl": "local"}),
+                  "model.transformer_impl": "local"}, entries=(*ENTRIES, "export")),
     Rule("hybrid-cuda-layers", ("run.hybrid_pattern",), _cuda_layers,
          "{n[run.hybrid_pattern]} {v[run.hybrid_pattern]!r}: {x[kinds]} layers run CUDA kernels (mamba_ssm, "
          "causal_conv1d; fla), so on CPU SNIP cannot measure their in_proj/out_proj linears",
