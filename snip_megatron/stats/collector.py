@@ -31,6 +31,9 @@ What it costs at scale (docs/method.md, "The measurement at scale"):
 - Sequence parallelism: a token-sharded operand (a column-parallel X, a row-parallel G_Y) is
   gathered over TP in the backward hook before the token sample is taken, so errors, dY and G_W
   see every token as one process does; norms of the local shard are summed over TP (reduce.py).
+- Context parallelism: X and G_Y are gathered over CP too and put in the micro-batch's token order
+  (token_layout.py), so the statistics of the gathered tokens equal one process's on every CP rank;
+  norms of this rank's tokens are summed over CP (reduce.py).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch.distributed as dist
 
 from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import LayerKey
-from snip_megatron.stats import noise, tokens, weights
+from snip_megatron.stats import noise, token_layout, tokens, weights
 from snip_megatron.stats.accumulator import Accumulator
 from snip_megatron.stats.quant_error import ErrorFn
 from snip_megatron.models.inventory import ParallelKind
@@ -118,7 +121,8 @@ class LinearProbe:
         # row-parallel output is a partial sum (the dispatcher's combine reduces it).
         g = collector.expert_group if expert else collector.dense_group
         self.tp_rank, self.tp_size, self.tp_group = g.rank, g.size, g.group
-        self.cp_rank, self.cp_size = (0, 1) if expert else (collector.cp_rank, collector.cp_size)
+        self.cp_rank, self.cp_size, self.cp_group = (0, 1, None) if expert else \
+            (collector.cp_rank, collector.cp_size, collector.cp_group)
         self.partial_y = expert and self.row and self.tp_size > 1
         # ... and its column-parallel input gradient too (the dispatcher's backward reduces it)
         self.partial_gx = expert and self.column and self.tp_size > 1
@@ -280,9 +284,10 @@ class LinearProbe:
 
     # -- backward: the clean pass --------------------------------------------------------------
     def _full_tokens(self, x, g):
-        """X and G_Y as [tokens, features] rows over every token of the micro-batch."""
+        """X and G_Y as [tokens, features] rows over every token of the micro-batch, in its order."""
         x2, g2 = _rows(x.detach()), _rows(g)
-        return (self._gather(x2) if self.x_local else x2), (self._gather(g2) if self.y_local else g2)
+        x2, g2 = (self._gather(x2) if self.x_local else x2), (self._gather(g2) if self.y_local else g2)
+        return tuple(token_layout.gather_cp_rows(t, self.cp_size, self.cp_group) for t in (x2, g2))
 
     def _on_gy_clean(self, mb: int, x: torch.Tensor, g: torch.Tensor) -> None:
         c = self.c
@@ -367,16 +372,16 @@ class LinearProbe:
         sample, ex = self.pending_ex
         self.pending_ex = None
         g2 = _rows(g)
-        if self.x_local:  # this rank's tokens are rows [off, off + n) of the gathered sample
-            off = self.tp_rank * g2.shape[0]
-            j0, j1 = sample.count_below(off), sample.count_below(off + g2.shape[0])
-            idx = None if sample.rows is None else sample.rows[j0:j1] - off
-            ex = {p: e[j0:j1] for p, e in ex.items()}
-        else:
-            idx = sample.rows
-        gs = (g2 if idx is None else g2.index_select(0, idx)).float()
-        for p, e in ex.items():
-            self._add("gx_ex", sample.scale * tokens.dot(gs, e), p)
+        sp = (self.tp_rank, self.tp_size) if self.x_local else (0, 1)
+        # this rank's tokens are rows of the micro-batch's sample (whose errors E_X were taken)
+        for seg in token_layout.row_segments(g2.shape[0], sp_rank=sp[0], sp_size=sp[1], cp_rank=self.cp_rank,
+                                             cp_size=self.cp_size):
+            j0, j1 = sample.count_below(seg.whole), sample.count_below(seg.whole + seg.rows)
+            part = g2[seg.local:seg.local + seg.rows] if sample.rows is None else \
+                g2.index_select(0, sample.rows[j0:j1] - seg.whole + seg.local)
+            gs = part.float()
+            for p, e in ex.items():
+                self._add("gx_ex", sample.scale * tokens.dot(gs, e[j0:j1]), p)
 
     # -- backward: the backward-noise pass -----------------------------------------------------
     def _on_gy_bwd_noise(self, x: torch.Tensor, g: torch.Tensor) -> None:
@@ -410,7 +415,8 @@ class Collector:
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, token_stride: int = 1, grad_token_stride: int = 1,
                  interleave_noise: bool = False, noise_on_halves: bool = False,
-                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, device=None,
+                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, cp_group=None,
+                 device=None,
                  step_positions: "list[int] | None" = None, expert_keys=(),
                  expert_group: "ShardGroup | None" = None, ep_rank: int = 0):
         from snip_megatron.stats.table import CANDIDATES
@@ -426,7 +432,7 @@ class Collector:
         self.expert_keys = {LayerKey(*k) for k in expert_keys}
         self.expert_group = expert_group or ShardGroup(0, 1, None)
         self.sequence_parallel = sequence_parallel and tp_size > 1
-        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
         self.token_stride, self.grad_token_stride = token_stride, grad_token_stride
         self.interleaved = interleave_noise  # the noise passes run as one "noise" pass
         # ... on micro-batches cut in two along the batch dim (the clean pass keeps them whole)

@@ -73,6 +73,7 @@ class DotProductAttention(torch.nn.Module):
         self.hidden_size_per_attention_head_v = v_channels
         self.softmax_scale = 1.0 / math.sqrt(k_channels) if softmax_scale is None else softmax_scale
         self.attention_dropout = attention_dropout
+        self.last_tokens: Optional[tuple] = None
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type="p2p") -> None:
@@ -126,6 +127,7 @@ class DotProductAttention(torch.nn.Module):
         if groups != heads:
             k = k.repeat_interleave(heads // groups, dim=1)
             v = v.repeat_interleave(heads // groups, dim=1)
+        self.last_tokens = (q.shape[2], k.shape[2])  # what it attended (tests read it): queries, keys
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
