@@ -48,6 +48,8 @@ import torch.distributed as dist
 from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import LayerKey
 from snip_megatron.stats import noise, token_layout, tokens, weights
+from snip_megatron.stats.hook_tools import MicrobatchIds
+from snip_megatron.stats.hook_tools import plain as _plain  # (benchmarks wrap collector._plain)
 from snip_megatron.stats.accumulator import Accumulator
 from snip_megatron.stats.quant_error import ErrorFn
 from snip_megatron.models.inventory import ParallelKind
@@ -55,53 +57,8 @@ from snip_megatron.models.inventory import ParallelKind
 MODES = ("clean", "fwd_noise", "bwd_noise", "noise")
 
 
-def _plain(fn, errors: "list | None" = None, where: str = ""):
-    """Run a hook without the CPU shim's TorchFunctionMode (megatron/cpu_shim.py): the statistics
-    create no CUDA tensors, and the mode's per-op Python dispatch is a large part of their cost.
-
-    With `errors`, an exception in the hook is recorded there (and the hook leaves the pass as if it
-    were absent), so this rank runs the rest of the pass, and its collectives, like every other; the
-    measurement then agrees across ranks to skip the update (measure.py)."""
-    from snip_megatron.megatron import cpu_shim
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with cpu_shim.suspended():
-            if errors is None:
-                return fn(*args, **kwargs)
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - a failed statistic never stops training
-                errors.append(f"{where}: {type(exc).__name__}: {exc}")
-                return None
-
-    return run
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
-
-
-class _MicrobatchIds:
-    """Micro-batch index of each forward of one linear, recompute-aware: a no-grad forward is the
-    first forward of a checkpointed layer (its index waits for the recompute); a grad forward while
-    some wait is that recompute (oldest first); any other forward is a new micro-batch."""
-
-    def __init__(self):
-        self.next = 0
-        self.waiting = collections.deque()
-
-    def forward(self) -> tuple[int, bool]:
-        if not torch.is_grad_enabled():
-            mb = self.next
-            self.next += 1
-            self.waiting.append(mb)
-            return mb, False
-        if self.waiting:
-            return self.waiting.popleft(), True
-        mb = self.next
-        self.next += 1
-        return mb, True
 
 
 class LinearProbe:
@@ -146,7 +103,7 @@ class LinearProbe:
             h.remove()
 
     def reset(self) -> None:
-        self.ids = _MicrobatchIds()
+        self.ids = MicrobatchIds()
         self.current = (0, True)
         self.weights_done = False
         self.pending_ex = None  # (sample, {p: E_X}) of the clean micro-batch between its G_Y and G_X hooks

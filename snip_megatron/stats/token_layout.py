@@ -54,8 +54,14 @@ def gather_cp_rows(t2: torch.Tensor, cp_size: int, group) -> torch.Tensor:
     rows = t2.shape[0]
     if rows % 2:
         raise ValueError(f"context parallelism needs an even number of rows per rank, got {rows}")
-    gathered = t2.new_empty((rows * cp_size, t2.shape[1]))
-    dist.all_gather_into_tensor(gathered, t2.contiguous(), group=group)
-    half = rows // 2
-    starts = {chunk: r * rows + i * half for r in range(cp_size) for i, chunk in enumerate(cp_chunks(r, cp_size))}
-    return torch.cat([gathered[starts[c]:starts[c] + half] for c in range(2 * cp_size)])
+    half, t2 = rows // 2, t2.contiguous()
+    out = t2.new_empty((rows * cp_size, t2.shape[1]))
+    # chunks 0 .. CP-1 are the ranks' first halves in rank order: gathered in place
+    dist.all_gather_into_tensor(out[:half * cp_size], t2[:half], group=group)
+    # chunks CP .. 2 CP-1 are their second halves in reverse rank order
+    second = t2.new_empty((half * cp_size, t2.shape[1]))
+    dist.all_gather_into_tensor(second, t2[half:], group=group)
+    for r in range(cp_size):
+        chunk = cp_chunks(r, cp_size)[1]
+        out[chunk * half:(chunk + 1) * half] = second[r * half:(r + 1) * half]
+    return out
