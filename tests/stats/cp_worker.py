@@ -41,8 +41,8 @@ def main():
     out = [reduce_tp_dp_tensor(t, masks[0], adam, tp_group=tp_group, dp_group=dp_group, cp_group=cp_group,
                                cp_mask=masks[1], adam_dp_sharded=sharded) for sharded in (True, False)]
     if rank == 0:
-        np.save(args.out, np.stack([*(o.numpy() for o in out), np.full(out[0].shape, float(dist.get_world_size(dp_group))),
-                                    np.full(out[0].shape, float(dist.get_world_size(cp_group)))]))
+        sizes = [np.full(out[0].shape, float(dist.get_world_size(g))) for g in (dp_group, cp_group)]
+        np.save(args.out, np.stack([*(o.numpy() for o in out), *sizes]))
     dist.barrier()
     runtime.destroy(process_group=True)
 

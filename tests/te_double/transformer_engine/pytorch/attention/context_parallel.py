@@ -23,8 +23,9 @@ Refused (NotImplementedError, by name) where the double does not model TE: cp_co
 'all_gather' and 'a2a+p2p' (a list of groups; cp.py:4027-4043, dispatched at cp.py:4117-4151);
 qkv_format 'thd' (packed sequences); masks other than 'causal' and 'no_mask' (TE's CP backends
 take bshd/sbhd with those only, utils.py:756-766; the unfused backend is off under CP,
-utils.py:768-772); causal cross-attention (utils.py:786-791, 813-818). TE's own assertions are kept: a cp_group that is not a
-ProcessGroup (cp.py:4043-4046), a local sequence length that is odd (cp.py:1446-1448)."""
+utils.py:768-772); causal cross-attention (utils.py:786-791, 813-818). TE's own assertions are
+kept: a cp_group that is not a ProcessGroup (cp.py:4043-4046), a local sequence length that is odd
+(cp.py:1446-1448)."""
 
 from __future__ import annotations
 
