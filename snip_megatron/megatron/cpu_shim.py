@@ -5,8 +5,9 @@ RoPE, clip_grads and the optimizer; the CUDA RNG tracker that attention forks on
 streams and events in the DDP grad sync). `install()` makes those work on CPU, process-locally:
 
 1. a ``TorchFunctionMode`` maps ``device="cuda"``/``"cuda:N"``/int devices to CPU for factory
-   functions and ``Tensor.to``, makes ``Tensor.cuda()`` a no-op, and reports CUDA type names from
-   ``Tensor.type()`` (``clip_grads.py`` asserts ``'torch.cuda.FloatTensor'``);
+   functions and ``Tensor.to``, drops ``pin_memory=True`` (pinning needs a CUDA driver; RoPE's
+   context-parallel slice asks for it), makes ``Tensor.cuda()`` a no-op, and reports CUDA type
+   names from ``Tensor.type()`` (``clip_grads.py`` asserts ``'torch.cuda.FloatTensor'``);
 2. ``torch.cuda.{current_device, synchronize, current_stream, default_stream, Stream, Event,
    stream, get_rng_state, set_rng_state, manual_seed, manual_seed_all}`` get CPU stand-ins;
    ``torch.cuda.is_available()`` stays False;
@@ -46,6 +47,8 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs = {**kwargs, "device": _to_cpu_device(kwargs["device"])}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:

@@ -53,26 +53,26 @@ def _free_port() -> int:
 
 
 def initialize_model_parallel(tp: int = 1, pp: int = 1, vpp: int | None = None,
-                              seed: int = 1234, ep: int = 1, etp: int | None = None) -> None:
-    """Set up Megatron's parallel_state (TP x PP x DP over the world, and for MoE experts ETP x EP x
-    expert-DP x PP; `etp` None: TP) and its RNG streams."""
+                              seed: int = 1234, ep: int = 1, etp: int | None = None, cp: int = 1) -> None:
+    """Set up Megatron's parallel_state (TP x CP x PP x DP over the world, and for MoE experts ETP x
+    EP x expert-DP x PP; `etp` None: TP) and its RNG streams."""
     quiet_megatron_warnings()
     _, world = init_process_group()
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if vpp is not None and (not isinstance(vpp, int) or vpp < 1):
         raise ValueError(f"vpp must be a positive integer or None, got {vpp!r}")
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
+    if world % (tp * pp * cp):
+        raise ValueError(f"world size {world} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
     from megatron.core import parallel_state as ps
 
     cpu_shim.install()
     destroy()
     before = set(_registered_groups())
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=etp)
+                                 virtual_pipeline_model_parallel_size=vpp, context_parallel_size=cp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     _megatron_groups[:] = [g for g in _registered_groups() if g not in before]
     seed_all(seed)
 

@@ -114,7 +114,8 @@ def prepare_cpu(args) -> None:
     runtime.initialize_model_parallel(tp=args.tensor_model_parallel_size,
                                       pp=args.pipeline_model_parallel_size,
                                       vpp=args.virtual_pipeline_model_parallel_size, seed=args.seed,
-                                      ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+                                      ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+                                      cp=args.context_parallel_size)
     mtraining.initialize_megatron = partial(mtraining.initialize_megatron, allow_no_cuda=True)
 
 

@@ -31,6 +31,9 @@ What it costs at scale (docs/method.md, "The measurement at scale"):
 - Sequence parallelism: a token-sharded operand (a column-parallel X, a row-parallel G_Y) is
   gathered over TP in the backward hook before the token sample is taken, so errors, dY and G_W
   see every token as one process does; norms of the local shard are summed over TP (reduce.py).
+- Context parallelism: X and G_Y are gathered over CP too and put in the micro-batch's token order
+  (token_layout.py), so the statistics of the gathered tokens equal one process's on every CP rank;
+  norms of this rank's tokens are summed over CP (reduce.py).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ import torch.distributed as dist
 
 from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import LayerKey
-from snip_megatron.stats import noise, tokens, weights
+from snip_megatron.stats import noise, token_layout, tokens, weights
+from snip_megatron.stats.hook_tools import MicrobatchIds
+from snip_megatron.stats.hook_tools import plain as _plain  # (benchmarks wrap collector._plain)
 from snip_megatron.stats.accumulator import Accumulator
 from snip_megatron.stats.quant_error import ErrorFn
 from snip_megatron.models.inventory import ParallelKind
@@ -52,53 +57,8 @@ from snip_megatron.models.inventory import ParallelKind
 MODES = ("clean", "fwd_noise", "bwd_noise", "noise")
 
 
-def _plain(fn, errors: "list | None" = None, where: str = ""):
-    """Run a hook without the CPU shim's TorchFunctionMode (megatron/cpu_shim.py): the statistics
-    create no CUDA tensors, and the mode's per-op Python dispatch is a large part of their cost.
-
-    With `errors`, an exception in the hook is recorded there (and the hook leaves the pass as if it
-    were absent), so this rank runs the rest of the pass, and its collectives, like every other; the
-    measurement then agrees across ranks to skip the update (measure.py)."""
-    from snip_megatron.megatron import cpu_shim
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with cpu_shim.suspended():
-            if errors is None:
-                return fn(*args, **kwargs)
-            try:
-                return fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - a failed statistic never stops training
-                errors.append(f"{where}: {type(exc).__name__}: {exc}")
-                return None
-
-    return run
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
-
-
-class _MicrobatchIds:
-    """Micro-batch index of each forward of one linear, recompute-aware: a no-grad forward is the
-    first forward of a checkpointed layer (its index waits for the recompute); a grad forward while
-    some wait is that recompute (oldest first); any other forward is a new micro-batch."""
-
-    def __init__(self):
-        self.next = 0
-        self.waiting = collections.deque()
-
-    def forward(self) -> tuple[int, bool]:
-        if not torch.is_grad_enabled():
-            mb = self.next
-            self.next += 1
-            self.waiting.append(mb)
-            return mb, False
-        if self.waiting:
-            return self.waiting.popleft(), True
-        mb = self.next
-        self.next += 1
-        return mb, True
 
 
 class LinearProbe:
@@ -118,7 +78,8 @@ class LinearProbe:
         # row-parallel output is a partial sum (the dispatcher's combine reduces it).
         g = collector.expert_group if expert else collector.dense_group
         self.tp_rank, self.tp_size, self.tp_group = g.rank, g.size, g.group
-        self.cp_rank, self.cp_size = (0, 1) if expert else (collector.cp_rank, collector.cp_size)
+        self.cp_rank, self.cp_size, self.cp_group = (0, 1, None) if expert else \
+            (collector.cp_rank, collector.cp_size, collector.cp_group)
         self.partial_y = expert and self.row and self.tp_size > 1
         # ... and its column-parallel input gradient too (the dispatcher's backward reduces it)
         self.partial_gx = expert and self.column and self.tp_size > 1
@@ -142,7 +103,7 @@ class LinearProbe:
             h.remove()
 
     def reset(self) -> None:
-        self.ids = _MicrobatchIds()
+        self.ids = MicrobatchIds()
         self.current = (0, True)
         self.weights_done = False
         self.pending_ex = None  # (sample, {p: E_X}) of the clean micro-batch between its G_Y and G_X hooks
@@ -280,9 +241,10 @@ class LinearProbe:
 
     # -- backward: the clean pass --------------------------------------------------------------
     def _full_tokens(self, x, g):
-        """X and G_Y as [tokens, features] rows over every token of the micro-batch."""
+        """X and G_Y as [tokens, features] rows over every token of the micro-batch, in its order."""
         x2, g2 = _rows(x.detach()), _rows(g)
-        return (self._gather(x2) if self.x_local else x2), (self._gather(g2) if self.y_local else g2)
+        x2, g2 = (self._gather(x2) if self.x_local else x2), (self._gather(g2) if self.y_local else g2)
+        return tuple(token_layout.gather_cp_rows(t, self.cp_size, self.cp_group) for t in (x2, g2))
 
     def _on_gy_clean(self, mb: int, x: torch.Tensor, g: torch.Tensor) -> None:
         c = self.c
@@ -367,16 +329,16 @@ class LinearProbe:
         sample, ex = self.pending_ex
         self.pending_ex = None
         g2 = _rows(g)
-        if self.x_local:  # this rank's tokens are rows [off, off + n) of the gathered sample
-            off = self.tp_rank * g2.shape[0]
-            j0, j1 = sample.count_below(off), sample.count_below(off + g2.shape[0])
-            idx = None if sample.rows is None else sample.rows[j0:j1] - off
-            ex = {p: e[j0:j1] for p, e in ex.items()}
-        else:
-            idx = sample.rows
-        gs = (g2 if idx is None else g2.index_select(0, idx)).float()
-        for p, e in ex.items():
-            self._add("gx_ex", sample.scale * tokens.dot(gs, e), p)
+        sp = (self.tp_rank, self.tp_size) if self.x_local else (0, 1)
+        # this rank's tokens are rows of the micro-batch's sample (whose errors E_X were taken)
+        for seg in token_layout.row_segments(g2.shape[0], sp_rank=sp[0], sp_size=sp[1], cp_rank=self.cp_rank,
+                                             cp_size=self.cp_size):
+            j0, j1 = sample.count_below(seg.whole), sample.count_below(seg.whole + seg.rows)
+            part = g2[seg.local:seg.local + seg.rows] if sample.rows is None else \
+                g2.index_select(0, sample.rows[j0:j1] - seg.whole + seg.local)
+            gs = part.float()
+            for p, e in ex.items():
+                self._add("gx_ex", sample.scale * tokens.dot(gs, e[j0:j1]), p)
 
     # -- backward: the backward-noise pass -----------------------------------------------------
     def _on_gy_bwd_noise(self, x: torch.Tensor, g: torch.Tensor) -> None:
@@ -410,7 +372,8 @@ class Collector:
                  seed: int = 0, first_order: bool = True, tp_rank: int = 0, tp_size: int = 1,
                  tp_group=None, token_stride: int = 1, grad_token_stride: int = 1,
                  interleave_noise: bool = False, noise_on_halves: bool = False,
-                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, device=None,
+                 sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, cp_group=None,
+                 device=None,
                  step_positions: "list[int] | None" = None, expert_keys=(),
                  expert_group: "ShardGroup | None" = None, ep_rank: int = 0):
         from snip_megatron.stats.table import CANDIDATES
@@ -426,7 +389,7 @@ class Collector:
         self.expert_keys = {LayerKey(*k) for k in expert_keys}
         self.expert_group = expert_group or ShardGroup(0, 1, None)
         self.sequence_parallel = sequence_parallel and tp_size > 1
-        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
         self.token_stride, self.grad_token_stride = token_stride, grad_token_stride
         self.interleaved = interleave_noise  # the noise passes run as one "noise" pass
         # ... on micro-batches cut in two along the batch dim (the clean pass keeps them whole)

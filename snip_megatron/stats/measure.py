@@ -41,8 +41,9 @@ from snip_megatron.stats.discover import _unwrap
 from snip_megatron.stats.microbatches import sample_microbatches, step_positions, summed_mask
 from snip_megatron.stats.quant_error import ErrorFn, formats_error_fn
 from snip_megatron.stats.collector import ShardGroup
-from snip_megatron.stats.reduce import (ADAM_FIELDS, expert_groups, gather_pp_tensor, megatron_groups,
-                                        reduce_experts_tensor, reduce_tp_dp_tensor, tp_sharded_mask)
+from snip_megatron.stats.reduce import (ADAM_FIELDS, cp_summed_mask, expert_groups, gather_pp_tensor,
+                                        megatron_groups, reduce_experts_tensor, reduce_tp_dp_tensor,
+                                        tp_sharded_mask)
 from snip_megatron.stats.table import GLOBAL_FIELDS, StatsTable
 
 NOISE_FIELDS = ("fwd_zg_noisy", "fwd_z_sq", "bwd_dgw_sq", "bwd_eta_sq")
@@ -233,7 +234,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
     """Statistics of every planned linear for the step made of `batches` (micro-batches).
 
     Measures `config.micro_batches` of them (stats/microbatches.py), scaled up to the step.
-    Returns the table reduced over TP and DP x CP and gathered over PP onto the first stage
+    Returns the table reduced over TP, CP and DP and gathered over PP onto the first stage
     (global rank 0 holds all rows; every stage with `pp_to_all`). `reduce=False` returns this
     rank's local table, unreduced (for tests). Statistics stay on the device until the one
     transfer at the end. `keys`: the table's rows, every planned linear of the model in forward
@@ -283,7 +284,9 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             positions = step_positions(len(batches), dp_rank, dp, k_wanted, multiple=group)
             measured = [batches[i] for i in picked]
             per_token = bool(getattr(mconfig, "calculate_per_token_loss", False))
-            loss_factor = 1.0 if per_token else len(measured) / len(batches)
+            # a CP rank's gradient is CP times its share of its replica's (Megatron's DDP averages
+            # it over DP x CP, unless the loss is per token): the passes backpropagate the replica's
+            loss_factor = 1.0 if per_token else len(measured) / len(batches) / cp
             step_factor = dp * len(batches) / k_total  # sums over the sample -> a replica's whole step
             # the noise pass: alternate micro-batches of the step's sample, or the two halves of a
             # lone one (decided for the whole sample, so every replica interleaves alike)
@@ -308,7 +311,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                                   token_stride=config.error_token_stride,
                                   grad_token_stride=config.grad_error_token_stride, interleave_noise=interleave,
                                   noise_on_halves=halves, sequence_parallel=sp,
-                                  cp_rank=ps.get_context_parallel_rank(), cp_size=cp, device=device,
+                                  cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
+                                  cp_group=ps.get_context_parallel_group(), device=device,
                                   step_positions=positions)
         except Exception as exc:  # noqa: BLE001 - agreed on below, so no rank is left waiting
             setup_error = f"{type(exc).__name__}: {exc}"
@@ -316,8 +320,9 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
         layout = collector.acc.layout
         reducing = reduce and dist.is_initialized()
         if reducing:
-            tp_group, dp_group, pp_group = megatron_groups()
+            tp_group, cp_group, dp_group, pp_group = megatron_groups()
             tp_mask = torch.from_numpy(tp_sharded_mask(layout, kinds, sp)).to(device)
+            cp_mask = torch.from_numpy(cp_summed_mask(layout)).to(device)
             adam_cols = [layout.col(f) for f in ADAM_FIELDS]
             expert_rows = [layout.row_index(k) for k in experts]
             if expert_rows:
@@ -327,16 +332,16 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
         summed = torch.from_numpy(summed_mask(layout)).to(device)
 
         def finish(t: torch.Tensor, adam_dp_sharded: bool = False) -> torch.Tensor:
-            """A pass's local sums -> estimates for the step, reduced over TP and DP x CP."""
+            """A pass's local sums -> estimates for the step, reduced over TP, CP and DP."""
             t = torch.where(summed, t * step_factor, t)
             if not reducing:
                 return t
             dense = reduce_tp_dp_tensor(t, tp_mask, adam_cols, tp_group=tp_group, dp_group=dp_group,
-                                        adam_dp_sharded=adam_dp_sharded)
+                                        cp_group=cp_group, cp_mask=cp_mask, adam_dp_sharded=adam_dp_sharded)
             if not expert_rows:
                 return dense
             experts_t = reduce_experts_tensor(t, expert_rows, etp_mask, summed, adam_cols, etp_group=etp_group,
-                                              ep_group=ep_group, edp_group=edp_group, dense_dp=dp * cp,
+                                              ep_group=ep_group, edp_group=edp_group, dense_dp=dp,
                                               adam_dp_sharded=adam_dp_sharded)
             rows = torch.tensor(expert_rows, device=t.device)
             return dense.index_copy(0, rows, experts_t.index_select(0, rows))
@@ -361,7 +366,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                     if losses:  # the mean over every replica's sample, after the DP mean
                         clean.add(g, GLOBAL_FIELDS.index("loss"), torch.stack(losses).sum() * (dp / k_total))
                     clean.set_host(g, GLOBAL_FIELDS.index("num_microbatches"), float(len(batches)))
-                    clean.set_host(g, GLOBAL_FIELDS.index("dp_size"), float(dp * cp))
+                    clean.set_host(g, GLOBAL_FIELDS.index("dp_size"), float(dp))
                 agree_on_failure("; ".join(collector.errors) or None, "the statistics pass")
                 dp_sharded = adam.is_dp_sharded(optimizer) if optimizer is not None else False
                 reduced = finish(clean.tensor(), dp_sharded)

@@ -9,7 +9,8 @@ depends only on (M, dp, K), so every rank of a replica (its TP, CP and PP ranks)
 micro-batches, and a measurement is reproducible.
 
 Each sampled micro-batch keeps the gradient scale it has in the full step (its loss is multiplied
-by K_d / M, as the schedule divides by the K_d micro-batches it runs instead of M), and every sum
+by K_d / M, as the schedule divides by the K_d micro-batches it runs instead of M; and by 1 / CP
+under context parallelism, whose ranks' gradients Megatron's DDP averages over DP x CP), and every sum
 over micro-batches is multiplied by dp * M / K before the data-parallel mean: the reduced table
 then estimates exactly the fields of a full measurement (sums over the M micro-batches of one
 replica, averaged over replicas). Fields of the weights and the optimizer are not sums over

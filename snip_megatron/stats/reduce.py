@@ -8,17 +8,20 @@
   A duplicated linear (MLA's down-projections in the TE spec: the whole weight on every TP rank)
   has nothing sharded by features; under SP each rank holds its own tokens of X and Y (and their
   gradients), so those per-token sums add over TP, and everything else is replicated.
-- DP and CP: replicas are averaged over the data-parallel group with context parallelism (CP
-  ranks hold different tokens of the same sequences and are reduced like DP replicas, as
-  Megatron reduces gradients over DP x CP). AdamW state of a distributed optimizer is sharded
-  over that group: summed.
+- CP: the ranks of a CP group hold different tokens of the same sequences, one replica between
+  them. Sums over this rank's tokens (the norms of X, Y and their gradients, their inner
+  products with the noise and with E_X) add over CP; everything else the hooks compute on the
+  micro-batch's tokens gathered over CP (errors, dY, G_W), or on the weights, is the same on
+  every CP rank, and is counted once (the mean; the loss: the mean of the ranks' means). AdamW
+  state of a distributed optimizer is sharded over DP x CP: summed.
+- DP: replicas are averaged over the data-parallel group (without CP).
 - Routed experts (an MoE layer's expert units) live on the expert grid ETP x EP x EDP x PP
   instead (Megatron's MoE parallel folding): each rank's local experts have added into the unit's
   row; expert TP (ETP) is reduced like TP (the experts' tokens are whole on every ETP rank: no
   sequence parallelism), expert parallelism (EP) sums the disjoint experts (the unit's shape and
   presence counted once), and the expert-data-parallel group (EDP) sums the tokens of its
-  replicas; sums over tokens are then divided by the dense DP x CP size, so an expert row is in
-  the dense rows' units (a replica's sums, averaged). Weight and optimizer fields are averaged
+  replicas; sums over tokens are then divided by the dense DP size, so an expert row is in the
+  dense rows' units (a replica's sums, averaged). Weight and optimizer fields are averaged
   over EDP (summed when the distributed optimizer shards them over it).
 - PP: every stage fills its own rows; a sum over the PP group gathers them on the first stage
   (or on every stage with `pp_to_all`). Global rank 0 then holds the whole table.
@@ -50,6 +53,8 @@ _TOKEN_SHARDED_COLUMN = {"x_sq", "n", "gx_sq", "gx_ex", "bwd_eta_sq"}
 _TOKEN_SHARDED_ROW = {"y_sq", "gy_sq", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq"}
 # A duplicated linear under SP: both its input and its output are this rank's tokens.
 _TOKEN_SHARDED_DUPLICATED = _TOKEN_SHARDED_COLUMN | _TOKEN_SHARDED_ROW
+# Context parallelism: the sums over this rank's tokens, whatever the kind (the hooks gather the rest).
+_CP_SUMMED = _TOKEN_SHARDED_COLUMN | _TOKEN_SHARDED_ROW
 ADAM_FIELDS = ("adam_du_sq", "adam_dv_sq", "adam_v_sum", "adam_upd_sq", "adam_numel")
 
 
@@ -79,6 +84,13 @@ def tp_sharded_mask(table: StatsTable, kinds, sequence_parallel: bool = False) -
     return mask
 
 
+def cp_summed_mask(table: StatsTable) -> np.ndarray:
+    """Bool mask over `table.to_array()`: the fields summed over CP (the run-level row: none)."""
+    mask = np.zeros((len(table.keys) + 1, len(table.fields)), dtype=bool)
+    mask[:-1] = [f.split(".", 1)[0] in _CP_SUMMED for f in table.fields]
+    return mask
+
+
 def _device():
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -86,22 +98,31 @@ def _device():
 
 
 def megatron_groups():
-    """(TP group, data-parallel group with CP, PP group) of Megatron's parallel state."""
+    """(TP group, CP group, data-parallel group without CP, PP group) of Megatron's parallel state."""
     from megatron.core import parallel_state as ps
 
-    return (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True),
-            ps.get_pipeline_model_parallel_group())
+    return (ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group(),
+            ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group())
 
 
 def reduce_tp_dp_tensor(t: torch.Tensor, tp_mask: torch.Tensor, adam_cols: list, *, tp_group, dp_group,
+                        cp_group=None, cp_mask: "torch.Tensor | None" = None,
                         adam_dp_sharded: bool = False) -> torch.Tensor:
-    """TP sum (replicated fields counted once), then the DP x CP mean, of a table tensor."""
+    """TP sum (replicated fields counted once), the CP sum of `cp_mask`'s fields (the others
+    counted once), then the DP mean, of a table tensor."""
     if dist.get_rank(tp_group) > 0:
         t = torch.where(tp_mask, t, torch.zeros_like(t))  # where(), not *0: NaN must survive
     else:
         t = t.clone()
     if dist.get_world_size(tp_group) > 1:
         dist.all_reduce(t, group=tp_group)
+    cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if cp > 1:
+        dist.all_reduce(t, group=cp_group)
+        once = ~cp_mask
+        if adam_dp_sharded:  # the optimizer's shards over DP x CP add up
+            once[:-1, adam_cols] = False
+        t = torch.where(once, t / cp, t)
     dp = dist.get_world_size(dp_group)
     if dp > 1:
         if adam_dp_sharded:  # shards of the optimizer state: the mean of dp * shard sums = the sum
@@ -170,15 +191,17 @@ def gather_pp_tensor(t: torch.Tensor, *, pp_group, to_all: bool = False) -> torc
 
 def reduce_tp_dp(table: StatsTable, *, kinds, tp_group=None, dp_group=None, adam_dp_sharded: bool = False,
                  use_megatron_groups: bool = True, sequence_parallel: bool = False) -> StatsTable:
-    """TP sum (replicated counted once), then DP mean. Every rank gets the values of its rows."""
+    """TP sum (replicated counted once), CP, then DP mean. Every rank gets the values of its rows."""
     if not dist.is_initialized():
         return table.copy()
+    cp_group = None
     if use_megatron_groups and tp_group is None and dp_group is None:
-        tp_group, dp_group, _ = megatron_groups()
+        tp_group, cp_group, dp_group, _ = megatron_groups()
     dev = _device()
     mask = torch.from_numpy(tp_sharded_mask(table, kinds, sequence_parallel)).to(dev)
     t = reduce_tp_dp_tensor(torch.from_numpy(table.to_array()).to(dev), mask,
                             [table.col(f) for f in ADAM_FIELDS], tp_group=tp_group, dp_group=dp_group,
+                            cp_group=cp_group, cp_mask=torch.from_numpy(cp_summed_mask(table)).to(dev),
                             adam_dp_sharded=adam_dp_sharded)
     return StatsTable.from_array(table.keys, t.cpu().numpy(), table.precisions)
 
@@ -189,14 +212,14 @@ def gather_pp(table: StatsTable, *, pp_group=None, to_all: bool = False,
     if not dist.is_initialized():
         return table.copy()
     if use_megatron_groups and pp_group is None:
-        pp_group = megatron_groups()[2]
+        pp_group = megatron_groups()[3]
     t = gather_pp_tensor(torch.from_numpy(table.to_array()).to(_device()), pp_group=pp_group, to_all=to_all)
     return StatsTable.from_array(table.keys, t.cpu().numpy(), table.precisions)
 
 
 def reduce_stats(table: StatsTable, *, kinds, adam_dp_sharded: bool = False, pp_to_all: bool = False,
                  sequence_parallel: bool = False) -> StatsTable:
-    """The full reduction with Megatron's groups: TP, DP x CP, then PP onto global rank 0."""
+    """The full reduction with Megatron's groups: TP, CP, DP, then PP onto global rank 0."""
     return gather_pp(reduce_tp_dp(table, kinds=kinds, adam_dp_sharded=adam_dp_sharded,
                                   sequence_parallel=sequence_parallel),
                      to_all=pp_to_all)

@@ -14,6 +14,7 @@ Memory, per rank, in three parts:
   weight rows and its errors, the wgrad and dY blocks, the noise unpacking), the AdamW read, and
   the device accumulators (persistent, a few hundred KB).
 - nothing per micro-batch in flight beyond `held`.
+Under CP the hooks work on the micro-batch's tokens, X and G_Y gathered over CP (token_layout.py).
 The extra over training is transient + persistent: a measurement runs outside the training step,
 its passes hold at most the activations a training step holds (frozen weights, at most as many
 micro-batches in flight), and nothing survives it.
@@ -274,23 +275,30 @@ def _sp(lay: MeasureLayout) -> bool:
     return lay.sequence_parallel and lay.tp > 1
 
 
+def _gathered(lay: MeasureLayout, n: int, kx: int, my: int, column: bool) -> int:
+    """A hook's gathered operands (n: this rank's tokens): SP's token-sharded one; CP's X and G_Y of
+    n x CP rows, and half of one again while its second halves are put in order (gather_cp_rows)."""
+    sp = (n * kx if column else n * my) if _sp(lay) else 0
+    whole = n * lay.cp
+    return lay.act_bytes * (sp + (whole * (kx + my) + whole * max(kx, my) // 2 if lay.cp > 1 else 0))
+
+
 def clean_hook_phases(lay: MeasureLayout, name: str, tokens: "int | None" = None, first: bool = True) -> dict:
     """Peak bytes of each phase of the clean pass's G_Y hook (collector._on_gy_clean), in its order."""
-    rows_w, cols_w, kx, my = lay.linears()[name]
-    column = lay.column(name)
-    n = tokens or lay.tokens
-    a = lay.act_bytes
+    (rows_w, cols_w, kx, my), column = lay.linears()[name], lay.column(name)
+    n, a = tokens or lay.tokens, lay.act_bytes
+    nt = n * lay.cp  # the hook's tokens: the micro-batch's, gathered over CP
     ps = _precisions(lay)
     y_rows = n // lay.tp if (_sp(lay) and not column) else n
-    gathered = (n * kx * a if column else n * my * a) if _sp(lay) else 0
+    gathered = _gathered(lay, n, kx, my, column)
     phases = {"gy_norm": _norm_temp(y_rows * my, a)}
     numel = y_rows * my
     numel_full = n * my * (lay.tp if column else 1)
     phases["noise"] = _noise_unpack(numel, numel_full) + _copy(min(numel, NOISE_CHUNK), a)
     # the token samples (copies: index_select, or a float32 conversion) and their errors
-    nf, nb = _kept(n, lay.token_stride), _kept(n, lay.grad_token_stride)
-    xs, gs = (4 * nf * kx, 4 * nf * my) if (nf < n or a != 4) else (0, 0)
-    xb, gb = (4 * nb * kx, 4 * nb * my) if (nb < n or a != 4) else (0, 0)
+    nf, nb = _kept(nt, lay.token_stride), _kept(nt, lay.grad_token_stride)
+    xs, gs = (4 * nf * kx, 4 * nf * my) if (nf < nt or a != 4) else (0, 0)
+    xb, gb = (4 * nb * kx, 4 * nb * my) if (nb < nt or a != 4) else (0, 0)
     ex = 4 * nf * kx
     errors = 0
     for i, p in enumerate(ps):
@@ -301,9 +309,9 @@ def clean_hook_phases(lay: MeasureLayout, name: str, tokens: "int | None" = None
     phases["errors"] = gathered + xs + gs + xb + gb + errors
     # chunk Grams of every token (only with a token sample)
     base = gathered + xs + gs + len(ps) * ex
-    chunks = -(-n // TOKEN_CHUNK)
-    grams = 3 * chunks * TOKEN_CHUNK * TOKEN_CHUNK * 4 + _copy(min(n * max(kx, my), BLOCK_ELEMS), a)
-    phases["grams"] = base + (grams if nf < n else 0)
+    chunks = -(-nt // TOKEN_CHUNK)
+    grams = 3 * chunks * TOKEN_CHUNK * TOKEN_CHUNK * 4 + _copy(min(nt * max(kx, my), BLOCK_ELEMS), a)
+    phases["grams"] = base + (grams if nf < nt else 0)
     # the weight loop, a block of rows at a time: W block, every precision's error of it, G_W's
     # rows on the sample, then per precision Q(W), dY's columns and their products
     r = _block_rows(rows_w, cols_w, lay.weight_block_elems)
@@ -328,10 +336,9 @@ def clean_hook_bytes(lay: MeasureLayout, name: str, tokens: "int | None" = None)
 def bwd_noise_hook_bytes(lay: MeasureLayout, name: str, tokens: "int | None" = None) -> int:
     """Peak working set of the backward-noise pass's G_Y hook (||G_Y^T X||^2 on the sample): the
     chunk Grams, then the sampled rows and a block of G_W with its square."""
-    rows_w, cols_w, kx, my = lay.linears()[name]
-    column = lay.column(name)
-    n, a = tokens or lay.tokens, lay.act_bytes
-    gathered = (n * kx * a if column else n * my * a) if _sp(lay) else 0
+    (rows_w, cols_w, kx, my), column = lay.linears()[name], lay.column(name)
+    gathered = _gathered(lay, tokens or lay.tokens, kx, my, column)
+    n, a = (tokens or lay.tokens) * lay.cp, lay.act_bytes  # the micro-batch's tokens, gathered over CP
     nf = _kept(n, lay.token_stride) if n >= 2 * lay.token_stride * TOKEN_CHUNK else n
     chunks = -(-n // TOKEN_CHUNK)
     grams = (3 * chunks * TOKEN_CHUNK * TOKEN_CHUNK * 4 + _copy(min(n * max(kx, my), BLOCK_ELEMS), a)) if nf < n else 0
@@ -345,7 +352,7 @@ def gx_hook_bytes(lay: MeasureLayout, name: str, tokens: "int | None" = None) ->
     _, _, kx, _ = lay.linears()[name]
     shard = lay.tp if (_sp(lay) and lay.column(name)) else 1
     n = (tokens or lay.tokens) // shard
-    nf = _kept(tokens or lay.tokens, lay.token_stride) // shard
+    nf = _kept((tokens or lay.tokens) * lay.cp, lay.token_stride) // (shard * lay.cp)  # this rank's sampled rows
     sampled = 4 * nf * kx + 4 * nf * kx if lay.first_order else 0
     return int(max(_norm_temp(n * kx, lay.act_bytes), sampled))
 
@@ -456,6 +463,7 @@ def flops(lay: MeasureLayout, rates: GPURates = GPURates()) -> dict:
     copies = lay.copies()
     n = lay.tokens
     tokens = {name: lay.expert_tokens if lay.is_expert(name) else n for name in copies}
+    hook = {name: t if lay.is_expert(name) else t * lay.cp for name, t in tokens.items()}  # gathered over CP
     params = sum(lin[name][0] * lin[name][1] * c for name, c in copies.items())  # planned-linear weights on the rank
     fwd_lin = 2 * sum(tokens[name] * lin[name][0] * lin[name][1] * c for name, c in copies.items())  # one mb's forward GEMMs
     # attention core (QK^T and AV, causal: half), per micro-batch on the rank, BF16 always
@@ -473,16 +481,17 @@ def flops(lay: MeasureLayout, rates: GPURates = GPURates()) -> dict:
     pass_gemm = kd * ((2 + recompute_fwd) * fwd_lin + (3 + attn_recompute) * fwd_attn)
     # hooks: G_W on the sample (clean: every mb; noise: the backward-noise half), dY (2 GEMMs per
     # precision), chunk Grams
-    sample_lin = 2 * sum(_kept(tokens[name], lay.token_stride) * lin[name][0] * lin[name][1] * c
+    sample_lin = 2 * sum(_kept(hook[name], lay.token_stride) * lin[name][0] * lin[name][1] * c
                          for name, c in copies.items())
-    grams = 2 * 2 * TOKEN_CHUNK * sum(tokens[name] * (lin[name][2] + lin[name][3]) * c for name, c in copies.items())
+    grams = 2 * 2 * TOKEN_CHUNK * sum(hook[name] * (lin[name][2] + lin[name][3]) * c for name, c in copies.items())
     hook_gemm = kd * (sample_lin * (1 + 0.5 + 2 * lay.precisions) + grams)
     # elementwise: quantizers (weights each measured mb, the sampled activations), noise, norms
     quantized = params * lay.precisions + lay.precisions * sum(
-        c * (_kept(tokens[name], lay.token_stride) * lin[name][2]
-             + _kept(tokens[name], lay.grad_token_stride) * (lin[name][2] + 2 * lin[name][3]))
+        c * (_kept(hook[name], lay.token_stride) * lin[name][2]
+             + _kept(hook[name], lay.grad_token_stride) * (lin[name][2] + 2 * lin[name][3]))
         for name, c in copies.items())
-    streamed = 6 * sum(tokens[name] * c * (lin[name][2] + lin[name][3]) for name, c in copies.items())  # norms, noise (x2), gathers
+    streamed = sum((6 * tokens[name] + 2 * (hook[name] - tokens[name])) * c * (lin[name][2] + lin[name][3])
+                   for name, c in copies.items())  # norms, noise (x2), gathers (CP's: written and read)
     elementwise_s = kd * (quantized * rates.elementwise_bytes + streamed * rates.streamed_bytes) / (rates.hbm_tb_s * 1e12)
     bubble = (kd + lay.pp - 1) / kd
     measure_s = (2 * pass_gemm + hook_gemm) / bf16 * bubble + elementwise_s

@@ -32,7 +32,8 @@ Per candidate precision p (field name "<field>.<p>"):
   gdy_sq             sum over tokens t of <G_Y,t, dY_t>^2: the error along the loss gradient, per
                      token (n * gdy_sq is dY's quadratic form in the empirical Fisher)
 Run-level scalars (the extra row): loss (mean training loss of the measured micro-batches),
-num_microbatches (of the step, per replica), dp_size (data-parallel x context-parallel ranks).
+num_microbatches (of the step, per replica), dp_size (data-parallel replicas; the ranks of a CP
+group are one replica).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ CHECK = textwrap.dedent("""
     assert torch.zeros(2, device="cuda").device.type == "cpu"
     assert torch.ones(1).to("cuda:0").device.type == "cpu"
     assert torch.ones(1).cuda().device.type == "cpu"
+    # RoPE's context-parallel slice (rope_utils.get_pos_emb_on_this_cp_rank) pins its indices
+    assert torch.tensor([1, 2], device="cpu", pin_memory=True).cuda(non_blocking=True).tolist() == [1, 2]
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert not torch.cuda.is_available()
     state = torch.cuda.get_rng_state(); torch.cuda.set_rng_state(state)

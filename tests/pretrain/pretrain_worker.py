@@ -3,7 +3,8 @@ controller: what the model Megatron built and the first batch look like, per ran
 every planned TE linear was told to run and what it ran, after each step, in
 OUT/rank<r>_te.jsonl, with its run-time state at the end of the step (`te_runtime`): whether TE
 fuses its weight-gradient accumulation, whether its weight moved over the step, its `main_grad`,
-and where its quantized forward got the weight from (the TE double's weight workspace).
+and where its quantized forward got the weight from (the TE double's weight workspace); and what
+each TE core attention last attended (`attention`: CP size, query and key tokens).
 
     python tests/pretrain/pretrain_worker.py OUT <Megatron-LM and --snip* arguments>
 
@@ -125,6 +126,13 @@ def te_runtime(chunks, at_start: dict) -> dict:
     return out
 
 
+def attention(chunks) -> dict:
+    """{module name: [CP size, query tokens, key tokens]} of what each TE core attention (the
+    double's DotProductAttention) last attended."""
+    return {name: [m.cp_size, *m.last_tokens] for c in chunks for name, m in c.named_modules()
+            if getattr(m, "last_tokens", None) is not None}
+
+
 def probe(controller, out: Path):
     """Record the model and the first batch at the controller's first two hooks, and the TE
     linears (what they ran, their run-time state) after every step."""
@@ -173,7 +181,8 @@ def probe(controller, out: Path):
         if state:
             with (out / f"rank{dist.get_rank()}_te.jsonl").open("a") as f:
                 plan = {str(k): p.value for k, p in controller.plan.items()}
-                f.write(json.dumps({"step": step, "plan": plan, "linears": state, "runtime": runtime}) + "\n")
+                f.write(json.dumps({"step": step, "plan": plan, "linears": state, "runtime": runtime,
+                                    "attention": attention(ctx.chunks)}) + "\n")
 
     controller.on_train_start, controller.on_step_start = start, step_start
     controller.on_step_end = step_end

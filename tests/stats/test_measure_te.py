@@ -2,14 +2,19 @@
 tests/te_double: TE itself cannot be installed here) reads what the GEMMs read: the fused
 norm+linear's GEMM input is the normalised activation, every statistic equals the local-spec model
 with the same weights (1e-5), TE linears run unquantized while measured and keep their plan; with
-Megatron's GPU default gradient-accumulation fusion on (tests/apex_double stands in for apex)."""
+Megatron's GPU default gradient-accumulation fusion on (tests/apex_double stands in for apex).
+At context parallelism CP=2 (the double's CP attention) the table equals one process's."""
 
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from snip_megatron.plan import LayerKey
+from snip_megatron.stats.table import StatsTable
 from tests.distributed import ROOT, run_distributed
+from tests.stats.test_measure_parallel import assert_same
 from tests.te.te_versions import double_pythonpath
 
 WORKER = str(ROOT / "tests" / "stats" / "te_stats_worker.py")
@@ -43,6 +48,29 @@ def test_mla_duplicated_te_linears_measure_as_the_local_spec_under_sequence_para
         assert r["keys"][:2] == ["1.linear_q_down_proj", "1.linear_kv_down_proj"]
         assert r["kinds"]["1.linear_kv_down_proj"] is None and r["kinds"]["1.linear_kv_up_proj"] == "column"
         assert r["params_kept"] and r["forward_restored"]
+
+
+CP_WORKER = str(ROOT / "tests" / "stats" / "te_cp_stats_worker.py")
+
+
+@pytest.mark.parametrize("model", ["dense", "mla"])
+def test_te_spec_statistics_at_cp2_equal_one_process(tmp_path, model):
+    """The same weights and micro-batches measured at CP=2 (each rank its tokens by Megatron's
+    load-balanced split, its core attention over the whole sequence's keys) and in one process:
+    every field of every row to 1e-5 (signed sums to 1e-5 of their Cauchy-Schwarz bound), the loss,
+    one replica (dp_size 1); the dense GPT with GQA, and MLA (keys wider than values)."""
+    tables, runs = {}, {}
+    for cp in (1, 2):
+        run_distributed([CP_WORKER, "--out", str(tmp_path), *(["--mla"] if model == "mla" else [])], nproc=cp,
+                        timeout=600, env={"PYTHONPATH": double_pythonpath(apex=True)})
+        runs[cp] = json.loads((tmp_path / f"cp{cp}.json").read_text())
+        keys = [LayerKey(int(k.split(".", 1)[0]), k.split(".", 1)[1]) for k in runs[cp]["keys"]]
+        tables[cp] = StatsTable.from_array(keys, np.load(tmp_path / f"cp{cp}.npy"))
+    assert {tuple(v) for v in runs[1]["attention"].values()} == {(1, 32, 32)}
+    assert {tuple(v) for v in runs[2]["attention"].values()} == {(2, 16, 32)}  # its queries, every key
+    assert_same(tables[1], tables[2])
+    assert tables[2].globals_["dp_size"] == 1.0
+    assert len(tables[2].keys) == (14 if model == "mla" else 8)
 
 
 MOE_WORKER = str(ROOT / "tests" / "stats" / "te_moe_stats_worker.py")

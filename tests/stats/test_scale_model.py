@@ -66,3 +66,18 @@ def test_an_moe_layout_counts_its_local_experts_on_their_routed_rows():
     assert sm.memory(lay)["persistent"] == (len(lay.inventory) + 1) * (sm.FIELDS * 50 + 16)
     with pytest.raises(ValueError, match="ep=3"):
         sm.MeasureLayout(shape=shape, moe=moe, ep=3, tp=1, dp=3, global_batch=3)
+
+
+def test_context_parallel_hooks_take_the_micro_batch_s_tokens_gathered():
+    """CP=2 holds half a micro-batch's tokens per rank; the hooks gather X and G_Y over CP and take
+    their samples, errors and Grams on the whole micro-batch's, as one CP=1 rank does."""
+    one, cp2 = _70b(sequence_parallel=False), _70b(sequence_parallel=False, cp=2)
+    assert 2 * cp2.tokens == one.tokens
+    for name in ("linear_qkv", "linear_fc2"):
+        rows_w, cols_w, kx, my = one.linears()[name]
+        gathered = sm._gathered(cp2, cp2.tokens, kx, my, cp2.column(name))
+        assert gathered == 2 * (2 * cp2.tokens * (kx + my) + cp2.tokens * max(kx, my))  # BF16
+        a, b = sm.clean_hook_phases(one, name), sm.clean_hook_phases(cp2, name)
+        assert b["grams"] - gathered == a["grams"] and b["weights"] - gathered == a["weights"]
+    half = _70b(sequence_parallel=False, seq_length=one.seq // 2)  # a rank's tokens at CP=2, not gathered
+    assert half.tokens == cp2.tokens and sm.flops(cp2)["measure_flops"] > sm.flops(half)["measure_flops"]

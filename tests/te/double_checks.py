@@ -5,9 +5,9 @@ emptied when saved, shape and bias rules, CUDA / cuBLAS gates, version metadata)
     PYTHONPATH=<repo>:<repo>/tests/te_double python tests/te/double_checks.py --out FILE
 
 Run with the NVTE_* recipe variables and TE_DOUBLE_* unset (TE's defaults, SM100, CUDA 13.0).
-tests/te/test_te_double.py runs it in a subprocess and asserts every check passed. Two checks start
-their own subprocesses: another TE version (a dist-info from te_versions.py) and the apex double
-under Megatron's local linear.
+tests/te/test_te_double.py runs it in a subprocess and asserts every check passed. Three checks start
+their own subprocesses: another TE version (a dist-info from te_versions.py), the apex double under
+Megatron's local linear, and context-parallel attention on two processes (cp_attention_worker.py).
 """
 
 from __future__ import annotations
@@ -413,7 +413,8 @@ def check_unmodelled_features_are_refused():
         "single grouped weight": lambda: te.GroupedLinear(2, 8, 8, single_grouped_weight=True),
         "Sequential": lambda: ops.Sequential(),
         "checkpointing": lambda: checkpoint(lambda t: t, torch.ones(1)),
-        "context parallelism": lambda: te.DotProductAttention(4, 16, cp_group=object()),
+        "hierarchical context parallelism": lambda: te.DotProductAttention(
+            4, 16, cp_group=[object(), object()], cp_comm_type="a2a+p2p"),
     }
     for name, attempt in attempts.items():
         try:
@@ -555,6 +556,32 @@ def check_dot_product_attention_gqa_causal():
     except NotImplementedError:
         return
     raise AssertionError("thd was not refused")
+
+
+def check_context_parallel_attention_equals_the_whole_sequence():
+    """Two processes (gloo), CP=2 with cp_comm_type 'p2p' over Megatron's load-balanced split
+    (tests/te/cp_attention_worker.py): outputs and dQ, dK, dV equal one process's attention over the
+    whole sequence (causal GQA in sbhd, causal in bshd, no mask, MLA's wider K), also with the group
+    set after construction and taken away again; Megatron's RoPE holds the positions the double
+    masks by; what TE runs differently or not at all is refused."""
+    import tempfile
+
+    from tests.distributed import run_distributed
+
+    with tempfile.TemporaryDirectory() as out:
+        run_distributed([os.path.join(os.path.dirname(os.path.abspath(__file__)), "cp_attention_worker.py"),
+                         "--out", out], nproc=2, timeout=300, env={"PYTHONPATH": double_pythonpath()})
+        ranks = [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(2)]
+    for r in ranks:
+        assert len(r["worst"]) == 12 and all(d < 1e-5 for d in r["worst"].values()), r["worst"]
+        assert r["rope"] is True
+        refused = r["refusals"]
+        assert all(refused[name].startswith("NotImplementedError") and "test double" in refused[name] for name in
+                   ("a2a", "all_gather", "a2a+p2p", "padding_causal", "causal_bottom_right", "thd",
+                    "causal cross-attention")), refused
+        assert refused["not a group"].startswith("AssertionError: cp_group must be"), refused  # TE's own
+        assert refused["odd local length"] == "AssertionError: Sequence length per GPU needs to be divisible by 2!"
+        assert refused["other ranks"].startswith("ValueError"), refused
 
 
 def check_rng_tracker():

@@ -6,7 +6,8 @@ The double (tests/te_double, TE 2.14) is importable only in the subprocesses the
                       protocol, autocast rules, GPU checks, numerics, refusals) and TE's run-time
                       state (weight workspaces, fused wgrad accumulation, the reference NVFP4
                       tensor emptied while saved, shape / bias rules, CUDA gates, other TE
-                      versions via te_versions.py, the apex double under Megatron's local linear);
+                      versions via te_versions.py, the apex double under Megatron's local linear;
+                      context-parallel attention on two processes, cp_attention_worker.py);
 - megatron_checks.py: one process, TP=1: import, the TE layer spec, training, the plan through
                       quant_recipe -> finish_init -> per-module autocast, bit-exact numerics, and
                       for SM90 / SM100 and every recipe flag the TE dict against the formats SNIP
@@ -49,6 +50,7 @@ DOUBLE_CHECKS = [
     "check_layernorm_linear_norms_and_returns_norm_output",
     "check_norm_modules",
     "check_dot_product_attention_gqa_causal",
+    "check_context_parallel_attention_equals_the_whole_sequence",
     "check_rng_tracker",
     "check_weight_workspace_follows_is_first_microbatch",
     "check_workspaces_cleared_on_recipe_class_change_only",

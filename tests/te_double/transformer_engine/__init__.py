@@ -16,7 +16,8 @@ It follows TE v2.14 (April 2026): the newest version megatron-core 0.19.2 gates 
 - transformer_engine/pytorch/module/base.py        -> pytorch/module/base.py (recipe state, weight
   workspaces, the GEMMs and their weight-gradient route)
 - transformer_engine/pytorch/module/linear.py, layernorm_linear.py, rmsnorm.py, layernorm.py
-- transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py
+- transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py,
+  context_parallel.py                               -> pytorch/attention/
 - transformer_engine/pytorch/distributed.py        -> CudaRNGStatesTracker, recompute flags
 - transformer_engine/pytorch/custom_recipes/        -> its layout per version, the reference factory
 - transformer_engine/pytorch/utils.py               -> the FP8 shape assert, the GPU capability
@@ -29,7 +30,8 @@ What it models (the contract Megatron's wrappers rely on):
   split under the module's recipe, per-GEMM weight workspaces and fused wgrad, TE's refusals of
   splits its FP8 / MXFP8 / NVFP4 kernels cannot take, extra state);
 - `Linear`, `LayerNormLinear` (RMSNorm / LayerNorm fused in; `return_layernorm_output`),
-  `RMSNorm`, `LayerNorm`, `DotProductAttention` (causal softmax attention, GQA): TE's
+  `RMSNorm`, `LayerNorm`, `DotProductAttention` (causal softmax attention, GQA; context
+  parallelism as cp_comm_type 'p2p' computes it, `attention/context_parallel.py`): TE's
   constructors, parameter names and Megatron's parallel attributes on them, forward signatures
   and return shapes, TP column / row splitting with the same collectives (and sequence
   parallelism), TE's default init under the RNG tracker's fork;
@@ -99,7 +101,8 @@ overlap, CUDA graphs, FP8/FP4 weight storage (`quantized_model_init(enabled=True
 `--fp8-param-gather`), delayed scaling's amax history, amax reductions across TP or DP groups
 other than the sequence-parallel gather (the double quantizes the gathered tensor), calibration,
 FP8 attention,
-context parallelism, packed sequences, sliding windows, TE activation checkpointing, delayed
+context parallelism other than 'p2p' (and the p2p ring, its kernels and per-step RNG states), packed
+sequences, sliding windows, TE activation checkpointing, delayed
 wgrad, the op fuser (`pytorch.ops`), single grouped weights (GroupedTensor), fused RoPE / cross entropy / permutation
 kernels, TE's optimizers, the reference quantizer's own arithmetic (its quantizers only carry
 settings) and TE's Hadamard sign vector (our emulation uses its own fixed one), TE >= 2.16's

@@ -5,8 +5,11 @@ Plain softmax attention in torch (TE's unfused backend, not its flash/cuDNN kern
 the input dtype, softmax in FP32, GQA by repeating each key/value group over its query heads,
 heads split over the TP group, dropout under the RNG tracker's fork. Formats 'sbhd' and 'bshd';
 masks 'no_mask', 'causal', 'causal_bottom_right', 'padding', 'padding_causal', 'arbitrary'
-(boolean mask, True = masked out). Always high precision: FP8 attention (`fp8_dpa`), context
-parallelism, packed (THD) sequences, sliding windows, attention bias, KV caches, softmax offsets
+(boolean mask, True = masked out). Context parallelism as TE's cp_comm_type 'p2p' computes it
+(context_parallel.py: each rank's queries over the whole sequence's keys and values, Megatron's
+load-balanced split; the group set at construction or by `set_context_parallel_group`, as TE
+takes it, dot_product_attention.py:370-373, 536-575). Always high precision: FP8 attention
+(`fp8_dpa`), packed (THD) sequences, sliding windows, attention bias, KV caches, softmax offsets
 and max-logit output are refused with NotImplementedError.
 """
 
@@ -19,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from transformer_engine.pytorch.attention import context_parallel as cp
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
 MASK_TYPES = ("no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "arbitrary")
@@ -42,8 +46,7 @@ class DotProductAttention(torch.nn.Module):
                  softmax_scale: Optional[float] = None, softmax_type: str = "vanilla",
                  return_max_logit: Optional[bool] = False) -> None:
         super().__init__()
-        if cp_group is not None:
-            _refuse("context parallelism (cp_group)")
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         if softmax_type != "vanilla":
             _refuse(f"softmax_type={softmax_type!r}")
         if return_max_logit:
@@ -70,11 +73,14 @@ class DotProductAttention(torch.nn.Module):
         self.hidden_size_per_attention_head_v = v_channels
         self.softmax_scale = 1.0 / math.sqrt(k_channels) if softmax_scale is None else softmax_scale
         self.attention_dropout = attention_dropout
+        self.last_tokens: Optional[tuple] = None
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type="p2p") -> None:
-        if cp_group is not None:
-            _refuse("context parallelism (set_context_parallel_group)")
+        """TE's CP attributes (None: no CP); what the double does not model is refused here."""
+        self.cp_size = cp.cp_size_of(cp_group, cp_global_ranks, cp_comm_type)
+        self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
+        self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor,
                 value_layer: torch.Tensor, attention_mask=None, qkv_format: Optional[str] = None,
@@ -104,6 +110,8 @@ class DotProductAttention(torch.nn.Module):
             _refuse("in FP8 (recipe fp8_dpa=True)")
         if fp8_output:
             _refuse("fp8_output")
+        if self.cp_size > 1:
+            cp.check_inputs(qkv_format, mask_type, query_layer, key_layer)
 
         # -> [b, heads, s, d]
         to_bhsd = (lambda t: t.permute(1, 2, 0, 3)) if qkv_format == "sbhd" else (lambda t: t.transpose(1, 2))
@@ -111,11 +119,16 @@ class DotProductAttention(torch.nn.Module):
         heads, groups = q.shape[1], k.shape[1]
         if heads % groups:
             raise ValueError(f"{heads} query heads are not a multiple of {groups} key/value groups")
+        if self.cp_size > 1:  # the whole sequence's K and V; queries masked by global position
+            k, v = cp.gather_kv(k, v, 2, self.cp_group)
+            mask = cp.causal_mask_on_rank(self.cp_group, q.shape[2], q.device) if mask_type == "causal" else None
+        else:
+            mask = self._mask(mask_type, attention_mask, q.shape[2], k.shape[2], q.device)
         if groups != heads:
             k = k.repeat_interleave(heads // groups, dim=1)
             v = v.repeat_interleave(heads // groups, dim=1)
+        self.last_tokens = (q.shape[2], k.shape[2])  # what it attended (tests read it): queries, keys
         scores = torch.matmul(q, k.transpose(-2, -1)) * self.softmax_scale
-        mask = self._mask(mask_type, attention_mask, q.shape[2], k.shape[2], q.device)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)

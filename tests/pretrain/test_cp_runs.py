@@ -1,0 +1,73 @@
+"""Megatron-LM's loop with SNIP at context parallelism CP=2 on CPU (prod lane), over the TE test
+double, whose DotProductAttention computes TE's cp_comm_type 'p2p' attention (Megatron's default):
+each rank's queries over the whole sequence's keys and values, with Megatron's load-balanced split
+(tests/te/double_checks.py checks it against one process). Two processes, Megatron's TE spec,
+`--context-parallel-size 2`: trained on an H100's (SM90: BF16/FP8 plans) with a measured re-plan
+and a save, resumed on a B200's (SM100: FP8/FP4 plans) with the checkpoint's plan and re-planned
+again. Every TE linear of both ranks runs its plan after every step with that step's weights and
+gradients (tests/pretrain/test_te_runs.py's checks), and every core attention attended its 16 of
+the 32 tokens against all 32 keys. Models: the dense GPT (GQA) and MLA. (The statistics at CP=2
+equal one process's: tests/stats/test_measure_te.py.)"""
+
+import pytest
+
+from snip_megatron.plan import Plan
+from tests.distributed import run_distributed
+from tests.pretrain import test_mla_runs
+from tests.pretrain.test_runs import MODEL, losses, needs_training, snip_lines, state_of
+from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, TE, WORKER, check_linears_follow_the_plan,
+                                         check_runtime, te_env, te_rows)
+
+CP = ["--context-parallel-size", "2"]
+MODELS = {"dense": MODEL, "mla": [*test_mla_runs.MODEL, *test_mla_runs.MLA]}
+SCHEDULE = [*DATA, "--train-iters", "6", "--save-interval", "3"]
+"""Measure at step 2, plan at step 3, save; resumed: measure at step 5, plan at step 6."""
+
+
+def launch(probe, model: list, *argv: str, sm: int) -> str:
+    """snip-pretrain-gpt through the probe worker on two processes over the doubles (SM`sm`)."""
+    return run_distributed([str(WORKER), str(probe), *model, *TE, *CP, *argv], nproc=2, timeout=900,
+                           env=te_env(sm)).stdout
+
+
+def check_trained(out: str, steps: list[int]) -> None:
+    assert sorted(losses(out)) == steps, losses(out)
+    assert all(4.0 < x < 6.5 for x in losses(out).values()), losses(out)  # ln(256) = 5.55 at the start
+    replans = [line for line in snip_lines(out) if line.startswith("[snip] step ") and " measurement " in line]
+    assert len(replans) == 1, snip_lines(out)
+
+
+def check_ranks(probe, steps: list[int]) -> list[dict]:
+    """Both CP ranks ran `steps`, each TE linear as planned with fresh weights and gradients under
+    fused wgrad accumulation, each core attention over CP=2 (16 query tokens, 32 keys); both ran
+    one plan. Returns rank 0's rows."""
+    plans = []
+    for rank in (0, 1):
+        rows = te_rows(probe, rank)
+        assert [r["step"] for r in rows] == steps, (rank, rows)
+        check_linears_follow_the_plan(rows)
+        check_runtime(rows)
+        for row in rows:
+            assert len(row["attention"]) == 2 and all(v == [2, 16, 32] for v in row["attention"].values()), row
+        plans.append(rows[-1]["plan"])
+    assert plans[0] == plans[1], plans
+    return te_rows(probe, 0)
+
+
+@needs_training
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell(tmp_path, model):
+    ckpt = tmp_path / "ckpt"
+    common = [*SCHEDULE, "--save", str(ckpt)]
+    out = launch(tmp_path / "p", MODELS[model], *common, *HOPPER_SNIP, "--exit-interval", "3", sm=90)
+    check_trained(out, [1, 2, 3])
+    plan = Plan.from_dict(state_of(ckpt, 3)["plan"])
+    assert plan.counts()["bf16"] > 0 and plan.counts()["fp4"] == 0  # the Hopper re-plan (from all FP8)
+    rows = check_ranks(tmp_path / "p", [1, 2, 3])
+    assert rows[-1]["plan"] == {str(k): p.value for k, p in plan.items()}
+    out = launch(tmp_path / "q", MODELS[model], *common, *BLACKWELL_SNIP, "--load", str(ckpt), sm=100)
+    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
+    check_trained(out, [4, 5, 6])
+    rows = check_ranks(tmp_path / "q", [4, 5, 6])
+    assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}  # the checkpoint's plan, then FP4
+    assert any(p == "fp4" for p in rows[-1]["plan"].values())
