@@ -124,6 +124,9 @@ TESTED: tuple[Run, ...] = (
                        ("tp+pp+vpp", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
                        ("dp+recompute", LAYOUT + "test_te_data_parallel_with_the_distributed_optimizer_and_recompute"
                                                  f"[{model}-{sm}]"))),
+    *(run for model in ("dense", "mla") for backend, _ in GENERATIONS for run in _runs(
+        "megatron-lm", model, backend,
+        ("cp", PRETRAIN + f"test_cp_runs.py::test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell[{model}]"))),
     *_runs("analyze", "moe_local", "emulated",
            ("one", "tests/analyze/test_models.py::test_moe_checkpoints_local_and_te_grouped_are_analyzed_by_their_inventory")),
     *_runs("analyze", "moe_te_grouped", "te_hopper",
