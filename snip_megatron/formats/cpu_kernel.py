@@ -11,6 +11,7 @@ others wait, so two processes starting at once build it once.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -54,6 +55,27 @@ def kernel():
             _STATE["module"] = _build()
     return _STATE["module"]
 
+
+
+USE_CPU_KERNEL = True
+"""Whether CPU tensors go through the kernel when it builds; False runs the fused path's eager
+ops (tests compare both to the reference)."""
+
+
+@contextlib.contextmanager
+def eager_cpu_path():
+    """Within: CPU tensors take the eager path, not the kernel (benchmarks time both side by side)."""
+    global USE_CPU_KERNEL
+    previous, USE_CPU_KERNEL = USE_CPU_KERNEL, False
+    try:
+        yield
+    finally:
+        USE_CPU_KERNEL = previous
+
+
+def use_cpu_kernel() -> bool:
+    """Whether a CPU cast runs the kernel now: switched on and built."""
+    return USE_CPU_KERNEL and kernel() is not None
 
 def unavailable_reason() -> str | None:
     kernel()

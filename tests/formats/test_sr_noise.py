@@ -5,7 +5,7 @@ alike by the CPU kernel, the eager fused path and the reference."""
 import pytest
 import torch
 
-import snip_megatron.formats.fused as fused
+from snip_megatron.formats.cpu_kernel import eager_cpu_path
 from snip_megatron.formats import Formats, Role, Rounding, quantize_for_role
 from snip_megatron.formats.sr_noise import CounterNoise, SeedStream, draw_seed, shard_noise
 
@@ -80,7 +80,7 @@ def test_kernel_eager_and_reference_draw_the_same_noise(shape, role):
         assert torch.equal(ref, quantize_for_role(x, NVFP4, role, reference=True,
                                                   noise=noise.uniform(x.shape)))
         fast = quantize_for_role(x, NVFP4, role, noise=noise)
-        with fused.eager_cpu_path():
+        with eager_cpu_path():
             eager = quantize_for_role(x, NVFP4, role, noise=noise)
         assert torch.equal(ref.view(torch.int32), fast.view(torch.int32))
         assert torch.equal(ref.view(torch.int32), eager.view(torch.int32))
