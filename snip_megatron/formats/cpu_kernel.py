@@ -90,8 +90,9 @@ def _build():
     import torch
 
     arch, tag = _arch_flags()
-    # The name carries everything the binary depends on: a cache shared by two torch versions
-    # (prod and compat lanes) or two CPUs never loads the other's build.
+    # compat: built against the running torch's C++ headers (2.13 in the compat lane, 2.14 in
+    # prod). The name carries everything the binary depends on: a cache shared by two torch
+    # versions or two CPUs never loads the other's build.
     key = _SOURCE.read_bytes() + " ".join(_FLAGS + arch + [torch.__version__]).encode()
     name = f"snip_quantize_cpu_{tag}_{hashlib.sha1(key).hexdigest()[:10]}"
     start = time.perf_counter()
