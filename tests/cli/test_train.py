@@ -96,6 +96,7 @@ def test_without_dry_run_it_execs_the_command(capsys, monkeypatch):
     assert "--snip" not in seen["argv"] and seen["argv"][seen["argv"].index("--steps") + 1] == "50"
 
 
+@pytest.mark.launches
 def test_module_entry_point_runs():
     proc = subprocess.run([sys.executable, "-m", "snip_megatron.cli.train", "--dry-run", "model=llama_1b",
                            "parallel=tp1_dp8", "train=pretrain"], capture_output=True, text=True, timeout=120)

@@ -209,6 +209,7 @@ def test_element_rounding_equals_the_casts(element):
     _assert_bits_equal(want, got, element.value)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("element", list(ElementFormat))
 def test_kernel_element_rounding_equals_the_casts(element):
     # The compiled kernel's rounding on the same probe: a per-tensor cast with scale 1, its grid

@@ -68,6 +68,7 @@ def test_shard_columns_are_the_full_tensors():
     assert torch.equal(CounterNoise(99).uniform((4, 6, 64)).reshape(24, 64), full)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("shape", [(64, 96), (50, 40), (7, 3, 48)])
 @pytest.mark.parametrize("role", SR_ROLES, ids=lambda r: r.value)
 def test_kernel_eager_and_reference_draw_the_same_noise(shape, role):

@@ -26,6 +26,8 @@ import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
+pytestmark = [pytest.mark.compat, pytest.mark.launches]
+
 ROOT = Path(__file__).resolve().parents[2]
 NGC_TORCH = "2.13.0a0+8145d630e8.nv26.06"  # the torch of nvcr.io/nvidia/pytorch:26.06-py3 (docker/README.md)
 

@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from snip_megatron.formats.precision import Precision as P
 from snip_megatron.plan import all_keys
 from snip_megatron.planner import ilp as ilp_module
@@ -21,6 +23,7 @@ def test_banner_versions():
     assert cbc_banner_version("something else") == "(version unknown)"
 
 
+@pytest.mark.compat
 def test_notice_names_the_cbc_binary_of_this_lane():
     # Both lanes install a CBC (PuLP 3's bundled binary, or cbcbox through pulp[cbc]).
     notice = solver_notice(PlannerConfig())

@@ -18,6 +18,8 @@ from tests.pretrain.test_runs import MODEL, losses, needs_training, snip_lines, 
 from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, TE, WORKER, check_linears_follow_the_plan,
                                          check_runtime, te_env, te_rows)
 
+pytestmark = pytest.mark.launches
+
 CP = ["--context-parallel-size", "2"]
 MODELS = {"dense": MODEL, "mla": [*test_mla_runs.MODEL, *test_mla_runs.MLA]}
 SCHEDULE = [*DATA, "--train-iters", "6", "--save-interval", "3"]

@@ -21,6 +21,8 @@ from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_o
 from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, check_linears_follow_the_plan,
                                          check_runtime, run_te, te_rows)
 
+pytestmark = pytest.mark.launches
+
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 DP2 = ["--use-distributed-optimizer", *RECOMPUTE]
 """DP=2 (two processes, no model parallelism) with the distributed optimizer and full recompute."""

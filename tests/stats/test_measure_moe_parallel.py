@@ -20,6 +20,8 @@ from snip_megatron.stats.table import StatsTable
 from tests.distributed import run_distributed
 from tests.stats.test_measure_parallel import assert_same
 
+pytestmark = pytest.mark.launches
+
 WORKER = str(Path(__file__).with_name("measure_worker.py"))
 DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2", "moemtp_tp2_sp_ep2", "moemtp_pp2",
                "ds_pp2_vpp2", "ds_tp2_sp_ep2"]

@@ -7,6 +7,7 @@ import sys
 from tests.distributed import ROOT
 
 
+@pytest.mark.launches
 def test_compact_loop_with_snip_replans_and_logs(tmp_path):
     cmd = [sys.executable, "-m", "snip_megatron.train", "--model", "llama_tiny", "--steps", "6",
            "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress", "--max-bytes", "300000",
