@@ -61,37 +61,35 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, name: "str | None" = None) -> set[str]:
+def _imported(path: Path, name: "str | None" = None) -> list[tuple[str, list[str]]]:
+    """(module, the names taken from it) of every import of the file, at its top or inside a
+    function; relative imports resolved."""
     name = name or _module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).rstrip(".")
-            found.add(base)
+            found.append((base, [alias.name for alias in node.names]))
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return {m for m in found if m.startswith("snip_megatron.")}
+            found.extend((alias.name, []) for alias in node.names)
+    return found
+
+
+def _imports(path: Path, name: "str | None" = None) -> set[str]:
+    return {m for m, _ in _imported(path, name) if m.startswith("snip_megatron.")}
 
 
 def _file_imports(path: Path, modules: set[str]) -> set[str]:
     """The package's files `path` imports: `from a.b import c` is the file a/b/c.py where that is a
     module, else a/b (its __init__.py); a file's own parent packages, which Python imports first
     whatever the file says, count only where named."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).rstrip(".")
-            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return {m for m in found if m in modules and m != name}
+    for base, names in _imported(path):
+        found.update([f"{base}.{n}" if f"{base}.{n}" in modules else base for n in names] or [base])
+    return {m for m in found if m in modules and m != _module_name(path)}
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:

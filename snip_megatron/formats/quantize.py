@@ -1,7 +1,8 @@
 """Fake quantization: tensor -> Q(tensor) (dequantized), optionally with its codes and scales.
 
 `quantize` runs the fused path (`formats/fused.py`); `quantize_reference` is the plain eager
-implementation it is tested against, bit for bit, and the definition of the numerics below.
+implementation it is tested against, bit for bit, and the definition of the numerics below. The
+scale formulas are `formats/scales.py`'s, which every path shares (the CPU kernel's C++ restates them).
 
 Numerics follow the hardware recipes and, where torchao has a reference, match it bit for bit:
 NVFP4 = torchao `nvfp4_quantize(x, 16, per_tensor_amax_to_scale(amax))` then dequantize;
@@ -36,15 +37,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from snip_megatron.formats.constants import (
-    E4M3_MAX, E4M3_MIN_NORMAL, E8M0_BIAS, E8M0_NAN_CODE, F32_MIN_NORMAL, NVFP4_GLOBAL_DIVISOR,
-)
-from snip_megatron.formats.elements import cast_fp8, e2m1_codes, e8m0_round_up, round_e2m1
+from snip_megatron.formats.elements import cast_fp8, e2m1_codes, round_e2m1
 from snip_megatron.formats.fused import quantize_fused
 from snip_megatron.formats.hadamard import hadamard_last_dim
 from snip_megatron.formats.quantized import QuantizedTensor
-from snip_megatron.formats.scales import fp32_encode_scale, nan_where_not_finite, reduce_amax, round_down_to_pow2
-from snip_megatron.formats.spec import CastConfig, ElementFormat, Role, Rounding, ScaleFormat
+from snip_megatron.formats.scales import (
+    block_scales, fp32_encode_scale, nan_where_not_finite, per_tensor_scales, reduce_amax,
+)
+from snip_megatron.formats.spec import CastConfig, ElementFormat, Role, Rounding
 from snip_megatron.formats.sr_noise import CounterNoise, stochastic_noise
 
 
@@ -173,40 +173,11 @@ def _quantize_blocked(x, cast, amax_group, u, want_codes):
         block_amax = torch.maximum(hi, lo.neg())  # (nr, 1, nc, 1); NaN propagates
     else:
         block_amax = xb.abs().amax(dim=(1, 3), keepdim=True)
-    elem_max = cast.element.max
-    tensor_scale = None
-
-    if cast.scale in (ScaleFormat.FP32, ScaleFormat.POW2):
-        enc = fp32_encode_scale(block_amax, elem_max)
-        if cast.scale is ScaleFormat.POW2:
-            enc = round_down_to_pow2(enc)
-        decode = enc.reciprocal()  # exact for a power of two
-        scales = decode
-    elif cast.scale is ScaleFormat.E8M0:
-        # RCEIL: the smallest power of two with amax / scale <= max, so nothing saturates.
-        exp = e8m0_round_up(block_amax / elem_max)
-        # Reciprocal as TE's exp2f_rcp: code 0 (2**-127) encodes with 1.0.
-        enc = torch.where(exp == 0, torch.ones_like(block_amax),
-                          torch.exp2((E8M0_BIAS - exp).to(torch.float32)))
-        decode = torch.exp2((exp - E8M0_BIAS).to(torch.float32))
-        scales = torch.where(torch.isfinite(block_amax), exp, torch.full_like(exp, E8M0_NAN_CODE))
-        scales = scales.to(torch.uint8)
-    else:  # NVFP4: E4M3 block scale on an FP32 per-tensor scale
-        amax = reduce_amax(block_amax.amax(), amax_group)
-        global_scale = amax / NVFP4_GLOBAL_DIVISOR
-        # All-zero (or absurdly tiny, amax < ~3e-35) tensors: any finite scale quantizes them to 0.
-        global_scale = torch.where(global_scale >= F32_MIN_NORMAL, global_scale,
-                                   torch.ones_like(global_scale))
-        block_scale = (block_amax / elem_max) / global_scale
-        block_scale_e4m3 = block_scale.clamp(E4M3_MIN_NORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-        block_scale_f32 = block_scale_e4m3.float()
-        # Same operation order as torchao (and TE's kernel): x * ((1 / global) / block), and
-        # dequantize with (global * block).
-        enc = (1.0 / global_scale) / block_scale_f32
-        decode = nan_where_not_finite(global_scale * block_scale_f32, amax)
-        scales, tensor_scale = block_scale_e4m3, global_scale
-
-    decode = nan_where_not_finite(decode, block_amax)
+    per_tensor = None
+    if cast.tensor_scale:  # NVFP4: the E4M3 block scales sit on an FP32 per-tensor scale
+        per_tensor = per_tensor_scales(reduce_amax(block_amax.amax(), amax_group), cast, cast.block)
+    enc, decode, scales = block_scales(block_amax, cast, per_tensor)
+    tensor_scale = None if per_tensor is None else per_tensor[1]
     ub = None if u is None else u.view(nr, br, nc, bc)
     q, codes = _cast_elements(xb * enc, cast.element, ub, want_codes)
     deq = q.mul_(decode).view(rows, cols)

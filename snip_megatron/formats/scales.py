@@ -56,7 +56,7 @@ def per_tensor_scales(amax, cast: CastConfig, block):
         # 1x1, not 0-dim: a 0-dim float32 would not promote a bfloat16 chunk to float32.
         return enc.view(1, 1), decode.view(1, 1)
     global_scale = amax / NVFP4_GLOBAL_DIVISOR
-    # All-zero (or absurdly tiny) tensors: any finite scale quantizes them to 0.
+    # All-zero (or absurdly tiny, amax < ~3e-35) tensors: any finite scale quantizes them to 0.
     global_scale = torch.where(global_scale >= F32_MIN_NORMAL, global_scale,
                                torch.ones_like(global_scale))
     return amax, global_scale, 1.0 / global_scale
@@ -64,17 +64,19 @@ def per_tensor_scales(amax, cast: CastConfig, block):
 
 def block_scales(block_amax, cast: CastConfig, per_tensor):
     """(encode, decode poisoned where the block or tensor is not finite, scales) of the block
-    amaxes, operation for operation as the reference computes them (quantize.py
-    `_quantize_blocked`); `per_tensor`: NVFP4's `per_tensor_scales`."""
+    amaxes (any shape: the scales take it); `per_tensor`: NVFP4's `per_tensor_scales`. NVFP4's
+    block scales below E4M3's smallest normal are raised to it, as torchao does."""
     elem_max = cast.element.max
     if cast.scale in (ScaleFormat.FP32, ScaleFormat.POW2):
         enc = fp32_encode_scale(block_amax, elem_max)
         if cast.scale is ScaleFormat.POW2:
             enc = round_down_to_pow2(enc)
-        decode = enc.reciprocal()
+        decode = enc.reciprocal()  # exact for a power of two
         scales = decode
     elif cast.scale is ScaleFormat.E8M0:
+        # RCEIL: the smallest power of two with amax / scale <= max, so nothing saturates.
         exp = e8m0_round_up(block_amax / elem_max)
+        # Reciprocal as TE's exp2f_rcp: code 0 (2**-127) encodes with 1.0.
         enc = torch.where(exp == 0, torch.ones_like(block_amax),
                           torch.exp2((E8M0_BIAS - exp).to(torch.float32)))
         decode = torch.exp2((exp - E8M0_BIAS).to(torch.float32))
@@ -85,6 +87,8 @@ def block_scales(block_amax, cast: CastConfig, per_tensor):
         block_scale = (block_amax / elem_max) / global_scale
         scales = block_scale.clamp(E4M3_MIN_NORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
         block_scale_f32 = scales.float()
+        # Same operation order as torchao (and TE's kernel): x * ((1 / global) / block), and
+        # dequantize with (global * block).
         enc = inv_global / block_scale_f32
         decode = nan_where_not_finite(global_scale * block_scale_f32, amax)
     return enc, nan_where_not_finite(decode, block_amax), scales
