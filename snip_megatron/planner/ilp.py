@@ -114,8 +114,9 @@ def _cbc_version(path: str) -> str:
 
 
 def cbc_banner_version(banner: str) -> str:
-    """The version in what `cbc -quit` prints: "Version: 2.10.3" (the binary PuLP 3 bundles) or a
-    first line "CBC devel (git:146ce89) — COIN-OR Branch and Cut" (cbcbox's build)."""
+    """The version in what `cbc -quit` prints: "Version: 2.10.3" (the binary PuLP 3 bundles),
+    "Version: Devel (unstable)" (cbcbox 2.929, PuLP 4.2's) or a first line "CBC devel (git:146ce89) —
+    COIN-OR Branch and Cut" (cbcbox's later builds)."""
     found = re.search(r"Version:\s*(\S+)", banner) or re.match(r"\s*CBC\s+(.+?)\s+\W\s+COIN-OR", banner)
     return found.group(1) if found else "(version unknown)"
 
