@@ -29,7 +29,7 @@ def parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
 
-def test_files() -> list[Path]:
+def suite_files() -> list[Path]:
     return sorted(TESTS.rglob("test_*.py"))
 
 

@@ -12,7 +12,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.marks import ROOT, imported_modules, module_name, parse, test_files, uses_mark
+from tests.marks import ROOT, imported_modules, module_name, parse, suite_files, uses_mark
 
 PACKAGE = ROOT / "snip_megatron"
 TAG = re.compile(r"#\s*compat:")
@@ -48,7 +48,7 @@ def untagged_version_calls(package: Path = PACKAGE) -> list[str]:
 def test_every_compat_tagged_module_is_imported_by_a_compat_test():
     tagged = tagged_modules()
     assert {"snip_megatron.megatron.apply", "snip_megatron.pretrain.entry"} <= tagged  # the scan finds tags
-    missing = sorted(tagged - compat_tested(test_files()))
+    missing = sorted(tagged - compat_tested(suite_files()))
     assert not missing, f"no test module marked `compat` imports these (mark the tests that exercise them): {missing}"
 
 

@@ -82,14 +82,15 @@ def _imports(path: Path, name: "str | None" = None) -> set[str]:
     return {m for m, _ in _imported(path, name) if m.startswith("snip_megatron.")}
 
 
-def _file_imports(path: Path, modules: set[str]) -> set[str]:
+def _file_imports(path: Path, modules: set[str], name: "str | None" = None) -> set[str]:
     """The package's files `path` imports: `from a.b import c` is the file a/b/c.py where that is a
     module, else a/b (its __init__.py); a file's own parent packages, which Python imports first
     whatever the file says, count only where named."""
+    name = name or _module_name(path)
     found = set()
-    for base, names in _imported(path):
+    for base, names in _imported(path, name):
         found.update([f"{base}.{n}" if f"{base}.{n}" in modules else base for n in names] or [base])
-    return {m for m in found if m in modules and m != _module_name(path)}
+    return {m for m in found if m in modules and m != name}
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
@@ -178,7 +179,8 @@ def test_circles_are_found_with_lazy_imports_and_packages(tmp_path):
     assert import_circles(graph) == [frozenset({"p.a", "p.b", "p.c"})]
     lazy = tmp_path / "x.py"
     lazy.write_text("from snip_megatron.formats import spec, Precision\n\ndef f():\n    import snip_megatron.plan\n")
-    found = _file_imports(lazy, {"snip_megatron.formats", "snip_megatron.formats.spec", "snip_megatron.plan"})
+    found = _file_imports(lazy, {"snip_megatron.formats", "snip_megatron.formats.spec", "snip_megatron.plan"},
+                          name="snip_megatron.x")
     assert found == {"snip_megatron.formats", "snip_megatron.formats.spec", "snip_megatron.plan"}
 
 
