@@ -112,20 +112,23 @@ TESTED: tuple[Run, ...] = (
            ("pp", PRETRAIN + "test_hybrid_runs.py::test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers_and_resumes")),
     *_runs("megatron-lm", "hybrid_moe", "te_hopper",
            ("one", PRETRAIN + "test_hybrid_runs.py::test_one_process_hybrid_moe_layer_with_grouped_experts_measures_replans_and_resumes")),
-    *_runs("megatron-lm", "dense", "emulated",
-           ("tp+pp+vpp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[dense]"),
-           ("dp+recompute", LAYOUT + "test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute[dense]")),
+    *_runs("megatron-lm", "dense+mtp", "emulated",
+           ("tp+pp+vpp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[dense_mtp]"),
+           ("dp+recompute", LAYOUT + "test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute"
+                                     "[dense_mtp]")),
     *_runs("megatron-lm", "mla+mtp", "emulated",
            ("pp+vpp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[mla_mtp]"),
            ("dp+recompute", LAYOUT + "test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute[mla_mtp]")),
-    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp")) for backend, sm in GENERATIONS
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"))
+      for backend, sm in GENERATIONS
       for run in _runs("megatron-lm", models, backend,
                        ("one", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
                        ("tp+pp+vpp", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
                        ("dp+recompute", LAYOUT + "test_te_data_parallel_with_the_distributed_optimizer_and_recompute"
                                                  f"[{model}-{sm}]"))),
-    *(run for model in ("dense", "mla") for backend, _ in GENERATIONS for run in _runs(
-        "megatron-lm", model, backend,
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"))
+      for backend, _ in GENERATIONS for run in _runs(
+        "megatron-lm", models, backend,
         ("cp", PRETRAIN + f"test_cp_runs.py::test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell[{model}]"))),
     *_runs("analyze", "moe_local", "emulated",
            ("one", "tests/analyze/test_models.py::test_moe_checkpoints_local_and_te_grouped_are_analyzed_by_their_inventory")),

@@ -7,7 +7,8 @@ layouts and GPU generations: one process on an H100's SM90 (BF16/FP8 plans), the
 parallelism x PP=2 x VPP=2 on SM90, the same on a B200's SM100 (FP8/FP4 plans), then one process on
 SM100; every TE linear of every rank runs its plan after every step (tests/pretrain/test_te_runs.py's
 checks). On the emulated backend (Megatron's local spec with SNIP's linears; TP without sequence
-parallelism, which the local spec's torch norms refuse): TP=2 x PP=2 x VPP=2, saved and resumed.
+parallelism, which the local spec's torch norms refuse): TP=2 x PP=2 x VPP=2, saved and resumed, the
+dense GPT with an MTP layer.
 Beside each: DP=2 with the distributed optimizer and full recompute, on each backend, one launch (not
 resumed: Megatron's distributed optimizer cannot load a checkpoint without apex or TE's FusedAdam,
 megatron/core/optimizer/distrib_optimizer.py `state_dict`, `assert len(steps) == 1`).
@@ -33,6 +34,8 @@ HYBRID = "*-*-*-*-"
 """snip-pretrain-hybrid's model (TE only): 4 attention and 4 MLP layers, as a GPT of 4 layers;
 its pipeline cuts the pattern in segments (`|`), one per stage and virtual chunk."""
 TE_MODELS = {**MODELS, "hybrid": (test_runs.MODEL, [])}
+EMULATED_MODELS = {"dense_mtp": (test_runs.MODEL, ["--mtp-num-layers", "1"]), "mla_mtp": MODELS["mla_mtp"]}
+"""On the emulated backend the dense GPT carries an MTP layer (MTP without MLA at TP=2 is covered so)."""
 
 
 def model_flags(model: str, layout: list) -> "tuple[list, dict]":
@@ -135,10 +138,10 @@ def test_te_data_parallel_with_the_distributed_optimizer_and_recompute(tmp_path,
 
 
 @needs_training
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(EMULATED_MODELS))
 def test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume(tmp_path, model):
     """TP=2 x PP=2 x VPP=2 (MLA: PP=2 x VPP=2; Megatron's MLA needs SP at TP > 1), saved and resumed."""
-    base, features = MODELS[model]
+    base, features = EMULATED_MODELS[model]
     layout, nproc = (PP2_VPP2, 2) if model == "mla_mtp" else (["--tensor-model-parallel-size", "2", *PP2_VPP2], 4)
     ckpt = tmp_path / "ckpt"
     argv = [*features, *layout, *DATA, *ITERS, *BLACKWELL_SNIP, "--save", str(ckpt)]
@@ -150,8 +153,8 @@ def test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume(tmp_p
 
 
 @needs_training
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(EMULATED_MODELS))
 def test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute(tmp_path, model):
-    base, features = MODELS[model]
+    base, features = EMULATED_MODELS[model]
     out = emulated(tmp_path, base, *features, *DP2, *DATA, *ITERS, *BLACKWELL_SNIP, "--exit-interval", "3", nproc=2)
     check_launch(out, [1, 2, 3])
