@@ -85,14 +85,6 @@ RULES = (
          "{n[model.context_parallel_size]} > 1 with {n[model.num_moe_experts]}: SNIP does not measure experts "
          "over context parallelism yet (untested)", "run MoE at {set[model.context_parallel_size]:1}",
          example={**MOE, "model.context_parallel_size": 2, "run.world_size": 2}, entries=("megatron-lm", "bridge")),
-    Rule("moe-vpp", ("model.virtual_pipeline_model_parallel_size", "model.num_moe_experts"),
-         lambda s: moe(s) and s.get("model.virtual_pipeline_model_parallel_size"),
-         "{n[model.virtual_pipeline_model_parallel_size]} with {n[model.num_moe_experts]}: SNIP does not measure "
-         "MoE under the interleaved pipeline schedule yet (untested)",
-         "{drop[model.virtual_pipeline_model_parallel_size]}",
-         example={**MOE, "model.pipeline_model_parallel_size": 2, "model.virtual_pipeline_model_parallel_size": 1,
-                  "model.num_layers": 4, "run.world_size": 2},
-         entries=("megatron-lm", "bridge")),
     Rule("moe-dispatcher-cpu", ("model.moe_token_dispatcher_type",),
          lambda s: moe(s) and not s.run.cuda and s.get("model.moe_token_dispatcher_type", "allgather") != "allgather"
          and s.num("model.expert_model_parallel_size") * _etp(s) > 1,
@@ -114,9 +106,13 @@ RULES = (
          "{n[model.moe_expert_capacity_factor]}: token dropping follows the routing probabilities, which SNIP's "
          "noise passes change", "{drop[model.moe_expert_capacity_factor]} (dropless MoE)",
          example={**MOE, "model.moe_expert_capacity_factor": 1.0}),
-    Rule("moe-latent", ("model.moe_latent_size",), lambda s: moe(s) and s.get("model.moe_latent_size"),
-         "{n[model.moe_latent_size]}: SNIP does not plan the latent projections yet", "{drop[model.moe_latent_size]}",
-         example={**MOE, "model.moe_latent_size": 32}),
+    Rule("moe-latent-local", ("model.moe_latent_size",),
+         lambda s: moe(s) and s.get("model.moe_latent_size") and not _te(s),
+         "{n[model.moe_latent_size]} on {n[model.transformer_impl]} local: Megatron builds the latent projections "
+         "as Transformer Engine linears only ('TransformerEngine is required for MoE latent projections', "
+         "megatron/core/transformer/moe/moe_layer.py)", "use {set[model.transformer_impl]:transformer_engine} "
+         "{set[model.moe_grouped_gemm]:True}, or {drop[model.moe_latent_size]}",
+         example={**MOE, "model.moe_latent_size": 32}, entries=("megatron-lm", "bridge")),
     Rule("moe-grouped-fp4-sizes", ("model.moe_grouped_gemm", "snip.precisions"), _grouped_fp4_sizes,
          "{n[model.moe_grouped_gemm]} with FP4 candidates: TE's NVFP4 grouped GEMM needs {n[model.hidden_size]} "
          "({v[model.hidden_size]}) and {n[model.moe_ffn_hidden_size]} ({v[model.moe_ffn_hidden_size]}) to be multiples of 128 (TE 2.14 csrc/extensions/cast.cpp split_quantize; SNIP pads token splits, "
