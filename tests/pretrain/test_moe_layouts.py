@@ -1,0 +1,69 @@
+"""MoE models at the layout classes of the support matrix through Megatron-LM's loop on CPU (prod
+lane): TE grouped experts (over the TE double) in a GPT and in a HybridModel ('*E*E'), chained across
+layouts and GPU generations as tests/pretrain/test_layouts.py chains the dense models (SM90: BF16/FP8
+plans; SM100: FP8/FP4 plans, grouped NVFP4 GEMMs at widths in multiples of 128), and DP=2 with the
+distributed optimizer and full recompute on each backend (not resumed: Megatron's distributed
+optimizer cannot load a checkpoint without apex or TE's FusedAdam). Every launch measures and
+re-plans; every TE linear of every rank runs its plan after every step."""
+
+import pytest
+
+from snip_megatron.plan import Plan
+from tests.pretrain.test_layouts import DP2, ITERS, check_launch, check_ranks
+from tests.pretrain.test_runs import needs_training, run, state_of
+from tests.pretrain.test_te_runs import BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, run_te
+
+EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--moe-grouped-gemm",
+           "--moe-aux-loss-coeff", "1e-2", "--hidden-size", "128", "--ffn-hidden-size", "256"]
+GPT = ["--num-layers", "4", "--moe-layer-freq", "[1,0,1,0]"]
+TP_EP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+         "--expert-tensor-parallel-size", "1"]
+MODELS = {  # name: (flags at one process, flags at TP=2+SP x EP=2, flags at PP=2, the worker's environment)
+    "gpt": ([*GPT], [*GPT, *TP_EP], [*GPT, "--pipeline-model-parallel-size", "2"], {}),
+    "hybrid": (["--hybrid-layer-pattern", "*E*E"], ["--hybrid-layer-pattern", "*E*E", *TP_EP],
+               ["--hybrid-layer-pattern", "*E|*E", "--pipeline-model-parallel-size", "2"], {"PROBE_FAMILY": "hybrid"}),
+}
+
+
+@needs_training
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_te_grouped_experts_chain_across_layouts_and_generations(tmp_path, model):
+    """One process (SM90) -> TP=2+SP x EP=2 (SM90) -> PP=2 (SM100) -> TP=2+SP x EP=2 (SM100) -> one
+    process (SM100): each link resumes the last one's checkpoint."""
+    one, tp_ep, pp, env = MODELS[model]
+    ckpt = tmp_path / "ckpt"
+    links = [(1, one, 90), (2, tp_ep, 90), (2, pp, 100), (2, tp_ep, 100), (1, one, 100)]
+    plan = None
+    for i, (nproc, layout, sm) in enumerate(links):
+        steps = [3 * i + 1, 3 * i + 2, 3 * i + 3]
+        argv = [*EXPERTS, *layout, *DATA, "--global-batch-size", "8", "--train-iters", "15", "--save-interval", "3",
+                "--save", str(ckpt), "--exit-interval", str(steps[-1]), *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP),
+                *(["--load", str(ckpt)] if plan else [])]
+        out = run_te(tmp_path, [str(WORKER), str(tmp_path / f"p{i}")], *argv, sm=sm, nproc=nproc, timeout=900, **env)
+        check_launch(out, steps, plan)
+        rows = check_ranks(tmp_path / f"p{i}", nproc, steps)
+        if plan is not None:
+            assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}
+        plan = Plan.from_dict(state_of(ckpt, steps[-1])["plan"])
+        assert plan.counts()["bf16" if sm == 90 else "fp4"] > 0, plan.counts()
+    assert any(plan[k].value == "fp4" for k in plan.keys() if k.name.startswith("expert_fc"))  # grouped NVFP4
+
+
+@needs_training
+@pytest.mark.parametrize("sm", [90, 100])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_te_grouped_experts_with_the_distributed_optimizer_and_recompute(tmp_path, model, sm):
+    one, _, _, env = MODELS[model]
+    argv = [*EXPERTS, *one, *DP2, "--expert-model-parallel-size", "2", *DATA, *ITERS, "--exit-interval", "3",
+            *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP)]
+    out = run_te(tmp_path, [str(WORKER), str(tmp_path / "p")], *argv, sm=sm, nproc=2, timeout=900, **env)
+    check_launch(out, [1, 2, 3])
+    check_ranks(tmp_path / "p", 2, [1, 2, 3])
+
+
+@needs_training
+def test_local_experts_with_the_distributed_optimizer_and_recompute(tmp_path):
+    """SequentialMLP experts on the local spec, EP=2 over two data-parallel replicas."""
+    argv = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,0]",
+            "--expert-model-parallel-size", "2", *DP2, *DATA, *ITERS, *BLACKWELL_SNIP, "--exit-interval", "3"]
+    check_launch(run(tmp_path, ["-m", "snip_megatron.pretrain"], *argv, nproc=2, timeout=900), [1, 2, 3])
