@@ -77,6 +77,8 @@ def _runs(entry, models, backend, *rows) -> tuple[Run, ...]:
 
 PRETRAIN = "tests/pretrain/"
 LAYOUT = PRETRAIN + "test_layouts.py::"
+MOE_LAYOUT = PRETRAIN + "test_moe_layouts.py::"
+DEEPSEEK = PRETRAIN + "test_deepseek_runs.py::"
 GENERATIONS = (("te_hopper", 90), ("te_blackwell", 100))
 EXPORT_CELL = "tests/test_export_shapes.py::test_every_cell_exports_each_stages_planned_modules_through_megatrons_parser"
 TESTED: tuple[Run, ...] = (
@@ -130,6 +132,20 @@ TESTED: tuple[Run, ...] = (
       for backend, _ in GENERATIONS for run in _runs(
         "megatron-lm", models, backend,
         ("cp", PRETRAIN + f"test_cp_runs.py::test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell[{model}]"))),
+    *(run for model, models in (("gpt", "moe_te_grouped"), ("hybrid", "hybrid_moe")) for backend, sm in GENERATIONS
+      for run in _runs("megatron-lm", models, backend,
+                       ("one", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
+                       ("tp+ep", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
+                       ("pp+vpp", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
+                       ("dp+ep+recompute", MOE_LAYOUT + "test_te_grouped_experts_with_the_distributed_optimizer_and_"
+                                                        f"recompute[{model}-{sm}]"))),
+    *_runs("megatron-lm", "moe_local", "emulated",
+           ("dp+ep+recompute", MOE_LAYOUT + "test_local_experts_with_the_distributed_optimizer_and_recompute")),
+    *_runs("megatron-lm", "mla+mtp+moe_local", "emulated",
+           ("pp+vpp", DEEPSEEK + "test_pipeline_with_virtual_stages_on_the_local_spec_measures_replans_and_resumes")),
+    *(run for backend, _ in GENERATIONS for run in _runs(
+        "megatron-lm", "mla+mtp+moe_te_grouped", backend,
+        ("tp+ep", DEEPSEEK + "test_tp_sp_and_expert_parallelism_on_te_grouped_experts_from_hopper_to_blackwell"))),
     *_runs("analyze", "moe_local", "emulated",
            ("one", "tests/analyze/test_models.py::test_moe_checkpoints_local_and_te_grouped_are_analyzed_by_their_inventory")),
     *_runs("analyze", "moe_te_grouped", "te_hopper",
@@ -152,10 +168,13 @@ TESTED: tuple[Run, ...] = (
            ("one", "tests/bridge/test_enable.py::test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double")),
     *_runs("compact", "dense", "emulated",
            ("one", "tests/train/test_main_snip.py::test_compact_loop_with_snip_replans_and_logs"),
+           ("dp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2"),
            ("tp", "tests/test_controller_distributed.py::test_tp_ranks_apply_the_single_process_plan"),
            ("pp", "tests/test_controller_distributed.py::test_pipeline_ranks_apply_the_single_process_plan")),
     *_runs("compact", "mla", "emulated",
-           ("one", "tests/train/test_loop.py::test_multi_latent_attention_measures_replans_and_resumes")),
+           ("one", "tests/train/test_loop.py::test_multi_latent_attention_measures_replans_and_resumes"),
+           ("pp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2"),
+           ("dp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2")),
     *_runs("compact", "moe_local", "emulated",
            ("one", "tests/train/test_loop.py::test_moe_measures_replans_and_resumes")),
     *_runs("analyze", "dense", "emulated",

@@ -18,25 +18,27 @@ EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-siz
 GPT = ["--num-layers", "4", "--moe-layer-freq", "[1,0,1,0]"]
 TP_EP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
          "--expert-tensor-parallel-size", "1"]
-MODELS = {  # name: (flags at one process, flags at TP=2+SP x EP=2, flags at PP=2, the worker's environment)
-    "gpt": ([*GPT], [*GPT, *TP_EP], [*GPT, "--pipeline-model-parallel-size", "2"], {}),
+MODELS = {  # name: (flags at one process, at TP=2+SP x EP=2, at PP=2 x VPP=2, the worker's environment)
+    "gpt": ([*GPT], [*GPT, *TP_EP],
+            [*GPT, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], {}),
     "hybrid": (["--hybrid-layer-pattern", "*E*E"], ["--hybrid-layer-pattern", "*E*E", *TP_EP],
-               ["--hybrid-layer-pattern", "*E|*E", "--pipeline-model-parallel-size", "2"], {"PROBE_FAMILY": "hybrid"}),
+               ["--hybrid-layer-pattern", "*|E|*|E", "--pipeline-model-parallel-size", "2"],  # a chunk per layer
+               {"PROBE_FAMILY": "hybrid"}),
 }
 
 
 @needs_training
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_te_grouped_experts_chain_across_layouts_and_generations(tmp_path, model):
-    """One process (SM90) -> TP=2+SP x EP=2 (SM90) -> PP=2 (SM100) -> TP=2+SP x EP=2 (SM100) -> one
-    process (SM100): each link resumes the last one's checkpoint."""
+    """One process (SM90) -> TP=2+SP x EP=2 (SM90) -> PP=2 x VPP=2 (SM90) -> PP=2 x VPP=2 (SM100) ->
+    TP=2+SP x EP=2 (SM100) -> one process (SM100): each link resumes the last one's checkpoint."""
     one, tp_ep, pp, env = MODELS[model]
     ckpt = tmp_path / "ckpt"
-    links = [(1, one, 90), (2, tp_ep, 90), (2, pp, 100), (2, tp_ep, 100), (1, one, 100)]
+    links = [(1, one, 90), (2, tp_ep, 90), (2, pp, 90), (2, pp, 100), (2, tp_ep, 100), (1, one, 100)]
     plan = None
     for i, (nproc, layout, sm) in enumerate(links):
         steps = [3 * i + 1, 3 * i + 2, 3 * i + 3]
-        argv = [*EXPERTS, *layout, *DATA, "--global-batch-size", "8", "--train-iters", "15", "--save-interval", "3",
+        argv = [*EXPERTS, *layout, *DATA, "--global-batch-size", "8", "--train-iters", "18", "--save-interval", "3",
                 "--save", str(ckpt), "--exit-interval", str(steps[-1]), *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP),
                 *(["--load", str(ckpt)] if plan else [])]
         out = run_te(tmp_path, [str(WORKER), str(tmp_path / f"p{i}")], *argv, sm=sm, nproc=nproc, timeout=900, **env)
