@@ -132,7 +132,8 @@ TESTED: tuple[Run, ...] = (
       for backend, _ in GENERATIONS for run in _runs(
         "megatron-lm", models, backend,
         ("cp", PRETRAIN + f"test_cp_runs.py::test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell[{model}]"))),
-    *(run for model, models in (("gpt", "moe_te_grouped"), ("hybrid", "hybrid_moe")) for backend, sm in GENERATIONS
+    *(run for model, models in (("deepseek", "mla+mtp+moe_te_grouped"), ("hybrid", "hybrid_moe"))
+      for backend, sm in GENERATIONS
       for run in _runs("megatron-lm", models, backend,
                        ("one", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
                        ("tp+ep", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
@@ -143,9 +144,6 @@ TESTED: tuple[Run, ...] = (
            ("dp+ep+recompute", MOE_LAYOUT + "test_local_experts_with_the_distributed_optimizer_and_recompute")),
     *_runs("megatron-lm", "mla+mtp+moe_local", "emulated",
            ("pp+vpp", DEEPSEEK + "test_pipeline_with_virtual_stages_on_the_local_spec_measures_replans_and_resumes")),
-    *(run for backend, _ in GENERATIONS for run in _runs(
-        "megatron-lm", "mla+mtp+moe_te_grouped", backend,
-        ("tp+ep", DEEPSEEK + "test_tp_sp_and_expert_parallelism_on_te_grouped_experts_from_hopper_to_blackwell"))),
     *_runs("analyze", "moe_local", "emulated",
            ("one", "tests/analyze/test_models.py::test_moe_checkpoints_local_and_te_grouped_are_analyzed_by_their_inventory")),
     *_runs("analyze", "moe_te_grouped", "te_hopper",

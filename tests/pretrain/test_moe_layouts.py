@@ -1,5 +1,6 @@
 """MoE models at the layout classes of the support matrix through Megatron-LM's loop on CPU (prod
-lane): TE grouped experts (over the TE double) in a GPT and in a HybridModel ('*E*E'), chained across
+lane): TE grouped experts (over the TE double) in a DeepSeek-style GPT (MLA + MoE + an MoE MTP layer)
+and in a HybridModel ('*E*E'), chained across
 layouts and GPU generations as tests/pretrain/test_layouts.py chains the dense models (SM90: BF16/FP8
 plans; SM100: FP8/FP4 plans, grouped NVFP4 GEMMs at widths in multiples of 128), and DP=2 with the
 distributed optimizer and full recompute on each backend (not resumed: Megatron's distributed
@@ -9,17 +10,22 @@ re-plans; every TE linear of every rank runs its plan after every step."""
 import pytest
 
 from snip_megatron.plan import Plan
+from tests.pretrain import test_mla_runs
 from tests.pretrain.test_layouts import DP2, ITERS, check_launch, check_ranks
 from tests.pretrain.test_runs import needs_training, run, state_of
 from tests.pretrain.test_te_runs import BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, run_te
 
 EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--moe-grouped-gemm",
            "--moe-aux-loss-coeff", "1e-2", "--hidden-size", "128", "--ffn-hidden-size", "256"]
-GPT = ["--num-layers", "4", "--moe-layer-freq", "[1,0,1,0]"]
+GPT = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", *test_mla_runs.MLA, "--mtp-num-layers", "1",
+       "--moe-shared-expert-intermediate-size", "128"]
+"""DeepSeek-style: MLA, layers 2-4 and the MTP layer MoE with a shared expert."""
 TP_EP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
          "--expert-tensor-parallel-size", "1"]
+BASE = {"deepseek": test_mla_runs.MODEL, "hybrid": None}
+"""The models' base flags (MLA's without grouped-query attention; None: tests/pretrain/test_runs.MODEL)."""
 MODELS = {  # name: (flags at one process, at TP=2+SP x EP=2, at PP=2 x VPP=2, the worker's environment)
-    "gpt": ([*GPT], [*GPT, *TP_EP],
+    "deepseek": ([*GPT], [*GPT, *TP_EP],
             [*GPT, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], {}),
     "hybrid": (["--hybrid-layer-pattern", "*E*E"], ["--hybrid-layer-pattern", "*E*E", *TP_EP],
                ["--hybrid-layer-pattern", "*|E|*|E", "--pipeline-model-parallel-size", "2"],  # a chunk per layer
@@ -41,7 +47,8 @@ def test_te_grouped_experts_chain_across_layouts_and_generations(tmp_path, model
         argv = [*EXPERTS, *layout, *DATA, "--global-batch-size", "8", "--train-iters", "18", "--save-interval", "3",
                 "--save", str(ckpt), "--exit-interval", str(steps[-1]), *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP),
                 *(["--load", str(ckpt)] if plan else [])]
-        out = run_te(tmp_path, [str(WORKER), str(tmp_path / f"p{i}")], *argv, sm=sm, nproc=nproc, timeout=900, **env)
+        out = run_te(tmp_path, [str(WORKER), str(tmp_path / f"p{i}")], *argv, sm=sm, nproc=nproc, timeout=900,
+                     model=BASE[model], **env)
         check_launch(out, steps, plan)
         rows = check_ranks(tmp_path / f"p{i}", nproc, steps)
         if plan is not None:
@@ -49,6 +56,7 @@ def test_te_grouped_experts_chain_across_layouts_and_generations(tmp_path, model
         plan = Plan.from_dict(state_of(ckpt, steps[-1])["plan"])
         assert plan.counts()["bf16" if sm == 90 else "fp4"] > 0, plan.counts()
     assert any(plan[k].value == "fp4" for k in plan.keys() if k.name.startswith("expert_fc"))  # grouped NVFP4
+    assert all(plan[k].value != "fp4" for k in plan.keys() if k.name.startswith("mtp."))  # never FP4 in MTP
 
 
 @needs_training
@@ -58,7 +66,8 @@ def test_te_grouped_experts_with_the_distributed_optimizer_and_recompute(tmp_pat
     one, _, _, env = MODELS[model]
     argv = [*EXPERTS, *one, *DP2, "--expert-model-parallel-size", "2", *DATA, *ITERS, "--exit-interval", "3",
             *(HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP)]
-    out = run_te(tmp_path, [str(WORKER), str(tmp_path / "p")], *argv, sm=sm, nproc=2, timeout=900, **env)
+    out = run_te(tmp_path, [str(WORKER), str(tmp_path / "p")], *argv, sm=sm, nproc=2, timeout=900, model=BASE[model],
+                 **env)
     check_launch(out, [1, 2, 3])
     check_ranks(tmp_path / "p", 2, [1, 2, 3])
 
