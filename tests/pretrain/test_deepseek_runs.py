@@ -5,7 +5,6 @@ grouped experts at TP=2 with sequence parallelism x EP=2 and PP=2 x VPP=2, from 
 tests/pretrain/test_moe_layouts.py. MoE latent projections on TE. (Statistics at these layouts equal
 one process's: tests/stats/test_measure_moe_parallel.py.)"""
 
-import pytest
 
 from snip_megatron.plan import Plan
 from tests.pretrain import test_mla_runs, test_runs
