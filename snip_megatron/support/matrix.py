@@ -144,6 +144,24 @@ TESTED: tuple[Run, ...] = (
            ("dp+ep+recompute", MOE_LAYOUT + "test_local_experts_with_the_distributed_optimizer_and_recompute")),
     *_runs("megatron-lm", "mla+mtp+moe_local", "emulated",
            ("pp+vpp", DEEPSEEK + "test_pipeline_with_virtual_stages_on_the_local_spec_measures_replans_and_resumes")),
+    # snip-analyze on the checkpoints of the layout chains, at each link's layout (VPP dropped)
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"))
+      for backend, _ in GENERATIONS for run in _runs(
+        "analyze", models, backend, ("one", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
+        ("tp+pp", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"))),
+    *(run for model, models in (("deepseek", "mla+mtp+moe_te_grouped"), ("hybrid", "hybrid_moe"))
+      for backend, _ in GENERATIONS for run in _runs(
+        "analyze", models, backend,
+        ("tp+ep+pp", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"))),
+    *(run for model in ("deepseek", "hybrid") for run in _runs(
+        "analyze", "moe_te_grouped" if model == "deepseek" else "hybrid_moe", "te_blackwell",
+        ("one", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"))),
+    *_runs("analyze", "dense+mtp", "emulated",
+           ("tp+pp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[dense_mtp]")),
+    *_runs("analyze", "mla+mtp", "emulated",
+           ("pp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[mla_mtp]")),
+    *_runs("analyze", "mla+mtp+moe_local", "emulated",
+           ("pp", DEEPSEEK + "test_pipeline_with_virtual_stages_on_the_local_spec_measures_replans_and_resumes")),
     *_runs("analyze", "moe_local", "emulated",
            ("one", "tests/analyze/test_models.py::test_moe_checkpoints_local_and_te_grouped_are_analyzed_by_their_inventory")),
     *_runs("analyze", "moe_te_grouped", "te_hopper",

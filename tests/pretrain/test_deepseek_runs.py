@@ -8,7 +8,7 @@ one process's: tests/stats/test_measure_moe_parallel.py.)"""
 
 from snip_megatron.plan import Plan
 from tests.pretrain import test_mla_runs, test_runs
-from tests.pretrain.test_layouts import check_launch, check_ranks
+from tests.pretrain.test_layouts import analyzed, check_launch, check_ranks
 from tests.pretrain.test_runs import needs_training, state_of
 from tests.pretrain.test_te_runs import BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, run_te
 
@@ -36,6 +36,9 @@ def test_pipeline_with_virtual_stages_on_the_local_spec_measures_replans_and_res
         check_launch(run("--load", str(ckpt)), [4, 5, 6], plan)
     finally:
         test_runs.MODEL = saved
+    # snip-analyze of the checkpoint at PP=2 (it measures without virtual stages)
+    analyzed(tmp_path, "a", ckpt, 6, [*DEEPSEEK, "--moe-ffn-hidden-size", "32", "--pipeline-model-parallel-size", "2"],
+             sm=None, nproc=2, base=test_mla_runs.MODEL, kind="fp4_fraction")
 
 
 @needs_training

@@ -91,11 +91,33 @@ def check_ranks(probe, nproc: int, steps: list[int]) -> list[dict]:
     return te_rows(probe, 0)
 
 
-def emulated(tmp_path, model: list, *argv: str, nproc: int) -> str:
+def analyzed(tmp_path, name: str, ckpt, step: int, flags: list, *, sm: "int | None", nproc: int, base: list,
+             kind: str) -> None:
+    """snip-analyze of the checkpoint a chain just saved, with the run's flags `flags` (its model and
+    layout; VPP dropped: snip-analyze measures at one process, TP, PP and EP), on SM`sm` (None: the
+    emulated backend): it measures the checkpoint's step and writes a plan at the run's budget kind."""
+    import json
+
+    drop = {"--num-layers-per-virtual-pipeline-stage"}
+    flags = [a for i, a in enumerate(flags) if a not in drop and (i == 0 or flags[i - 1] not in drop)]
+    flags = [a.replace("|", "") if i and flags[i - 1] == "--hybrid-layer-pattern" else a for i, a in enumerate(flags)]
+    snip = HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP
+    argv = [*flags, *DATA, "--global-batch-size", "8", "--load", str(ckpt), "--out", str(tmp_path / name),
+            "--budgets", "0.5", "--analyze-microbatches", "2", *snip[1:]]
+    if sm is None:
+        out = emulated(tmp_path, base, *argv, nproc=nproc, module="snip_megatron.analyze")
+    else:
+        out = run_te(tmp_path, ["-m", "snip_megatron.analyze"], *argv, sm=sm, nproc=nproc, timeout=900, model=base)
+    assert f"[snip-analyze] {ckpt} at step {step}:" in out, out[-3000:]
+    doc = json.loads((tmp_path / name / "analysis.json").read_text())
+    assert doc["budget_kind"] == kind and doc["plans"][0]["error"] is None, doc["plans"]
+
+
+def emulated(tmp_path, model: list, *argv: str, nproc: int, module: str = "snip_megatron.pretrain") -> str:
     saved = test_runs.MODEL
     test_runs.MODEL = model  # test_runs.run takes the model's flags from there
     try:
-        return test_runs.run(tmp_path, ["-m", "snip_megatron.pretrain"], *argv, nproc=nproc, timeout=900)
+        return test_runs.run(tmp_path, ["-m", module], *argv, nproc=nproc, timeout=900)
     finally:
         test_runs.MODEL = saved
 
@@ -103,7 +125,8 @@ def emulated(tmp_path, model: list, *argv: str, nproc: int) -> str:
 @needs_training
 @pytest.mark.parametrize("model", sorted(TE_MODELS))
 def test_te_chain_across_layouts_and_generations(tmp_path, model):
-    """One process (SM90) -> TP=2+SP x PP=2 x VPP=2 (SM90) -> the same (SM100) -> one process (SM100)."""
+    """One process (SM90) -> TP=2+SP x PP=2 x VPP=2 (SM90) -> the same (SM100) -> one process (SM100);
+    snip-analyze measures each link's checkpoint on its GPU (at TP=2+SP x PP=2 after the 4-process links)."""
     base = TE_MODELS[model][0]
     ckpt = tmp_path / "ckpt"
     tp_pp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", *PP2_VPP2]
@@ -122,6 +145,8 @@ def test_te_chain_across_layouts_and_generations(tmp_path, model):
             assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}
         plan = Plan.from_dict(state_of(ckpt, steps[-1])["plan"])
         assert plan.counts()["bf16" if sm == 90 else "fp4"] > 0, plan.counts()  # the generation's plan
+        analyzed(tmp_path, f"a{i}", ckpt, steps[-1], flags, sm=sm, nproc=nproc, base=base,
+                 kind="fp8_fraction" if sm == 90 else "fp4_fraction")
 
 
 @needs_training
@@ -150,6 +175,7 @@ def test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume(tmp_p
     assert plan.counts()["fp4"] > 0
     check_launch(emulated(tmp_path, base, *argv, "--load", str(ckpt), "--exit-interval", "6", nproc=nproc),
                  [4, 5, 6], plan)
+    analyzed(tmp_path, "a", ckpt, 6, [*features, *layout], sm=None, nproc=nproc, base=base, kind="fp4_fraction")
 
 
 @needs_training

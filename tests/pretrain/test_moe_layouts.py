@@ -11,8 +11,8 @@ import pytest
 
 from snip_megatron.plan import Plan
 from tests.pretrain import test_mla_runs
-from tests.pretrain.test_layouts import DP2, ITERS, check_launch, check_ranks
-from tests.pretrain.test_runs import needs_training, run, state_of
+from tests.pretrain.test_layouts import DP2, ITERS, analyzed, check_launch, check_ranks
+from tests.pretrain.test_runs import MODEL, needs_training, run, state_of
 from tests.pretrain.test_te_runs import BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, run_te
 
 EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--moe-grouped-gemm",
@@ -37,7 +37,8 @@ MODELS = {  # name: (flags at one process, at TP=2+SP x EP=2, at PP=2 x VPP=2, t
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_te_grouped_experts_chain_across_layouts_and_generations(tmp_path, model):
     """One process (SM90) -> TP=2+SP x EP=2 (SM90) -> PP=2 x VPP=2 (SM90) -> PP=2 x VPP=2 (SM100) ->
-    TP=2+SP x EP=2 (SM100) -> one process (SM100): each link resumes the last one's checkpoint."""
+    TP=2+SP x EP=2 (SM100) -> one process (SM100): each link resumes the last one's checkpoint, which
+    snip-analyze then measures on its GPU (at PP=2 after the virtual-pipeline links)."""
     one, tp_ep, pp, env = MODELS[model]
     ckpt = tmp_path / "ckpt"
     links = [(1, one, 90), (2, tp_ep, 90), (2, pp, 90), (2, pp, 100), (2, tp_ep, 100), (1, one, 100)]
@@ -55,6 +56,9 @@ def test_te_grouped_experts_chain_across_layouts_and_generations(tmp_path, model
             assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}
         plan = Plan.from_dict(state_of(ckpt, steps[-1])["plan"])
         assert plan.counts()["bf16" if sm == 90 else "fp4"] > 0, plan.counts()
+        if i:  # one process on SM90: tests/analyze/test_models.py
+            analyzed(tmp_path, f"a{i}", ckpt, steps[-1], [*EXPERTS, *layout], sm=sm, nproc=nproc,
+                     base=BASE[model] or MODEL, kind="fp8_fraction" if sm == 90 else "fp4_fraction")
     assert any(plan[k].value == "fp4" for k in plan.keys() if k.name.startswith("expert_fc"))  # grouped NVFP4
     assert all(plan[k].value != "fp4" for k in plan.keys() if k.name.startswith("mtp."))  # never FP4 in MTP
 
