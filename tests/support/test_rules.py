@@ -79,10 +79,11 @@ def test_every_named_setting_is_a_field_of_the_configs_it_is_read_from():
         ("model", MLATransformerConfig), ("ddp", DistributedDataParallelConfig), ("optimizer", OptimizerConfig),
         ("checkpoint", CheckpointConfig), ("dist", DistributedInitConfig), ("run", RunFacts), ("snip", SnipConfig))}
     bridge_only = {"model.mtp_hybrid_override_pattern"}  # HybridModelProvider's field (checked in the bridge lane)
+    main_only = {"model.mtp_hsm", "model.moe_use_grouped_tensor"}  # fields of Megatron's main, refused ahead
     for rule in RULES:
         for path in set(rule.reads) | rule.placeholders() | set(rule.example):
             section, _, name = path.partition(".")
-            assert name in fields[section] or path in bridge_only, (rule.name, path)
+            assert name in fields[section] or path in bridge_only | main_only, (rule.name, path)
 
 
 def test_megatron_lm_names_are_the_flags_of_megatrons_parser():

@@ -137,4 +137,24 @@ RULES = (
          "MoE on {v[run.world_size]} processes: the compact loop runs MoE at one process",
          "snip-pretrain-gpt runs it at expert, pipeline and data parallelism (docs/moe.md)",
          example={**MOE, "run.world_size": 2}, entries=("compact",)),
+    Rule("moe-grouped-tensor", ("model.moe_single_grouped_weight", "model.moe_use_grouped_tensor"),  # main pads itself
+         lambda s: moe(s) and next(({"lead": p} for p in ("model.moe_use_grouped_tensor",
+                                                          "model.moe_single_grouped_weight",
+                                                          "model.moe_single_grouped_bias") if s.get(p)), None),
+         "{nx[lead]}: TE's GroupedTensor experts pad their own token splits (SNIP's padding would pad twice) and "
+         "hold the experts' weights as one parameter, where SNIP plans, measures and applies each expert's "
+         "weight<i>", "drop {nx[lead]}",
+         example={**MOE, "model.moe_grouped_gemm": True, "model.transformer_impl": "transformer_engine",
+                  "run.backend": "te", "model.moe_single_grouped_weight": True,
+                  # megatron-core 0.19 asks for TE's op fuser too (refused on its own: te-op-fuser)
+                  "model.use_transformer_engine_op_fuser": True}, entries=("megatron-lm", "bridge")),
+    Rule("moe-experts-wgrad-overlap", ("model.overlap_dispatch_backward_with_experts_wgrad",),
+         lambda s: moe(s) and s.get("model.overlap_dispatch_backward_with_experts_wgrad"),
+         "{n[model.overlap_dispatch_backward_with_experts_wgrad]}: TE delays the grouped experts' weight gradients "
+         "past their backward, and SNIP's measurement reads each weight gradient in its own backward",
+         "{drop[model.overlap_dispatch_backward_with_experts_wgrad]}",
+         example={**MOE, "model.moe_grouped_gemm": True, "model.transformer_impl": "transformer_engine",
+                  "run.backend": "te", "run.te_installed": True, "model.expert_model_parallel_size": 2,
+                  "model.moe_token_dispatcher_type": "alltoall", "model.bf16": True, "run.world_size": 2,
+                  "model.overlap_dispatch_backward_with_experts_wgrad": True}, entries=("megatron-lm", "bridge")),
 )
