@@ -12,7 +12,9 @@ streams and events in the DDP grad sync). `install()` makes those work on CPU, p
    stream, get_rng_state, set_rng_state, manual_seed, manual_seed_all}`` get CPU stand-ins;
    ``torch.cuda.is_available()`` stays False;
 3. Megatron's ``_get/_set_cuda_rng_state`` point at the CPU RNG so
-   ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` work.
+   ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` work;
+4. a backward started from Python (Megatron's recompute calls ``torch.autograd.backward`` inside a
+   backward) runs with the mode on.
 
 `uninstall()` restores every patched attribute. Both are no-ops when CUDA is available.
 Order: init the process group -> import megatron.core -> install() -> initialize_model_parallel.
@@ -78,6 +80,26 @@ class _Stream:
     def query(self): return True
 
 
+def _backward_in_mode(run_backward):
+    """torch.autograd's engine call, run with the mode on: torch takes a mode off its stack while the
+    mode handles a call, so a backward started from Python inside one (torch.autograd.backward in
+    Megatron's recompute, Tensor.backward) would run its nodes' Python without it."""
+
+    def run(*args, **kwargs):
+        if any(isinstance(m, CudaToCpuMode) for m in _function_modes()):
+            return run_backward(*args, **kwargs)
+        with CudaToCpuMode():
+            return run_backward(*args, **kwargs)
+
+    return run
+
+
+def _function_modes() -> list:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return _get_current_function_mode_stack()
+
+
 def _patch(obj, name: str, value) -> None:
     _SAVED.setdefault((obj, name), getattr(obj, name, None))
     setattr(obj, name, value)
@@ -130,6 +152,7 @@ def install() -> bool:
                lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state())
         _patch(mrandom, "_set_cuda_rng_state",
                lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+    _patch(torch.autograd, "_engine_run_backward", _backward_in_mode(torch.autograd._engine_run_backward))
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     return True

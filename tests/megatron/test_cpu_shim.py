@@ -15,7 +15,8 @@ CHECK = textwrap.dedent("""
     names = ["current_device", "synchronize", "current_stream", "default_stream", "Stream", "Event",
              "stream", "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"]
     before = {n: getattr(torch.cuda, n) for n in names}
-    before_m = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, torch.cuda.random.get_rng_state)
+    before_m = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, torch.cuda.random.get_rng_state,
+                torch.autograd._engine_run_backward)
     assert cpu_shim.install() is True
     assert cpu_shim.is_installed()
     assert torch.zeros(2, device="cuda").device.type == "cpu"
@@ -26,6 +27,25 @@ CHECK = textwrap.dedent("""
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert not torch.cuda.is_available()
     state = torch.cuda.get_rng_state(); torch.cuda.set_rng_state(state)
+
+    class Recomputed(torch.autograd.Function):  # as Megatron's CheckpointFunction: a backward in a backward
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                y = (x * torch.ones(1, device=torch.cuda.current_device())).sum()
+            torch.autograd.backward(y)
+            return x.grad * 2 * torch.ones(1, device="cuda")
+
+    leaf = torch.ones(2, requires_grad=True)
+    Recomputed.apply(leaf).sum().backward()
+    assert leaf.grad.tolist() == [2.0, 2.0]
     with cpu_shim.suspended():  # torch calls bypass the mode: no rewriting, plain type names
         assert torch.ones(1).type() == "torch.FloatTensor"
         assert (torch.ones(3) * 2).sum().item() == 6.0
@@ -37,7 +57,8 @@ CHECK = textwrap.dedent("""
     assert not cpu_shim.is_installed()
     after = {n: getattr(torch.cuda, n) for n in names}
     assert after == before, [n for n in names if after[n] is not before[n]]
-    assert (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, torch.cuda.random.get_rng_state) == before_m
+    assert (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, torch.cuda.random.get_rng_state,
+            torch.autograd._engine_run_backward) == before_m
     assert torch.ones(1).type() == "torch.FloatTensor"
     with cpu_shim.suspended():  # a plain no-op context without the shim
         assert torch.ones(1).type() == "torch.FloatTensor"
