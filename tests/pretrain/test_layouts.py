@@ -17,6 +17,7 @@ Models: the dense GPT, and MLA with an MTP layer."""
 import pytest
 
 from snip_megatron.plan import Plan
+from tests.analyze.helpers import WORKER as ANALYZE_WORKER
 from tests.pretrain import test_mla_runs, test_runs
 from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of
 from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, check_linears_follow_the_plan,
@@ -106,8 +107,9 @@ def analyzed(tmp_path, name: str, ckpt, step: int, flags: list, *, sm: "int | No
             "--budgets", "0.5", "--analyze-microbatches", "2", *snip[1:]]
     if sm is None:
         out = emulated(tmp_path, base, *argv, nproc=nproc, module="snip_megatron.analyze")
-    else:
-        out = run_te(tmp_path, ["-m", "snip_megatron.analyze"], *argv, sm=sm, nproc=nproc, timeout=900, model=base)
+    else:  # snip-analyze over the TE double, which stands in for the GPU of SM`sm`
+        out = run_te(tmp_path, [str(ANALYZE_WORKER), str(tmp_path / name / "record")], *argv, sm=sm, nproc=nproc,
+                     timeout=900, model=base)
     assert f"[snip-analyze] {ckpt} at step {step}:" in out, out[-3000:]
     doc = json.loads((tmp_path / name / "analysis.json").read_text())
     assert doc["budget_kind"] == kind and doc["plans"][0]["error"] is None, doc["plans"]
