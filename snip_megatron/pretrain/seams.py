@@ -4,7 +4,8 @@ Megatron-LM offers no hook at a step boundary with the data iterator at hand, no
 checkpoint is final, so SNIP wraps these functions, and only these, each checked against the
 parameters this code was written for and against the caller that must look it up here
 (`check_seams`, run before anything is wrapped, so a Megatron that changed one fails at start-up
-with the function named, never mid-run; the table: snip_megatron/megatron/seams.py):
+with the function named, never mid-run; the table: snip_megatron/megatron/seams.py), and each
+proven to run once the run is under way (snip_megatron.pretrain.proof):
 
 - `training.train_step`: on every rank, before the step trains, the controller may measure on the
   step's own micro-batches (which train_step then trains on) and apply a new plan;
@@ -86,6 +87,7 @@ def install(run) -> None:
         margs = get_args()
         if not margs.save or kwargs.get("non_persistent_ckpt"):
             return original_save(iteration, *args, **kwargs)
+        run.saving(iteration)
         state = run.state_dict(iteration)  # every rank: the controller may wait for its solver
 
         def write_after_checkpoint():
