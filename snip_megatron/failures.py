@@ -76,7 +76,7 @@ class MeasurementFailures:
             return False
         self.count += 1
         self._publish(step)
-        said = own or "on another rank"
+        said = own or "on another rank: see its warning"
         if self.strict:
             raise RuntimeError(f"SNIP: the measurement at step {step} failed ({said}) and strict mode is on "
                                "(--snip-strict, Bridge's snip.strict): stopping the run")

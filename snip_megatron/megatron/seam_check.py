@@ -153,7 +153,8 @@ def main(argv=None) -> int:
     root = _checkout_of("megatron.core")
     if args.megatron_root is not None:
         packages = ["megatron.core"] + (["megatron.training"] if args.loop in ("megatron-lm", "all") else [])
-        elsewhere = [f"{name} from {where or 'nowhere (it does not import)'}" for name, where in ((n, _checkout_of(n)) for n in packages)
+        imported = {name: _checkout_of(name) for name in packages}
+        elsewhere = [f"{name} from {where or 'nowhere (it does not import)'}" for name, where in imported.items()
                      if where is None or not os.path.samefile(where, args.megatron_root)]
         if elsewhere:
             print(f"--megatron-root {args.megatron_root}: imported {', '.join(elsewhere)} instead; put the "
@@ -165,7 +166,8 @@ def main(argv=None) -> int:
         found = problems(seam)
         failed += bool(found)
         print(f"{'FAIL' if found else 'ok  '} {seam.loop:<11} {seam.dotted}" + "".join(f"\n       {x}" for x in found))
-    print(f"{failed} of {len(of_loop(args.loop))} seams fail" if failed else f"all {len(of_loop(args.loop))} seams hold")
+    total = len(of_loop(args.loop))
+    print(f"{failed} of {total} seams fail" if failed else f"all {total} seams hold")
     return 1 if failed else 0
 
 

@@ -79,7 +79,8 @@ class RunProof:
         if (done >= self.first_step and self.save and self.save_interval and done % self.save_interval == 0
                 and self.last_saved != done):
             raise _stop(f"Megatron saved iteration {done} (--save-interval {self.save_interval}) without SNIP's "
-                        f"wrapper of {SAVE}, so that checkpoint has no {STATE_FILE} and a resumed run would lose its plan")
+                        f"wrapper of {SAVE}, so that checkpoint has no {STATE_FILE} and a resumed run would lose its "
+                        "plan")
 
     def saving(self, iteration: int) -> None:
         """SNIP's save wrapper, at a persistent save of `iteration`."""

@@ -110,3 +110,9 @@ def test_the_command_line_prints_each_seam_and_fails_on_any(capsys, monkeypatch)
     assert "FAIL core        megatron.core.transformer.multi_token_prediction.MTPLossLoggingHelper.tracker\n" \
            "       megatron.core.transformer.multi_token_prediction.MTPLossLoggingHelper.tracker does not exist" in out
     assert out.rstrip().endswith(f"1 of {len(seams.of_loop('core'))} seams fail")
+
+
+def test_a_megatron_imported_from_elsewhere_than_the_checkout_is_refused(capsys, tmp_path):
+    assert seam_check.main(["--loop", "core", "--megatron-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"--megatron-root {tmp_path}: imported megatron.core from ") and "put the checkout first" in err

@@ -96,7 +96,8 @@ def test_megatron_lms_loop_bypassing_a_wrapper_stops_naming_it(tmp_path, bypasse
                                                               ">= 0.19 (prod lane)")
     from tests.distributed import ROOT
 
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "pretrain" / "bypass_worker.py"), bypassed, *ARGS,
                            *[a.format(tmp=tmp_path) for a in argv]], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=420)
