@@ -35,7 +35,7 @@ setup(
         # TE's PyTorch extension as TE publishes it (an sdist built against the local torch and
         # CUDA; TE recommends `pip install --no-build-isolation`); 2.9 brought the NVFP4 recipe.
         # NVIDIA apex is not here: it is not on PyPI (the PyPI `apex` is an unrelated project);
-        # the NGC PyTorch image ships it, and SNIP does not need it (README, Environments).
+        # the NGC PyTorch image ships it, and SNIP does not need it (docs/getting-started.md, Install).
         "gpu": ["transformer-engine[pytorch]>=2.9"],
         "test": ["pytest", "pytest-timeout", "torchao==0.18.0"],
     },

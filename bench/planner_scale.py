@@ -1,5 +1,8 @@
-"""Planner solve time at scale: the 70B layout (80 layers x 4 linears), a 126-layer 405B-like one and
-a 70B-class HybridModel (112 Mamba / MLP / attention layers in 8 '|' pipeline segments).
+"""Planner solve time at scale: the 70B layout (80 layers x 4 linears), a 126-layer 405B-like one, a
+70B-class HybridModel (112 Mamba / MLP / attention layers in 8 '|' pipeline segments) and DeepSeek-V3
+(61 layers of MLA, 58 of them MoE with 256 routed experts and a shared one, and an MoE MTP layer: 553
+planned units) at its published layout, EP=64 and PP=16 with VPP=2 (Megatron's custom pipeline
+layout, the MTP layer on the last stage), its stages from Megatron's own layout.
 
 Synthetic but shaped costs (FP4 harm ~10x FP8 harm, edge layers more sensitive, lognormal spread);
 real FLOP tables. Every case is solved by CBC (through solve_plan, model building and the CBC
@@ -11,9 +14,10 @@ other than "optimal", or "exact" as solver, means CBC did not prove its answer i
 Run: python bench/planner_scale.py [--repeats 3] [--no-plain]. Last line:
 RESULT solve_s_70b=<max over the 70B cases> solve_s_405b=<max over the 405B cases>
 solve_s_hybrid70b=<max over the hybrid cases, inventory built from the pattern included>
-max_rel_gap=<x> max_solve_s=<max over all cases> all_optimal=<1 if CBC proved every case>
+solve_s_dsv3=<max over the DeepSeek-V3 cases, inventory enumerated included>
+max_rel_gap=<x, over the cases whose exact fallback proved its answer> max_solve_s=<max over all cases> all_optimal=<1 if CBC proved every case>
 plain_max_s=<the plain model's max> (targets: solve_s_70b < 1.0, solve_s_hybrid70b < 1.0,
-max_solve_s < 2.0, all_optimal=1, max_rel_gap=0).
+solve_s_dsv3 < 1.0, max_solve_s < 2.0, all_optimal=1, max_rel_gap=0).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 from snip_megatron.formats.precision import Precision
 from snip_megatron.models import hybrid
 from snip_megatron.models.inventory import Inventory
+from snip_megatron.models.published import DEEPSEEK_V3
 from snip_megatron.planner import (PlannerConfig, cbc_available, flop_table, solve_plan,
                                    stage_of_layers, stages_for_keys)
 from snip_megatron.shapes import ModelShape, get_shape
@@ -64,16 +69,46 @@ def synthetic_costs(model: "ModelShape | Inventory", seed: int = 0) -> dict:
     return costs
 
 
+DSV3_PP, DSV3_VPP = 16, 2
+DSV3_LAYOUT = [["embedding", "decoder"]] + [["decoder", "decoder"]] * 30 + [["mtp", "loss"]]
+"""DeepSeek-V3's 61 layers in PP x VPP = 32 chunks, in the model's order (Megatron-Bridge's DeepSeek
+recipes give `pipeline_model_parallel_layout` such lists): the embedding and a layer, 2 layers each,
+the MTP layer and the loss last."""
+
+
+def deepseek_v3_stages() -> dict:
+    """Each DeepSeek-V3 unit's pipeline stage at PP=16 x VPP=2 (EP=64, TP=2 with SP), by Megatron's
+    own layout (snip_megatron.megatron.layout.pipeline_stages on its TransformerConfig)."""
+    import torch
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from snip_megatron.megatron.layout import pipeline_stages
+
+    d = DEEPSEEK_V3
+    config = MLATransformerConfig(
+        num_layers=d.shape.num_layers, hidden_size=d.shape.hidden_size, ffn_hidden_size=d.shape.ffn_hidden_size,
+        num_attention_heads=d.shape.num_attention_heads, add_bias_linear=False, **vars(d.mla),
+        **d.moe.config_fields(), mtp_num_layers=d.mtp_num_layers, tensor_model_parallel_size=2, sequence_parallel=True,
+        expert_model_parallel_size=64, expert_tensor_parallel_size=1, pipeline_model_parallel_size=DSV3_PP,
+        virtual_pipeline_model_parallel_size=DSV3_VPP, pipeline_model_parallel_layout=DSV3_LAYOUT,
+        pipeline_dtype=torch.bfloat16, bf16=True)
+    return pipeline_stages(config)
+
+
 def cases(seed: int):
     """(group, label, model: a GPT shape or an Inventory, costs, config, pipeline stages or None)."""
     inventory = hybrid.inventory(HYBRID_70B, HYBRID_70B_PATTERN, HYBRID_70B_DIMS)
+    dsv3 = DEEPSEEK_V3.inventory(sequence_parallel=True)
     for model, group, pp in ((get_shape("llama_70b"), "70b", 8), (LLAMA_405B, "405b", 9),
-                             (inventory, "hybrid70b", 8)):
-        shape = HYBRID_70B if model is inventory else model
+                             (inventory, "hybrid70b", 8), (dsv3, "dsv3", DSV3_PP)):
+        shape = {id(inventory): HYBRID_70B, id(dsv3): DEEPSEEK_V3.shape}.get(id(model), model)
         costs = synthetic_costs(model, seed)
-        layer_stage = (hybrid.stage_of_layers(HYBRID_70B_PATTERN, pp) if model is inventory
-                       else stage_of_layers(shape.num_layers, pp))
-        stages = stages_for_keys(costs, layer_stage)
+        if model is dsv3:
+            stages = deepseek_v3_stages()
+        else:
+            layer_stage = (hybrid.stage_of_layers(HYBRID_70B_PATTERN, pp) if model is inventory
+                           else stage_of_layers(shape.num_layers, pp))
+            stages = stages_for_keys(costs, layer_stage)
         for allowed in (TWO, THREE):
             for rho in (0.5, 0.75, 0.9):
                 for staged in (False, True):
@@ -85,10 +120,12 @@ def cases(seed: int):
 
 
 def model_flops(model: "ModelShape | Inventory") -> dict:
-    """The FLOP table of one sequence: a hybrid's inventory is built from its pattern here, so
-    its time counts with the solve's."""
-    if isinstance(model, Inventory):
+    """The FLOP table of one sequence: an inventory is enumerated here (a hybrid's from its pattern,
+    DeepSeek-V3's from its widths), so its time counts with the solve's."""
+    if isinstance(model, Inventory) and model.family == hybrid.FAMILY:
         return hybrid.inventory(HYBRID_70B, HYBRID_70B_PATTERN, HYBRID_70B_DIMS).flop_table(HYBRID_70B.seq_length)
+    if isinstance(model, Inventory):
+        return DEEPSEEK_V3.inventory(sequence_parallel=True).flop_table(DEEPSEEK_V3.shape.seq_length)
     return flop_table(model)
 
 
@@ -112,8 +149,8 @@ def main() -> None:
     warm = get_shape("llama_tiny")
     solve_plan(synthetic_costs(warm, 0), flop_table(warm), PlannerConfig())
 
-    worst = {"70b": 0.0, "405b": 0.0, "hybrid70b": 0.0}
-    worst_cpu = {"70b": 0.0, "405b": 0.0, "hybrid70b": 0.0}  # model building + CBC, CPU seconds per solve
+    worst = {"70b": 0.0, "405b": 0.0, "hybrid70b": 0.0, "dsv3": 0.0}
+    worst_cpu = {"70b": 0.0, "405b": 0.0, "hybrid70b": 0.0, "dsv3": 0.0}  # model building + CBC, CPU s per solve
     max_gap, plain_max, all_optimal = 0.0, 0.0, True
     print(f"{'case':38s} {'solver':6s} {'status':8s} {'cbc_s':>7s} {'cbc_cpu':>7s} {'plain_s':>7s} "
           f"{'plain':8s} {'exact_s':>8s} {'objective':>12s} {'rel_gap':>9s} {'fp4':>6s} "
@@ -136,7 +173,8 @@ def main() -> None:
         seconds = statistics.median(r.seconds for r in runs) + enumerate_s
         gap = (ilp.objective - exact.objective) / max(abs(exact.objective), 1e-12)
         worst[group] = max(worst[group], seconds)
-        max_gap = max(max_gap, abs(gap))
+        if exact.status == "optimal":  # DeepSeek-V3's FLOP units overflow the exact DP: it is "feasible" only
+            max_gap = max(max_gap, abs(gap))
         all_optimal &= all(r.solver == "cbc" and r.status == "optimal" for r in runs)
         plain_s, plain_status = float("nan"), "-"
         if not args.no_plain:
@@ -150,11 +188,11 @@ def main() -> None:
               f"{ilp.achieved.fp4_fraction:6.3f} {stage_fp4:13.3f} {ilp.achieved.speedup:7.3f}"
               + (f"  [{ilp.fallback_reason}]" if ilp.fallback_reason else ""))
     print(f"CPU solve_cpu_s_70b={worst_cpu['70b']:.3f} solve_cpu_s_405b={worst_cpu['405b']:.3f} "
-          f"solve_cpu_s_hybrid70b={worst_cpu['hybrid70b']:.3f} "
+          f"solve_cpu_s_hybrid70b={worst_cpu['hybrid70b']:.3f} solve_cpu_s_dsv3={worst_cpu['dsv3']:.3f} "
           f"(wall/CPU differ when the machine is shared; load average {os.getloadavg()[0]:.1f})")
     plain = "" if args.no_plain else f" plain_max_s={plain_max:.3f}"
     print(f"RESULT solve_s_70b={worst['70b']:.3f} solve_s_405b={worst['405b']:.3f} "
-          f"solve_s_hybrid70b={worst['hybrid70b']:.3f} max_rel_gap={max_gap:.2e} "
+          f"solve_s_hybrid70b={worst['hybrid70b']:.3f} solve_s_dsv3={worst['dsv3']:.3f} max_rel_gap={max_gap:.2e} "
           f"max_solve_s={max(worst.values()):.3f} all_optimal={int(all_optimal)}{plain}")
 
 if __name__ == "__main__":

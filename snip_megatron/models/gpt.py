@@ -70,8 +70,16 @@ SHARED_EXPERT_LINEARS = (
     LinearSlot("shared_expert_fc2", "mlp.shared_experts.linear_fc2", ParallelKind.ROW),
 )
 """An MoE layer's shared experts (`--moe-shared-expert-intermediate-size`): a dense MLP on every token."""
-MOE_LINEARS = EXPERT_LINEARS + SHARED_EXPERT_LINEARS
-NAMES = ("linear_qkv",) + tuple(s.name for s in MLA_LINEARS) + LINEAR_NAMES[1:] + tuple(s.name for s in MOE_LINEARS)
+LATENT_LINEARS = (
+    LinearSlot("fc1_latent_proj", "mlp.fc1_latent_proj", ParallelKind.DUPLICATED),
+    LinearSlot("fc2_latent_proj", "mlp.fc2_latent_proj", ParallelKind.DUPLICATED),
+)
+"""An MoE layer's latent projections (`--moe-latent-size`): TE linears duplicated over TP that take
+every token to the experts' latent width and back (megatron/core/transformer/moe/moe_layer.py,
+0.19.2: lines 265-296; the experts then work in the latent width)."""
+MOE_LINEARS = EXPERT_LINEARS + SHARED_EXPERT_LINEARS + LATENT_LINEARS
+NAMES = ("linear_qkv",) + tuple(s.name for s in MLA_LINEARS) + LINEAR_NAMES[1:] + tuple(
+    s.name for s in (LATENT_LINEARS[0], *EXPERT_LINEARS, LATENT_LINEARS[1], *SHARED_EXPERT_LINEARS))
 """Every linear name a GPT layer can have, in forward order (a layer has a dense MLP or an MoE layer)."""
 MTP = "mtp."
 """Multi-token prediction: the prefix of its linears' names. Its layers are numbered 1..D again
@@ -185,6 +193,8 @@ class MoEDims:
     """moe_shared_expert_gate."""
     layer_freq: "int | tuple[int, ...]" = 1
     """moe_layer_freq: every n-th layer is MoE (from the first), or one 0/1 per layer."""
+    latent_size: "int | None" = None
+    """moe_latent_size: the experts' latent width (None: the hidden size, no latent projections)."""
 
     @classmethod
     def of(cls, config) -> "MoEDims | None":
@@ -197,7 +207,8 @@ class MoEDims:
                    ffn_hidden_size=int(getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size),
                    shared_ffn_hidden_size=getattr(config, "moe_shared_expert_intermediate_size", None) or None,
                    shared_gate=bool(getattr(config, "moe_shared_expert_gate", False)),
-                   layer_freq=freq if isinstance(freq, int) else tuple(int(f) for f in freq))
+                   layer_freq=freq if isinstance(freq, int) else tuple(int(f) for f in freq),
+                   latent_size=getattr(config, "moe_latent_size", None) or None)
 
     def config_fields(self) -> dict:
         """The TransformerConfig fields of these experts (the inverse of `of`)."""
@@ -205,7 +216,8 @@ class MoEDims:
         return dict(num_moe_experts=self.num_experts, moe_router_topk=self.topk,
                     moe_ffn_hidden_size=self.ffn_hidden_size,
                     moe_shared_expert_intermediate_size=self.shared_ffn_hidden_size,
-                    moe_shared_expert_gate=self.shared_gate, moe_layer_freq=freq)
+                    moe_shared_expert_gate=self.shared_gate, moe_layer_freq=freq,
+                    **({"moe_latent_size": self.latent_size} if self.latent_size else {}))
 
     def is_moe_layer(self, layer: int, num_layers: int) -> bool:
         """Whether 1-based decoder layer `layer` of `num_layers` is an MoE layer (Megatron's
@@ -217,8 +229,10 @@ class MoEDims:
         return bool(self.layer_freq[layer - 1])
 
     def slots(self) -> tuple[LinearSlot, ...]:
-        """An MoE layer's planned linears after attention, in forward order."""
-        return EXPERT_LINEARS + (SHARED_EXPERT_LINEARS if self.shared_ffn_hidden_size else ())
+        """An MoE layer's planned linears after attention, in forward order (the latent projections
+        around the experts; the shared experts after them, MoELayer.forward's order)."""
+        experts = (LATENT_LINEARS[0], *EXPERT_LINEARS, LATENT_LINEARS[1]) if self.latent_size else EXPERT_LINEARS
+        return experts + (SHARED_EXPERT_LINEARS if self.shared_ffn_hidden_size else ())
 
     def unplanned(self) -> tuple[Unplanned, ...]:
         return (MOE_ROUTER,) + ((SHARED_EXPERT_GATE,) if self.shared_ffn_hidden_size and self.shared_gate else ())
@@ -344,7 +358,10 @@ def linear_shapes(shape: ModelShape, mla: "MLADims | None" = None,
         "linear_fc2": (h, shape.ffn_hidden_size),
     }
     if moe is not None:
-        out["expert_fc1"], out["expert_fc2"] = (gates * moe.ffn_hidden_size, h), (h, moe.ffn_hidden_size)
+        width = moe.latent_size or h  # the experts' width: latent with latent projections
+        out["expert_fc1"], out["expert_fc2"] = (gates * moe.ffn_hidden_size, width), (width, moe.ffn_hidden_size)
+        if moe.latent_size:
+            out["fc1_latent_proj"], out["fc2_latent_proj"] = (moe.latent_size, h), (h, moe.latent_size)
         if moe.shared_ffn_hidden_size:
             shared = moe.shared_ffn_hidden_size
             out["shared_expert_fc1"], out["shared_expert_fc2"] = (gates * shared, h), (h, shared)
@@ -513,12 +530,13 @@ def is_moe_spec(layer_spec) -> bool:
 def _spec_fields(column_cls, row_cls, duplicated_cls=None, mla: bool = False,
                  moe: bool = False) -> dict[str, dict[str, object]]:
     """{submodule path below the layer: {spec field: class}}, each planned linear's class by its
-    parallel kind (an MoE layer's: its experts' and shared experts' MLP fields)."""
+    parallel kind (an MoE layer's: its experts' and shared experts' MLP fields; its latent
+    projections are TE linears MoELayer builds itself, no spec field)."""
     by_kind = {ParallelKind.COLUMN: column_cls, ParallelKind.ROW: row_cls,
                ParallelKind.DUPLICATED: column_cls if duplicated_cls is None else duplicated_cls}
     out: dict[str, dict[str, object]] = {}
     attention = (MLA_LINEARS + LINEARS[1:2]) if mla else LINEARS[:2]
-    for s in attention + (MOE_LINEARS if moe else LINEARS[2:]):
+    for s in attention + (EXPERT_LINEARS + SHARED_EXPERT_LINEARS if moe else LINEARS[2:]):
         parent, leaf = s.suffix.rsplit(".", 1)
         out.setdefault(parent, {})[leaf] = by_kind[s.kind]
     return out

@@ -26,6 +26,7 @@ def run_facts(args, family: str, backend: str, entry: str = "megatron-lm") -> Ru
     return RunFacts(entry=entry, family=family, backend=backend, world_size=int(getattr(args, "world_size", 1)),
                     hybrid_pattern=getattr(args, "hybrid_layer_pattern", None),
                     dataloader_type=getattr(args, "dataloader_type", None),
+                    freeze_all_layers=bool(getattr(args, "freeze_all_layers", False)),
                     te_installed=te_installed(), cuda=torch.cuda.is_available())
 
 

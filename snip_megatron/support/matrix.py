@@ -77,6 +77,8 @@ def _runs(entry, models, backend, *rows) -> tuple[Run, ...]:
 
 PRETRAIN = "tests/pretrain/"
 LAYOUT = PRETRAIN + "test_layouts.py::"
+MOE_LAYOUT = PRETRAIN + "test_moe_layouts.py::"
+DEEPSEEK = PRETRAIN + "test_deepseek_runs.py::"
 GENERATIONS = (("te_hopper", 90), ("te_blackwell", 100))
 EXPORT_CELL = "tests/test_export_shapes.py::test_every_cell_exports_each_stages_planned_modules_through_megatrons_parser"
 TESTED: tuple[Run, ...] = (
@@ -100,33 +102,69 @@ TESTED: tuple[Run, ...] = (
            ("one", PRETRAIN + "test_moe_runs.py::test_one_process_moe_measures_replans_and_resumes_the_checkpoint_plan"),
            ("recompute", PRETRAIN + "test_moe_runs.py::test_moe_with_full_activation_recompute_measures_and_replans"),
            ("ep", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[ep2]"),
-           ("pp", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[pp2]")),
+           ("pp", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[pp2]"),
+           ("ep", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[ep2_a2a]"),
+           ("etp", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[etp2]")),
     *_runs("megatron-lm", "moe_te_grouped", "te_hopper",
            ("one", PRETRAIN + "test_moe_runs.py::test_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double"),
            ("ep", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[ep2]"),
            ("pp", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[pp2]"),
-           ("tp+ep", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[tp2_sp_ep2]")),
+           ("tp+ep", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[tp2_sp_ep2]"),
+           ("tp+ep+etp", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[tp2_sp_etp2_ep2_a2a]")),
     *_runs("megatron-lm", "hybrid", "te_hopper",
            ("one", PRETRAIN + "test_hybrid_runs.py::test_one_process_hybrid_measures_replans_saves_and_resumes_and_mamba_is_refused_on_cpu"),
            ("tp", PRETRAIN + "test_hybrid_runs.py::test_tp2_hybrid_measures_replans_and_resumes_every_te_linear"),
            ("pp", PRETRAIN + "test_hybrid_runs.py::test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers_and_resumes")),
     *_runs("megatron-lm", "hybrid_moe", "te_hopper",
            ("one", PRETRAIN + "test_hybrid_runs.py::test_one_process_hybrid_moe_layer_with_grouped_experts_measures_replans_and_resumes")),
-    *_runs("megatron-lm", "dense", "emulated",
-           ("tp+pp+vpp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[dense]"),
-           ("dp+recompute", LAYOUT + "test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute[dense]")),
+    *_runs("megatron-lm", "dense+mtp", "emulated",
+           ("tp+pp+vpp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[dense_mtp]"),
+           ("dp+recompute", LAYOUT + "test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute"
+                                     "[dense_mtp]")),
     *_runs("megatron-lm", "mla+mtp", "emulated",
            ("pp+vpp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[mla_mtp]"),
            ("dp+recompute", LAYOUT + "test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute[mla_mtp]")),
-    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp")) for backend, sm in GENERATIONS
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"))
+      for backend, sm in GENERATIONS
       for run in _runs("megatron-lm", models, backend,
                        ("one", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
                        ("tp+pp+vpp", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
                        ("dp+recompute", LAYOUT + "test_te_data_parallel_with_the_distributed_optimizer_and_recompute"
                                                  f"[{model}-{sm}]"))),
-    *(run for model in ("dense", "mla") for backend, _ in GENERATIONS for run in _runs(
-        "megatron-lm", model, backend,
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"))
+      for backend, _ in GENERATIONS for run in _runs(
+        "megatron-lm", models, backend,
         ("cp", PRETRAIN + f"test_cp_runs.py::test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell[{model}]"))),
+    *(run for model, models in (("deepseek", "mla+mtp+moe_te_grouped"), ("hybrid", "hybrid_moe"))
+      for backend, sm in GENERATIONS
+      for run in _runs("megatron-lm", models, backend,
+                       ("one", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
+                       ("tp+ep", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
+                       ("pp+vpp", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
+                       ("dp+ep+recompute", MOE_LAYOUT + "test_te_grouped_experts_with_the_distributed_optimizer_and_"
+                                                        f"recompute[{model}-{sm}]"))),
+    *_runs("megatron-lm", "moe_local", "emulated",
+           ("dp+ep+recompute", MOE_LAYOUT + "test_local_experts_with_the_distributed_optimizer_and_recompute")),
+    *_runs("megatron-lm", "mla+mtp+moe_local", "emulated",
+           ("pp+vpp", DEEPSEEK + "test_pipeline_with_virtual_stages_on_the_local_spec_measures_replans_and_resumes")),
+    # snip-analyze on the checkpoints of the layout chains, at each link's layout (VPP dropped)
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"))
+      for backend, _ in GENERATIONS for run in _runs(
+        "analyze", models, backend, ("one", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
+        ("tp+pp", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"))),
+    *(run for model, models in (("deepseek", "mla+mtp+moe_te_grouped"), ("hybrid", "hybrid_moe"))
+      for backend, _ in GENERATIONS for run in _runs(
+        "analyze", models, backend,
+        ("tp+ep+pp", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"))),
+    *(run for model in ("deepseek", "hybrid") for run in _runs(
+        "analyze", "moe_te_grouped" if model == "deepseek" else "hybrid_moe", "te_blackwell",
+        ("one", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"))),
+    *_runs("analyze", "dense+mtp", "emulated",
+           ("tp+pp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[dense_mtp]")),
+    *_runs("analyze", "mla+mtp", "emulated",
+           ("pp", LAYOUT + "test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume[mla_mtp]")),
+    *_runs("analyze", "mla+mtp+moe_local", "emulated",
+           ("pp", DEEPSEEK + "test_pipeline_with_virtual_stages_on_the_local_spec_measures_replans_and_resumes")),
     *_runs("analyze", "moe_local", "emulated",
            ("one", "tests/analyze/test_models.py::test_moe_checkpoints_local_and_te_grouped_are_analyzed_by_their_inventory")),
     *_runs("analyze", "moe_te_grouped", "te_hopper",
@@ -149,10 +187,13 @@ TESTED: tuple[Run, ...] = (
            ("one", "tests/bridge/test_enable.py::test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double")),
     *_runs("compact", "dense", "emulated",
            ("one", "tests/train/test_main_snip.py::test_compact_loop_with_snip_replans_and_logs"),
+           ("dp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2"),
            ("tp", "tests/test_controller_distributed.py::test_tp_ranks_apply_the_single_process_plan"),
            ("pp", "tests/test_controller_distributed.py::test_pipeline_ranks_apply_the_single_process_plan")),
     *_runs("compact", "mla", "emulated",
-           ("one", "tests/train/test_loop.py::test_multi_latent_attention_measures_replans_and_resumes")),
+           ("one", "tests/train/test_loop.py::test_multi_latent_attention_measures_replans_and_resumes"),
+           ("pp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2"),
+           ("dp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2")),
     *_runs("compact", "moe_local", "emulated",
            ("one", "tests/train/test_loop.py::test_moe_measures_replans_and_resumes")),
     *_runs("analyze", "dense", "emulated",

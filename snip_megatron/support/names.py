@@ -24,6 +24,7 @@ MEGATRON_LM_ARGS = {
     "model.virtual_pipeline_model_parallel_size": "num_layers_per_virtual_pipeline_stage",
     "run.hybrid_pattern": "hybrid_layer_pattern",
     "run.dataloader_type": "dataloader_type",
+    "run.freeze_all_layers": "freeze_all_layers",
     "run.backend": "snip_backend",
     "dist.use_torch_fsdp2": "use_torch_fsdp2",
 }

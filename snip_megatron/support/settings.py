@@ -36,6 +36,8 @@ class RunFacts:
     """A HybridModel's layer pattern (Megatron-LM's --hybrid-layer-pattern, Bridge's field)."""
     dataloader_type: str | None = None
     """Megatron's data loader kind (single, cyclic, external; Bridge also 'batch')."""
+    freeze_all_layers: bool = False
+    """Megatron-LM's --freeze-all-layers (an argument, no config field): forward-only steps."""
     peft: bool = False
     """Bridge: a PEFT config wraps the model."""
     full_te_layer: bool = False

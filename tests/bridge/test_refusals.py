@@ -152,6 +152,7 @@ def test_the_runs_snip_serves_through_bridge_pass(make, monkeypatch):
     cfg = make()
     if cfg.model.tensor_model_parallel_size == 2:
         cfg.model.sequence_parallel, cfg.model.context_parallel_size = True, 2
+        cfg.model.transformer_impl = "transformer_engine"  # Megatron's local attention has no CP
         cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
         cfg.optimizer.use_distributed_optimizer = cfg.ddp.use_distributed_optimizer = True
     assert refused(cfg, SnipConfig(enabled=True)) == []

@@ -212,3 +212,39 @@ def test_a_pattern_cut_in_more_segments_than_stages_is_interleaved_over_the_stag
 
     assert hybrid.stage_of_layers("*-|*-|*-|*-", 2) == {1: 0, 2: 0, 3: 1, 4: 1, 5: 0, 6: 0, 7: 1, 8: 1}
     assert hybrid.stage_of_layers("*-|*-", 2) == {1: 0, 2: 0, 3: 1, 4: 1}
+
+
+def test_a_nemotron_style_mamba_moe_hybrid_is_enumerated_and_planned_from_its_pattern():
+    """A Nemotron-H-style MoE hybrid (Mamba M, attention *, MoE E with 128 experts top-6 and a shared
+    expert; 52 layers in 4 '|' segments): its planned linears come from the pattern alone (no model
+    built: Mamba's kernels are CUDA-only, so CPU cannot build it), keyed by hybrid layer number, each
+    stage's from its segment, and planned with a budget per stage."""
+    from snip_megatron.planner import PlannerConfig, solve_plan, stages_for_keys
+
+    segment = "MEMEM*EMEMEM*"
+    pattern = "|".join([segment] * 4)
+    shape = get_shape("llama_7b").with_(num_layers=52, hidden_size=2688, ffn_hidden_size=1856,
+                                        num_attention_heads=32, num_query_groups=2)
+    moe = gpt.MoEDims(num_experts=128, topk=6, ffn_hidden_size=1856, shared_ffn_hidden_size=3712)
+    inv = hybrid.inventory(shape, pattern, hybrid.HybridDims(), moe=moe)
+    kinds = {symbol: pattern.replace("|", "").count(symbol) for symbol in "ME*"}
+    assert kinds == {"M": 24, "E": 20, "*": 8}
+    names = [k.name for k in inv.keys()]
+    assert names.count("in_proj") == 24 and names.count("expert_fc1") == 20 and names.count("linear_qkv") == 8
+    assert names.count("shared_expert_fc2") == 20 and len(inv) == 2 * 24 + 4 * 20 + 2 * 8
+    first_moe = next(e for e in inv if e.key.name == "expert_fc1")
+    assert (first_moe.key.layer, first_moe.experts, first_moe.topk) == (2, 128, 6)
+    stage_of = hybrid.stage_of_layers(pattern, 4)
+    assert {stage_of[layer] for layer in range(1, 14)} == {0} and stage_of[52] == 3
+    costs = {k: {p: (0.0 if p.value == "bf16" else (1.0 if p.value == "fp4" else 0.1)) * (1 + k.layer % 5)
+                 for p in gpt_precisions()} for k in inv.keys()}
+    result = solve_plan(costs, inv.flop_table(4096), PlannerConfig(rho=0.75, solver="exact"),
+                        stages=stages_for_keys(costs, stage_of))
+    assert set(result.plan) == set(inv.keys())
+    assert min(a.fp4_fraction for a in result.per_stage.values()) >= 0.75 - 1e-6
+
+
+def gpt_precisions():
+    from snip_megatron.formats.precision import Precision
+
+    return (Precision.BF16, Precision.FP8, Precision.FP4)

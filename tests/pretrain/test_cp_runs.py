@@ -6,7 +6,8 @@ each rank's queries over the whole sequence's keys and values, with Megatron's l
 and a save, resumed on a B200's (SM100: FP8/FP4 plans) with the checkpoint's plan and re-planned
 again. Every TE linear of both ranks runs its plan after every step with that step's weights and
 gradients (tests/pretrain/test_te_runs.py's checks), and every core attention attended its 16 of
-the 32 tokens against all 32 keys. Models: the dense GPT (GQA) and MLA. (The statistics at CP=2
+the 32 tokens against all 32 keys. Models: the dense GPT (GQA), MLA with an MTP layer, and a
+HybridModel '*-*-'. (The statistics at CP=2
 equal one process's: tests/stats/test_measure_te.py.)"""
 
 import pytest
@@ -21,15 +22,18 @@ from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, TE, 
 pytestmark = pytest.mark.launches
 
 CP = ["--context-parallel-size", "2"]
-MODELS = {"dense": MODEL, "mla": [*test_mla_runs.MODEL, *test_mla_runs.MLA]}
+MODELS = {"dense": MODEL, "mla_mtp": [*test_mla_runs.MODEL, *test_mla_runs.MLA, "--mtp-num-layers", "1"],
+          "hybrid": [*MODEL, "--hybrid-layer-pattern", "*-*-"]}
+ENV = {"hybrid": {"PROBE_FAMILY": "hybrid"}}
+"""The worker runs snip-pretrain-hybrid for a HybridModel."""
 SCHEDULE = [*DATA, "--train-iters", "6", "--save-interval", "3"]
 """Measure at step 2, plan at step 3, save; resumed: measure at step 5, plan at step 6."""
 
 
-def launch(probe, model: list, *argv: str, sm: int) -> str:
-    """snip-pretrain-gpt through the probe worker on two processes over the doubles (SM`sm`)."""
-    return run_distributed([str(WORKER), str(probe), *model, *TE, *CP, *argv], nproc=2, timeout=900,
-                           env=te_env(sm)).stdout
+def launch(probe, model: str, *argv: str, sm: int) -> str:
+    """snip-pretrain-gpt (-hybrid) through the probe worker on two processes over the doubles (SM`sm`)."""
+    return run_distributed([str(WORKER), str(probe), *MODELS[model], *TE, *CP, *argv], nproc=2, timeout=900,
+                           env=te_env(sm, **ENV.get(model, {}))).stdout
 
 
 def check_trained(out: str, steps: list[int]) -> None:
@@ -50,7 +54,8 @@ def check_ranks(probe, steps: list[int]) -> list[dict]:
         check_linears_follow_the_plan(rows)
         check_runtime(rows)
         for row in rows:
-            assert len(row["attention"]) == 2 and all(v == [2, 16, 32] for v in row["attention"].values()), row
+            # every core attention (the decoder's two, and an MTP layer's)
+            assert len(row["attention"]) >= 2 and all(v == [2, 16, 32] for v in row["attention"].values()), row
         plans.append(rows[-1]["plan"])
     assert plans[0] == plans[1], plans
     return te_rows(probe, 0)
@@ -61,13 +66,13 @@ def check_ranks(probe, steps: list[int]) -> list[dict]:
 def test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell(tmp_path, model):
     ckpt = tmp_path / "ckpt"
     common = [*SCHEDULE, "--save", str(ckpt)]
-    out = launch(tmp_path / "p", MODELS[model], *common, *HOPPER_SNIP, "--exit-interval", "3", sm=90)
+    out = launch(tmp_path / "p", model, *common, *HOPPER_SNIP, "--exit-interval", "3", sm=90)
     check_trained(out, [1, 2, 3])
     plan = Plan.from_dict(state_of(ckpt, 3)["plan"])
     assert plan.counts()["bf16"] > 0 and plan.counts()["fp4"] == 0  # the Hopper re-plan (from all FP8)
     rows = check_ranks(tmp_path / "p", [1, 2, 3])
     assert rows[-1]["plan"] == {str(k): p.value for k, p in plan.items()}
-    out = launch(tmp_path / "q", MODELS[model], *common, *BLACKWELL_SNIP, "--load", str(ckpt), sm=100)
+    out = launch(tmp_path / "q", model, *common, *BLACKWELL_SNIP, "--load", str(ckpt), sm=100)
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     check_trained(out, [4, 5, 6])
     rows = check_ranks(tmp_path / "q", [4, 5, 6])

@@ -7,7 +7,8 @@ layouts and GPU generations: one process on an H100's SM90 (BF16/FP8 plans), the
 parallelism x PP=2 x VPP=2 on SM90, the same on a B200's SM100 (FP8/FP4 plans), then one process on
 SM100; every TE linear of every rank runs its plan after every step (tests/pretrain/test_te_runs.py's
 checks). On the emulated backend (Megatron's local spec with SNIP's linears; TP without sequence
-parallelism, which the local spec's torch norms refuse): TP=2 x PP=2 x VPP=2, saved and resumed.
+parallelism, which the local spec's torch norms refuse): TP=2 x PP=2 x VPP=2, saved and resumed, the
+dense GPT with an MTP layer.
 Beside each: DP=2 with the distributed optimizer and full recompute, on each backend, one launch (not
 resumed: Megatron's distributed optimizer cannot load a checkpoint without apex or TE's FusedAdam,
 megatron/core/optimizer/distrib_optimizer.py `state_dict`, `assert len(steps) == 1`).
@@ -16,6 +17,7 @@ Models: the dense GPT, and MLA with an MTP layer."""
 import pytest
 
 from snip_megatron.plan import Plan
+from tests.analyze.helpers import WORKER as ANALYZE_WORKER
 from tests.pretrain import test_mla_runs, test_runs
 from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of
 from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, check_linears_follow_the_plan,
@@ -35,6 +37,8 @@ HYBRID = "*-*-*-*-"
 """snip-pretrain-hybrid's model (TE only): 4 attention and 4 MLP layers, as a GPT of 4 layers;
 its pipeline cuts the pattern in segments (`|`), one per stage and virtual chunk."""
 TE_MODELS = {**MODELS, "hybrid": (test_runs.MODEL, [])}
+EMULATED_MODELS = {"dense_mtp": (test_runs.MODEL, ["--mtp-num-layers", "1"]), "mla_mtp": MODELS["mla_mtp"]}
+"""On the emulated backend the dense GPT carries an MTP layer (MTP without MLA at TP=2 is covered so)."""
 
 
 def model_flags(model: str, layout: list) -> "tuple[list, dict]":
@@ -90,11 +94,44 @@ def check_ranks(probe, nproc: int, steps: list[int]) -> list[dict]:
     return te_rows(probe, 0)
 
 
-def emulated(tmp_path, model: list, *argv: str, nproc: int) -> str:
+def analyzed(tmp_path, name: str, ckpt, step: int, flags: list, *, sm: "int | None", nproc: int, base: list,
+             kind: str) -> None:
+    """snip-analyze of the checkpoint a chain just saved, with the run's flags `flags` (its model and
+    layout; VPP dropped: snip-analyze measures at one process, TP, PP and EP), on SM`sm` (None: the
+    emulated backend): it measures the checkpoint's step and writes a plan at the run's budget kind."""
+    import json
+
+    drop = {"--num-layers-per-virtual-pipeline-stage"}
+    flags = [a for i, a in enumerate(flags) if a not in drop and (i == 0 or flags[i - 1] not in drop)]
+    pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1]) if "--pipeline-model-parallel-size" in flags else 1
+    flags = [stage_segments(a, pp) if i and flags[i - 1] == "--hybrid-layer-pattern" else a
+             for i, a in enumerate(flags)]
+    snip = HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP
+    argv = [*flags, *DATA, "--global-batch-size", "8", "--load", str(ckpt), "--out", str(tmp_path / name),
+            "--budgets", "0.5", "--analyze-microbatches", "2", *snip[1:]]
+    if sm is None:
+        out = emulated(tmp_path, base, *argv, nproc=nproc, module="snip_megatron.analyze")
+    else:  # snip-analyze over the TE double, which stands in for the GPU of SM`sm`
+        out = run_te(tmp_path, [str(ANALYZE_WORKER), str(tmp_path / name / "record")], *argv, sm=sm, nproc=nproc,
+                     timeout=900, model=base)
+    assert f"[snip-analyze] {ckpt} at step {step}:" in out, out[-3000:]
+    doc = json.loads((tmp_path / name / "analysis.json").read_text())
+    assert doc["budget_kind"] == kind and doc["plans"][0]["error"] is None, doc["plans"]
+
+
+def stage_segments(pattern: str, pp: int) -> str:
+    """A HybridModel's pattern with one segment per pipeline stage: its segments (one per virtual
+    chunk, in layer order) joined in order, the same layers without the virtual pipeline."""
+    segments = pattern.split("|")
+    per_stage = len(segments) // pp
+    return "|".join("".join(segments[i * per_stage:(i + 1) * per_stage]) for i in range(pp))
+
+
+def emulated(tmp_path, model: list, *argv: str, nproc: int, module: str = "snip_megatron.pretrain") -> str:
     saved = test_runs.MODEL
     test_runs.MODEL = model  # test_runs.run takes the model's flags from there
     try:
-        return test_runs.run(tmp_path, ["-m", "snip_megatron.pretrain"], *argv, nproc=nproc, timeout=900)
+        return test_runs.run(tmp_path, ["-m", module], *argv, nproc=nproc, timeout=900)
     finally:
         test_runs.MODEL = saved
 
@@ -102,7 +139,8 @@ def emulated(tmp_path, model: list, *argv: str, nproc: int) -> str:
 @needs_training
 @pytest.mark.parametrize("model", sorted(TE_MODELS))
 def test_te_chain_across_layouts_and_generations(tmp_path, model):
-    """One process (SM90) -> TP=2+SP x PP=2 x VPP=2 (SM90) -> the same (SM100) -> one process (SM100)."""
+    """One process (SM90) -> TP=2+SP x PP=2 x VPP=2 (SM90) -> the same (SM100) -> one process (SM100);
+    snip-analyze measures each link's checkpoint on its GPU (at TP=2+SP x PP=2 after the 4-process links)."""
     base = TE_MODELS[model][0]
     ckpt = tmp_path / "ckpt"
     tp_pp = ["--tensor-model-parallel-size", "2", "--sequence-parallel", *PP2_VPP2]
@@ -121,6 +159,8 @@ def test_te_chain_across_layouts_and_generations(tmp_path, model):
             assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}
         plan = Plan.from_dict(state_of(ckpt, steps[-1])["plan"])
         assert plan.counts()["bf16" if sm == 90 else "fp4"] > 0, plan.counts()  # the generation's plan
+        analyzed(tmp_path, f"a{i}", ckpt, steps[-1], flags, sm=sm, nproc=nproc, base=base,
+                 kind="fp8_fraction" if sm == 90 else "fp4_fraction")
 
 
 @needs_training
@@ -137,10 +177,10 @@ def test_te_data_parallel_with_the_distributed_optimizer_and_recompute(tmp_path,
 
 
 @needs_training
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(EMULATED_MODELS))
 def test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume(tmp_path, model):
     """TP=2 x PP=2 x VPP=2 (MLA: PP=2 x VPP=2; Megatron's MLA needs SP at TP > 1), saved and resumed."""
-    base, features = MODELS[model]
+    base, features = EMULATED_MODELS[model]
     layout, nproc = (PP2_VPP2, 2) if model == "mla_mtp" else (["--tensor-model-parallel-size", "2", *PP2_VPP2], 4)
     ckpt = tmp_path / "ckpt"
     argv = [*features, *layout, *DATA, *ITERS, *BLACKWELL_SNIP, "--save", str(ckpt)]
@@ -149,11 +189,12 @@ def test_emulated_model_and_pipeline_parallelism_measure_replan_and_resume(tmp_p
     assert plan.counts()["fp4"] > 0
     check_launch(emulated(tmp_path, base, *argv, "--load", str(ckpt), "--exit-interval", "6", nproc=nproc),
                  [4, 5, 6], plan)
+    analyzed(tmp_path, "a", ckpt, 6, [*features, *layout], sm=None, nproc=nproc, base=base, kind="fp4_fraction")
 
 
 @needs_training
-@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("model", sorted(EMULATED_MODELS))
 def test_emulated_data_parallel_with_the_distributed_optimizer_and_recompute(tmp_path, model):
-    base, features = MODELS[model]
+    base, features = EMULATED_MODELS[model]
     out = emulated(tmp_path, base, *features, *DP2, *DATA, *ITERS, *BLACKWELL_SNIP, "--exit-interval", "3", nproc=2)
     check_launch(out, [1, 2, 3])

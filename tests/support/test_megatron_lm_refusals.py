@@ -19,12 +19,17 @@ CASES = [rule for rule in RULES if "megatron-lm" in rule.entries and megatron_lm
 ENV = {"fsdp": {"CUDA_DEVICE_MAX_CONNECTIONS": "2"}}
 """Megatron's FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1, which snip-pretrain-gpt sets on CPU only."""
 
+ARGV = {"weight-shards": ["--global-batch-size", "2"]}
+"""Megatron-LM 0.19.2's validation counts generalized TP's ranks as data-parallel in one batch-size
+check and as model-parallel in another: a batch both accept."""
+
 
 @pytest.fixture
 def megatron_lm(monkeypatch, capsys):
     """snip-pretrain-gpt's CLI in this process: (exit status, stderr) of its command line; the run
     stops with an AssertionError where SNIP would let it train."""
     import torch
+    from megatron.core.transformer import transformer_config
     from megatron.training import arguments, global_vars
 
     from snip_megatron.errors import run_cli
@@ -42,6 +47,8 @@ def megatron_lm(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # Megatron asks
     # Megatron's validation asks TE's version for --fp4-format and FP8 parameters: a GPU machine's TE
     monkeypatch.setattr(arguments, "is_te_min_version", lambda version: True)
+    # and TransformerConfig's checks of TE's version (MoE GroupedTensor weights, experts' wgrad overlap)
+    monkeypatch.setattr(transformer_config, "is_te_min_version", lambda version, check_equality=True: True)
 
     def run(argv, env, family, te_installed=False, prog=None, main=None):
         monkeypatch.setattr(installed, "te_installed", lambda: te_installed)
@@ -64,7 +71,7 @@ def megatron_lm(monkeypatch, capsys):
 def test_each_rule_is_refused_through_megatron_lms_command_line(megatron_lm, rule):
     argv, env, family = megatron_lm_input(rule.example)
     env.update(ENV.get(rule.name, {}))
-    status, err = megatron_lm(["--snip", *argv], env, family,
+    status, err = megatron_lm(["--snip", *argv, *ARGV.get(rule.name, [])], env, family,
                               te_installed=rule.example.get("run.te_installed", rule.example.get("run.backend") == "te"))
     s = settings(rule.example, "megatron-lm")
     line = rule.text(s, MegatronLMNames(), rule.holds(s))

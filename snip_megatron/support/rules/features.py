@@ -19,6 +19,23 @@ def _cuda_graphs(s) -> bool:
             or bool(s.get("model.external_cuda_graph")))
 
 
+def _weight_shards(s):
+    """{"lead": the setting} when Megatron's generalized TP shards weights beyond the TP group."""
+    for shards, tp in (("model.tensor_parallel_num_weight_shards", "model.tensor_model_parallel_size"),
+                       ("model.expert_tensor_parallel_num_weight_shards", "model.expert_tensor_parallel_size")):
+        value = s.get(shards)
+        if value is not None and int(value) > s.num(tp, s.num("model.tensor_model_parallel_size")):
+            return {"lead": shards}
+    return None
+
+
+def _offloading(s):
+    if s.get("model.cpu_offloading") or s.num("model.cpu_offloading_num_layers", 0) > 0:
+        return {"lead": "model.cpu_offloading_num_layers"}  # Megatron-LM's flag turns cpu_offloading on
+    return {"lead": "model.fine_grained_activation_offloading"} if s.get("model.fine_grained_activation_offloading") \
+        else None
+
+
 def _fsdp(s):
     lead = next((p for p in ("ddp.use_megatron_fsdp", "dist.use_torch_fsdp2", "dist.use_megatron_fsdp")
                  if s.get(p)), None)
@@ -69,10 +86,38 @@ RULES = (
          "{set[model.context_parallel_size]:1}", example={"model.context_parallel_size": 2, "run.world_size": 2},
          entries=("megatron-lm", "bridge")),
     Rule("fsdp", ("ddp.use_megatron_fsdp", "dist.use_torch_fsdp2"), _fsdp,
+         # Megatron FSDP v2 (main's --megatron-fsdp-version 2) needs --use-megatron-fsdp: refused here too
          "{nx[lead]} (FSDP): SNIP's measurement reads each linear's full weight",
          "use the distributed optimizer instead, " + PIN, example={"ddp.use_megatron_fsdp": True, "checkpoint.ckpt_format": "fsdp_dtensor"}),
     Rule("batch-dataloader", ("run.dataloader_type",),
          lambda s: measures(s) and s.run.dataloader_type == "batch",
          "{n[run.dataloader_type]} 'batch' (variable-length finetuning batches): SNIP measures on pretraining "
          "micro-batches", PIN, example={"run.dataloader_type": "batch"}, entries=("bridge",)),
+    Rule("non-adam-optimizer", ("optimizer.optimizer",),
+         lambda s: measures(s) and s.get("optimizer.optimizer", "adam") not in (None, "adam"),
+         "{nv[optimizer.optimizer]}: SNIP's weight divergence reads Adam's second moments (exp_avg_sq), which "
+         "this optimizer does not keep (Megatron's layer-wise distributed optimizer included)",
+         "use {set[optimizer.optimizer]:adam}, " + PIN, example={"optimizer.optimizer": "sgd"},
+         entries=("megatron-lm", "bridge")),
+    Rule("weight-shards", ("model.tensor_parallel_num_weight_shards", "model.expert_tensor_parallel_num_weight_shards"),
+         _weight_shards,
+         "{nx[lead]} above the tensor-parallel size (generalized TP): a linear's weight would reach SNIP's GEMM "
+         "and its measurement as a shard of the TP shard", "drop {nx[lead]}",
+         example={"model.tensor_parallel_num_weight_shards": 2, "run.world_size": 2}, entries=("megatron-lm", "bridge")),
+    Rule("freeze-all-layers", ("run.freeze_all_layers",), lambda s: s.run.freeze_all_layers,
+         "{n[run.freeze_all_layers]}: Megatron runs forward-only steps (nothing SNIP plans trains) and resumes "
+         "weights-only, finetune-style, where SNIP resumes its plan with the weights",
+         "run without SNIP, or {drop[run.freeze_all_layers]}", example={"run.freeze_all_layers": True},
+         entries=("megatron-lm",)),
+    Rule("activation-offloading", ("model.cpu_offloading_num_layers", "model.fine_grained_activation_offloading"),
+         _offloading,
+         "{nx[lead]}: Megatron offloads the inputs of TE's and its own modules through its offload hooks, which "
+         "SNIP's linears and measurement passes do not go through", "drop {nx[lead]}",
+         example={"model.cpu_offloading_num_layers": 1},
+         entries=("megatron-lm", "bridge")),
+    Rule("fp32-residual", ("model.fp32_residual_connection",), lambda s: s.get("model.fp32_residual_connection"),
+         "{n[model.fp32_residual_connection]}: the norms hand the FP32 residual stream to the planned linears "
+         "(megatron-core 0.19; Megatron's main casts it for TE's fused norm only), which SNIP's linears and its "
+         "measurement's views of them run in the weights' BF16", "{drop[model.fp32_residual_connection]}",
+         example={"model.fp32_residual_connection": True, "model.bf16": True}, entries=("megatron-lm", "bridge")),
 )

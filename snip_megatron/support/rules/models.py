@@ -120,4 +120,9 @@ RULES = (
          "builds TE grouped experts, whose token splits SNIP pads in snip-pretrain-hybrid only (not through Bridge "
          "yet)", "run snip-pretrain-hybrid, or use '-' (dense MLP) layers",
          example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*E"}, entries=("bridge",)),
+    Rule("mtp-hsm", ("model.mtp_hsm",), lambda s: s.get("model.mtp_hsm"),
+         "{n[model.mtp_hsm]} (Megatron main): MTP layers mix their inputs per token with random draws, and SNIP's "
+         "lone-micro-batch noise pass would draw on other shapes than its clean pass (two networks compared)",
+         "{drop[model.mtp_hsm]}", example={"model.mtp_num_layers": 2, "model.mtp_hsm": True},
+         entries=("megatron-lm", "bridge")),
 )
