@@ -15,6 +15,8 @@ from tests.pretrain.test_layouts import DP2, ITERS, analyzed, check_launch, chec
 from tests.pretrain.test_runs import MODEL, needs_training, run, state_of
 from tests.pretrain.test_te_runs import BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, run_te
 
+pytestmark = pytest.mark.launches
+
 EXPERTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--moe-grouped-gemm",
            "--moe-aux-loss-coeff", "1e-2", "--hidden-size", "128", "--ffn-hidden-size", "256"]
 GPT = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", *test_mla_runs.MLA, "--mtp-num-layers", "1",
