@@ -167,7 +167,8 @@ def hybrid_pattern(model_config) -> "str | None":
 
 def planned_inventory(model_config):
     """The planned linears of a Bridge model config (models.inventory.Inventory): a HybridModelProvider's
-    of its layer pattern, else the GPT's (multi-latent attention and multi-token prediction included)."""
+    of its layer pattern (its E layers' experts included), else the GPT's (multi-latent attention and
+    multi-token prediction included)."""
     from snip_megatron.models import gpt, hybrid
 
     pattern = hybrid_pattern(model_config)
@@ -175,7 +176,7 @@ def planned_inventory(model_config):
         return gpt.of_config(model_config)
     sp = bool(model_config.sequence_parallel) and (model_config.tensor_model_parallel_size or 1) > 1
     return hybrid.inventory(model_shape(model_config), pattern, hybrid.HybridDims.of(model_config),
-                            sequence_parallel=sp)
+                            moe=gpt.MoEDims.of(model_config), sequence_parallel=sp)
 
 
 def model_shape(model_config):

@@ -80,6 +80,8 @@ LAYOUT = PRETRAIN + "test_layouts.py::"
 MOE_LAYOUT = PRETRAIN + "test_moe_layouts.py::"
 DEEPSEEK = PRETRAIN + "test_deepseek_runs.py::"
 GENERATIONS = (("te_hopper", 90), ("te_blackwell", 100))
+BRIDGE_LAYOUT = "tests/bridge/test_layouts.py::"
+BRIDGE_CHAIN = BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations"
 EXPORT_CELL = "tests/test_export_shapes.py::test_every_cell_exports_each_stages_planned_modules_through_megatrons_parser"
 TESTED: tuple[Run, ...] = (
     *_runs("megatron-lm", "dense", "emulated",
@@ -185,6 +187,22 @@ TESTED: tuple[Run, ...] = (
            ("one", "tests/bridge/test_enable.py::test_a_tiny_qwen3_moe_measures_and_replans_through_bridge")),
     *_runs("bridge", "hybrid", "te_hopper",
            ("one", "tests/bridge/test_enable.py::test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double")),
+    *_runs("bridge", "moe_local", "emulated",
+           ("recompute", "tests/bridge/test_enable.py::test_a_tiny_qwen3_moe_under_full_recompute_measures_and_replans")),
+    *_runs("bridge", "mla", "emulated", ("pp+vpp", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
+    *_runs("bridge", "mla+mtp", "emulated", ("dp+recompute", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
+    *_runs("bridge", "dense+mtp", "emulated", ("tp", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
+    *(run for backend, _ in GENERATIONS for run in (
+        *_runs("bridge", "dense", backend,
+               ("one", BRIDGE_CHAIN + "[dense]"), ("tp+pp+vpp+recompute", BRIDGE_CHAIN + "[dense]"),
+               ("dp+cp", BRIDGE_CHAIN + "[dense]")),
+        *_runs("bridge", "hybrid", backend,
+               ("one", BRIDGE_CHAIN + "[hybrid]"), ("tp+pp+recompute", BRIDGE_CHAIN + "[hybrid]"),
+               ("dp+cp", BRIDGE_CHAIN + "[hybrid]")),
+        *_runs("bridge", "mla+mtp", backend,
+               ("one", BRIDGE_CHAIN + "[mla_mtp]"), ("cp", BRIDGE_CHAIN + "[mla_mtp]"),
+               ("tp+dp+recompute", BRIDGE_CHAIN + "[mla_mtp]")),
+        *_runs("bridge", "mla", backend, ("pp+vpp", BRIDGE_CHAIN + "[mla_mtp]")))),
     *_runs("compact", "dense", "emulated",
            ("one", "tests/train/test_main_snip.py::test_compact_loop_with_snip_replans_and_logs"),
            ("dp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2"),

@@ -7,7 +7,6 @@ the checkpoints before it are written), as a crash would."""
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -41,7 +40,52 @@ def parse(argv=None):
     p.add_argument("--no-snip", action="store_true", help="plain Bridge (no SNIP)")
     p.add_argument("--hybrid", default=None, help="a HybridModel of this layer pattern (HybridModelProvider, "
                    "Transformer Engine linears: run over the TE double) instead of the GPT")
+    p.add_argument("--model", choices=("gpt", "mla", "moe"), default="gpt",
+                   help="the GPT (tiny.tiny_config), MLAModelProvider's (tiny_mla_config) or a Qwen3-MoE (tiny_moe_config)")
+    p.add_argument("--mtp", type=int, default=0, help="multi-token-prediction layers of the GPT or MLA model")
+    p.add_argument("--te", action="store_true", help="Transformer Engine linears (Bridge's default TE layer spec; "
+                   "run over the TE double)")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism (Bridge's gpt_step splits each "
+                   "micro-batch over the CP ranks; TE's attention, over the TE double)")
+    p.add_argument("--probe", default=None, help="a folder: every TE linear of each rank recorded after each step "
+                   "(tests/pretrain/pretrain_worker.py `probe`)")
     return p.parse_args(argv)
+
+
+def model_config(args):
+    """The ConfigContainer of the arguments' model and layout."""
+    import functools
+
+    from tests.bridge import tiny
+
+    if args.hybrid:
+        make = functools.partial(tiny.tiny_hybrid_config, args.hybrid)
+    else:
+        make = {"gpt": tiny.tiny_config, "moe": tiny.tiny_moe_config,
+                "mla": functools.partial(tiny.tiny_mla_config, mtp_num_layers=args.mtp or None)}[args.model]
+    layers = {} if args.hybrid else {"num_layers": args.layers}
+    cfg = make(**layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
+               distributed_optimizer=args.distopt, save=args.save, load=args.load, save_interval=args.save_interval)
+    m = cfg.model
+    if args.mtp and args.model == "gpt":
+        m.mtp_num_layers = args.mtp
+    if args.te:
+        from megatron.bridge.models.gpt_provider import default_layer_spec
+
+        m.transformer_impl, m.transformer_layer_spec = "transformer_engine", default_layer_spec
+    if args.te or args.hybrid:  # Megatron's GPU default, over the apex double's wgrad kernel
+        m.gradient_accumulation_fusion = True
+    m.sequence_parallel = args.sp
+    m.context_parallel_size = args.cp
+    cfg.checkpoint.ckpt_step = args.ckpt_step
+    if args.recompute:
+        m.recompute_granularity, m.recompute_method, m.recompute_num_layers = "full", "uniform", 1
+    if args.weights_only:
+        cfg.checkpoint.load_optim = cfg.checkpoint.load_rng = False
+    if args.probe:  # the probe checks that every step moves every weight: no step at learning rate 0
+        cfg.scheduler.lr_warmup_iters = 0
+    return cfg
 
 
 def main(argv=None) -> None:
@@ -49,10 +93,10 @@ def main(argv=None) -> None:
     from tests.bridge import cpu, tiny
 
     cpu.install()
-    if args.hybrid:  # over the TE double: SNIP reads the double's GPU generation
+    if args.hybrid or args.te:  # over the TE double: SNIP reads the double's GPU generation
         from tests.pretrain.pretrain_worker import use_the_doubles_gpu
 
-        assert use_the_doubles_gpu(), "--hybrid runs over the TE double (tests/te_double on PYTHONPATH)"
+        assert use_the_doubles_gpu(), "--hybrid and --te run over the TE double (tests/te_double on PYTHONPATH)"
     from megatron.bridge.training.callbacks import Callback
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
@@ -62,20 +106,19 @@ def main(argv=None) -> None:
     from snip_megatron.config import SnipConfig
     from snip_megatron.megatron.apply import current_plan
 
-    make = tiny.tiny_config if args.hybrid is None else functools.partial(tiny.tiny_hybrid_config, args.hybrid)
-    layers = {} if args.hybrid else {"num_layers": args.layers}
-    cfg = make(**layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
-               distributed_optimizer=args.distopt, save=args.save, load=args.load, save_interval=args.save_interval)
-    cfg.checkpoint.ckpt_step = args.ckpt_step
-    if args.recompute:
-        cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = \
-            "full", "uniform", 1
-    if args.weights_only:
-        cfg.checkpoint.load_optim = cfg.checkpoint.load_rng = False
+    cfg = model_config(args)
     snip = SnipConfig(enabled=not args.no_snip, **json.loads(args.snip))
     record = tiny.recorder()
     callbacks = enable_snip(cfg, snip) + [record]
     run = active(cfg)
+    if args.probe and run is not None:
+        from pathlib import Path
+
+        from snip_megatron.bridge.run import make_controller
+        from tests.pretrain.pretrain_worker import probe
+
+        Path(args.probe).mkdir(parents=True, exist_ok=True)
+        run.controller_factory = lambda *a: probe(make_controller(*a), Path(args.probe))
 
     class Kill(Callback):
         def on_train_step_start(self, context):

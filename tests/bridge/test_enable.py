@@ -131,6 +131,20 @@ def test_a_tiny_qwen3_moe_measures_and_replans_through_bridge(bridge_on_cpu, cap
     assert sorted(record.losses) == [1, 2, 3] and tiny.finite(record.losses.values())
 
 
+def test_a_tiny_qwen3_moe_under_full_recompute_measures_and_replans(bridge_on_cpu):
+    """The tiny Qwen3-MoE with every layer recomputed (routing replayed in the recompute as in the
+    measurement's passes): measured, re-planned, and every expert runs its unit's plan."""
+    from snip_megatron.megatron.apply import current_plan, list_planned_linears
+
+    cfg = tiny.tiny_moe_config(num_layers=2, iters=3)
+    cfg.model.recompute_granularity, cfg.model.recompute_method, cfg.model.recompute_num_layers = "full", "uniform", 1
+    controller, record = _pretrain_replanning_at_step_2(cfg)
+    assert [(h["step"], h["event"]) for h in controller.history] == [(0, "initial"), (2, "update")]
+    assert controller.plan.counts()["fp4"] > 0 and current_plan(record.model) == controller.plan
+    assert len(list_planned_linears(record.model)) == 2 * (2 + 2 * 4)
+    assert sorted(record.losses) == [1, 2, 3] and tiny.finite(record.losses.values())
+
+
 def test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double(tmp_path):
     """Bridge's HybridModelProvider with '*-*-' (attention, MLP, attention, MLP layers), whose stack spec
     is Transformer Engine's only, over the TE double standing in for an H100 (a process of its own):
@@ -150,6 +164,19 @@ def test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double
     assert "bf16" in rank["plan"].values() and set(rank["plan"].values()) <= {"bf16", "fp8"}  # Hopper: no FP4
     assert rank["local_plan"] == rank["plan"]  # every TE linear runs the re-plan
     assert sorted(losses(result)) == [1, 2, 3] and all(math.isfinite(x) for x in losses(result).values())
+
+
+def test_a_hybrid_models_inventory_has_its_moe_layers_experts():
+    """A HybridModelProvider's E layers are planned as the GPT adapter's routed-expert units (Bridge
+    refuses them before a run, rule hybrid-moe-bridge; snip-analyze and the rule read this inventory)."""
+    from snip_megatron.bridge.run import planned_inventory
+
+    cfg = tiny.tiny_hybrid_config("*E*-")
+    cfg.model.num_moe_experts, cfg.model.moe_router_topk, cfg.model.moe_ffn_hidden_size = 4, 2, 32
+    inventory = planned_inventory(cfg.model)
+    assert [str(e.key) for e in inventory] == ["1.linear_qkv", "1.linear_proj", "2.expert_fc1", "2.expert_fc2",
+                                               "3.linear_qkv", "3.linear_proj", "4.linear_fc1", "4.linear_fc2"]
+    assert [(e.shape, e.experts, e.topk) for e in inventory if e.layer == 2] == [((64, 64), 4, 2), ((64, 32), 4, 2)]
 
 
 def test_disabled_snip_changes_nothing():

@@ -120,6 +120,14 @@ RULES = (
          "builds TE grouped experts, whose token splits SNIP pads in snip-pretrain-hybrid only (not through Bridge "
          "yet)", "run snip-pretrain-hybrid, or use '-' (dense MLP) layers",
          example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*E"}, entries=("bridge",)),
+    Rule("hybrid-vpp-bridge", ("model.virtual_pipeline_model_parallel_size",),
+         lambda s: s.run.family == hybrid.FAMILY and s.num("model.virtual_pipeline_model_parallel_size") > 1,
+         "{nv[model.virtual_pipeline_model_parallel_size]} with a HybridModel: Bridge's HybridModelProvider builds "
+         "no HybridModel under virtual pipelining (its provide() asserts virtual_pipeline_model_parallel_size is None)",
+         "{drop[model.virtual_pipeline_model_parallel_size]}, or run snip-pretrain-hybrid (Megatron-LM's "
+         "pretrain_hybrid.py with SNIP plans a HybridModel's virtual stages)",
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*-*-", "model.pipeline_model_parallel_size": 2,
+                  "model.virtual_pipeline_model_parallel_size": 2, "run.world_size": 2}, entries=("bridge",)),
     Rule("mtp-hsm", ("model.mtp_hsm",), lambda s: s.get("model.mtp_hsm"),
          "{n[model.mtp_hsm]} (Megatron main): MTP layers mix their inputs per token with random draws, and SNIP's "
          "lone-micro-batch noise pass would draw on other shapes than its clean pass (two networks compared)",

@@ -1,0 +1,132 @@
+"""The layout classes of the support matrix through Megatron-Bridge's pretrain() with enable_snip
+(tests/bridge/bridge_worker.py), combined as real runs combine them: each launch measures and
+re-plans; each launch of a chain resumes the previous one's checkpoint and starts from its plan.
+
+On Transformer Engine (Megatron's TE linears over the TE double) chains move a run across layouts
+and GPU generations as tests/pretrain/test_layouts.py does through Megatron-LM: through SM90 (an
+H100: BF16/FP8 plans), then back through SM100 (a B200: FP8/FP4 plans). The dense GPT and
+HybridModelProvider's '*-*-': one process -> TP=2 with sequence parallelism x PP=2 (x VPP=2; Bridge
+builds no HybridModel under VPP) with full recompute -> the same on SM100 -> one process; beside it
+DP=2 x CP=2 (context parallelism: Bridge's gpt_step splits each micro-batch over the CP ranks, TE's
+attention runs over both halves) with the distributed optimizer, SM90 -> SM100 (a
+distributed-optimizer checkpoint and a plain one do not load into each other). Multi-latent
+attention (MLAModelProvider) with an MTP layer, which Bridge runs without pipelining (rule
+mtp-pp-bridge): one process -> CP=2 -> the same on SM100 -> one process; TP=2 with SP x DP=2 with
+the distributed optimizer and full recompute, SM90 -> SM100; MLA alone at PP=2 x VPP=2, SM90 ->
+SM100. After every step every TE linear of every rank runs the controller's plan, with fused wgrad
+accumulation and the step's weights (tests/pretrain/test_te_runs.py's checks, through its probe on
+Bridge's controller), the ranks' TE linears together are the whole plan, and every core attention
+attended its CP share of the queries against all keys.
+
+On the emulated backend (Bridge's local spec with SNIP's linears; no sequence parallelism, which the
+local spec's torch norms refuse and MLA needs at TP > 1): MLA at PP=2 x VPP=2, MLA with an MTP layer
+at DP=2 with the distributed optimizer and full recompute (saved: SNIP's TP-duplicated MLA
+down-projections name their DP replicas), the GPT with an MTP layer at TP=2.
+
+The launches of a test run in one process (tests/bridge/launch.py) that imports Bridge once and forks
+each launch's ranks.
+"""
+
+import json
+import math
+
+import pytest
+
+from tests.bridge.runs import launch, losses, results
+from tests.pretrain.test_layouts import check_ranks
+from tests.pretrain.test_te_runs import te_rows
+
+SCHEDULE = {"warmup": 2, "interval": 3, "lag": 1}
+"""Measurements at steps 2, 5, 8, ..., plans at 3, 6, 9, ...: a launch of three steps re-plans once."""
+SNIP = {90: {**SCHEDULE, "fp8_budget": 0.5}, 100: {**SCHEDULE, "fp4_budget": 0.5}}
+"""Hopper: at least half the linear FLOPs in FP8 (so some linears go to BF16); Blackwell: half in FP4."""
+TP_SP, PP_VPP, DISTOPT, RECOMPUTE = ["--tp", "2", "--sp"], ["--pp", "2", "--vpp", "2"], ["--distopt"], ["--recompute"]
+CP = ["--cp", "2"]
+ONE, DP_CP = (1, []), (4, DISTOPT + CP)
+HYBRID, MLA, MLA_MTP = ["--hybrid", "*-*-"], ["--model", "mla"], ["--model", "mla", "--mtp", "1"]
+TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(processes, layout)] run at SM90, then back at SM100)
+    "dense": [([], [ONE, (4, TP_SP + PP_VPP + RECOMPUTE)]), ([], [DP_CP])],
+    "hybrid": [(HYBRID, [ONE, (4, TP_SP + ["--pp", "2"] + RECOMPUTE)]), (HYBRID, [DP_CP])],
+    "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA, [(2, PP_VPP)])],
+}
+"""MLA with an MTP layer covers MLA's and MTP's one process, CP, TP, DP and recompute; MLA alone its pipelining."""
+EMULATED = [MLA + PP_VPP, MLA_MTP + DISTOPT + RECOMPUTE, ["--mtp", "1", "--tp", "2"]]
+"""Two processes each: MLA at PP=2 x VPP=2; MLA with an MTP layer at DP=2 (distributed optimizer, full
+recompute); the GPT with an MTP layer at TP=2."""
+
+
+def generations(links: list) -> list[tuple[int, list, int]]:
+    """SM90 through `links`, then SM100 back through them: (processes, layout, SM) per launch."""
+    return [(n, layout, 90) for n, layout in links] + [(n, layout, 100) for n, layout in reversed(links)]
+
+
+def launch_args(root, i: int, nproc: int, argv: list, *, sm: "int | None", start: int, resume: bool) -> dict:
+    """Launch i of the chain under `root`: steps start+1 .. start+3, saved to root/ckpt (loaded from
+    it if `resume`); on TE (`sm`) over the double at that generation, the probe in root/p<i>."""
+    args = [*argv, "--out", str(root / f"o{i}"), "--iters", str(start + 3), "--snip", json.dumps(SNIP[sm or 100]),
+            "--save", str(root / "ckpt"), "--save-interval", "3", *(["--load", str(root / "ckpt")] if resume else [])]
+    if sm is None:
+        return {"nproc": nproc, "argv": args, "env": {}}
+    te = [] if "--hybrid" in argv else ["--te"]  # a HybridModel's linears are TE's whatever
+    return {"nproc": nproc, "argv": [*args, *te, "--probe", str(root / f"p{i}")],
+            "env": {"TE_DOUBLE_COMPUTE_CAPABILITY": f"{sm // 10}.{sm % 10}"}}
+
+
+def check_launch(root, i: int, nproc: int, *, sm: "int | None", start: int, resumed: "dict | None",
+                 cp: int = 1) -> dict:
+    """Launch i trained its three steps (losses in range), re-planned once, at its last step, on
+    every rank, every rank ending on one plan, whose linears together (each rank's own) are the whole
+    plan; resumed, it started from the checkpoint's plan. On TE every rank's TE linears ran the plan
+    after every step, every core attention (TE's, the double's) of every rank attended its 32 / `cp`
+    query tokens against all 32 keys, and the plan is the generation's. Returns the plan it ended on."""
+    steps = [start + 1, start + 2, start + 3]
+    ranks = results(root / f"o{i}")
+    assert sorted(ranks) == list(range(nproc)), (root, i)
+    found = losses({"ranks": ranks})
+    assert sorted(found) == steps and all(2.0 < x < 7.0 and math.isfinite(x) for x in found.values()), found
+    plan, covered = ranks[0]["plan"], {}
+    for rank in ranks.values():
+        assert rank["plan"] == plan
+        assert [(h["step"], h["event"]) for h in rank["history"] if h["step"] > start] == [(steps[-1], "update")]
+        assert rank["plan_source"] == ("checkpoint" if resumed is not None else "initial fp8")
+        assert rank["local_plan"] and all(plan[k] == p for k, p in rank["local_plan"].items())
+        covered.update(rank["local_plan"])
+    assert sorted(covered) == sorted(plan)
+    if sm is None:
+        return plan
+    rows = check_ranks(root / f"p{i}", nproc, steps)
+    assert rows[-1]["plan"] == plan
+    for rank in range(nproc):
+        attended = [row["attention"] for row in te_rows(root / f"p{i}", rank)]
+        assert all(a and all(v == [cp, 32 // cp, 32] for v in a.values()) for a in attended), (rank, attended)
+    if resumed is not None:
+        assert rows[0]["plan"] == resumed  # the checkpoint's plan from the first step
+    used = set(plan.values())
+    assert ("bf16" in used and "fp4" not in used) if sm == 90 else ("fp4" in used and "bf16" not in used), used
+    return plan
+
+
+@pytest.mark.parametrize("test", sorted(TE_CHAINS))
+def test_te_chains_across_layouts_and_generations(tmp_path, test):
+    """Each chain through SM90, then back through SM100 (e.g. one process -> TP x PP x VPP -> the same on
+    SM100 -> one process; DP=2 on SM90 -> DP=2 on SM100), all in one launcher."""
+    from tests.te.te_versions import double_pythonpath
+
+    launches, checks = [], []
+    for c, (argv, links) in enumerate(TE_CHAINS[test]):
+        root = tmp_path / f"chain{c}"
+        for i, (n, layout, sm) in enumerate(generations(links)):
+            launches.append(launch_args(root, i, n, [*argv, *layout], sm=sm, start=3 * i, resume=i > 0))
+            checks.append((root, i, n, sm, 2 if "--cp" in layout else 1))
+    launch(tmp_path, launches, env={"PYTHONPATH": double_pythonpath(apex=True)})
+    plan = None
+    for root, i, n, sm, cp in checks:
+        plan = check_launch(root, i, n, sm=sm, start=3 * i, resumed=plan if i else None, cp=cp)
+
+
+def test_emulated_mla_and_mtp_layouts(tmp_path):
+    """EMULATED's launches, in one launcher."""
+    launch(tmp_path, [launch_args(tmp_path / f"run{r}", 0, 2, argv, sm=None, start=0, resume=False)
+                      for r, argv in enumerate(EMULATED)], env={})
+    for r in range(len(EMULATED)):
+        check_launch(tmp_path / f"run{r}", 0, 2, sm=None, start=0, resumed=None)
