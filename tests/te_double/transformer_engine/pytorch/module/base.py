@@ -12,8 +12,10 @@ Per forward (`_quantization_for_forward`, after TE's `init_fp8_metadata` / `set_
   per te.Linear role (TE's CustomRecipeState protocol), kept in `quantizers`;
 - TE's kernel checks on the double's GPU capability (`_formats.check_kernels`) raise RuntimeError,
   then the shape and bias checks of `_forward_checks` (ValueError / RuntimeError as TE raises);
+- the GEMMs run the recipe's quantizers (`_formats.quantizers_of`, the double's own model of TE's
+  kernels in `_quantize.py` and `_gemm.py`; nothing here imports snip_megatron);
 - what the module ran is recorded in `last_run` and counted in `run_counts` (tests read them);
-  a recipe our formats cannot emulate, or shapes TE refuses, are recorded and then refused.
+  a recipe the double does not model, or shapes TE refuses, are recorded and then refused.
 
 The quantized weight workspace (`_fp8_workspaces`, TE `get_weight_workspace`, base.py:1395-1522;
 linear.py:253-281, layernorm_linear.py:288-312): a quantized forward gets its weight operand from
@@ -68,6 +70,7 @@ import torch.nn.functional as F
 
 from transformer_engine.common.recipe import Recipe
 from transformer_engine.pytorch.module import _formats
+from transformer_engine.pytorch.module._gemm import quantized_linear
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.utils import assert_dim_for_fp8_exec, is_non_tn_fp8_gemm_supported
 
@@ -95,14 +98,15 @@ class QuantizedRun:
     """The recipe whose settings the module's quantizers carry (differs from `recipe` after a
     same-family switch, TE issue #3157)."""
     formats: Optional[str]
-    """Our recipe name the GEMMs ran ('blockwise', 'tensorwise', 'mxfp8', 'nvfp4'); None in high
-    precision or when refused."""
+    """The double's name for the numerics the GEMMs ran ('blockwise', 'tensorwise', 'mxfp8',
+    'nvfp4'); None in high precision or when refused."""
     refused: Optional[str] = None
-    """The error message when the recipe has no emulation (NotImplementedError), the double's GPU
-    cannot run it (RuntimeError, TE's kernel checks) or TE refuses the shapes or the bias
+    """The error message when the double does not model the recipe (NotImplementedError), the
+    double's GPU cannot run it (RuntimeError, TE's kernel checks) or TE refuses the shapes or the bias
     (ValueError / RuntimeError, `_forward_checks`)."""
     spec: Optional[object] = None
-    """The snip_megatron FormatSpec the GEMMs ran (None in high precision or when refused)."""
+    """The quantizers the GEMMs ran, a `_gemm.LinearQuantizers` (None in high precision or when
+    refused); `spec.short_str()` names each operand's."""
     weight_workspace: str = "none"
     """Where the quantized weight came from: "none" (no cached workspace: quantized from the live
     weight, `is_first_microbatch=None`, or high precision), "created" (quantized from the live
@@ -423,7 +427,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
         held = self._held_recipe
         try:
             _formats.check_kernels(held)
-            spec = _formats.format_spec(held, self.quantizers)
+            spec = _formats.quantizers_of(held, self.quantizers)
             if checks is not None:
                 checks(held)
         except (NotImplementedError, RuntimeError, ValueError) as error:
@@ -499,9 +503,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
               is_first_microbatch: Optional[bool], columnwise: bool, overwrite_main_grad: bool,
               requires_dgrad: bool, weight: Optional[torch.nn.Parameter] = None,
               cache_name: str = "weight"):
-        """Y = X W^T (+ b) with this module's weight: inside an enabled autocast our exact emulation
-        of the recipe's three GEMMs (`quantized_linear`) on the weight workspace, else the plain
-        GEMM; the weight gradient routed as TE routes it (fused accumulation or not).
+        """Y = X W^T (+ b) with this module's weight: inside an enabled autocast the recipe's three
+        quantized GEMMs (`_gemm.quantized_linear`, `spec` its quantizers) on the weight workspace,
+        else the plain GEMM; the weight gradient routed as TE routes it (fused accumulation or not).
         `columnwise`: the weight quantizer's column-wise usage (a dgrad GEMM will read it);
         `requires_dgrad`: TE runs the dgrad GEMM (for the reference GEMM's backward checks);
         `weight` / `cache_name`: one GEMM of a GroupedLinear (its `weight<i>`; default `self.weight`)."""
@@ -512,8 +516,6 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if not self.fuse_wgrad_accumulation or not weight.requires_grad:
                 return F.linear(inp, weight, gemm_bias)
             return _HighPrecisionGemm.apply(inp, weight, gemm_bias, route)
-        from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
-
         recipe = self._held_recipe
         storage = _storage(recipe)
         route.custom = storage == "reference_nvfp4"
@@ -529,8 +531,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             workspace.values, refill = None, restore_from_saved
         dtype = torch.float32 if self.fuse_wgrad_accumulation else weight.dtype
         x, weight_operand = _GemmOperands.apply(inp, weight, values, dtype, route, refill)
-        out = quantized_linear(x, weight_operand, gemm_bias, spec,
-                               QuantRuntime(generator=self.sr_generator))
+        out = quantized_linear(x, weight_operand, gemm_bias, spec, self.sr_generator)
         if storage == "reference_nvfp4" and torch.is_grad_enabled() and out.requires_grad:
             out = _BackwardChecks.apply(out, self._reference_backward_checks(
                 tuple(weight.shape), wgrad=weight.requires_grad, dgrad=requires_dgrad,

@@ -9,8 +9,8 @@ out_features]) or, with `return_bias=True`, `(out, [bias<i>])`.
 
 Inside an enabled autocast the module holds ONE recipe (the module's, as every TE module), and
 each GEMM gets quantizers of its own (`_get_quantizers`, grouped_linear.py:1195-1240): scales per
-expert, format shared. The double runs each split through the same emulated GEMMs as `Linear`
-(`base._gemm`: our exact emulation of the recipe, the weight workspace cached per GEMM under
+expert, format shared. The double runs each split through the same quantized GEMMs as `Linear`
+(`base._gemm`: the recipe's quantizers, `_gemm.py`; the weight workspace cached per GEMM under
 "weight<i>" as `is_first_microbatch` asks, grouped_linear.py:170-183, and the weight gradient
 routed into `weight<i>.main_grad` under `fuse_wgrad_accumulation`, grouped_linear.py:386-520,
 `overwrite_main_grad` read on weight0 as TE does). A split with no rows runs no quantizer (TE's
