@@ -18,7 +18,7 @@ at a time (monkeypatched in this process only; SNIP_CPU_KERNEL=0 so the Python r
                                   as TE does
 
 Writes {variant: {"<layer>.<linear>": {"label", "y", "dx", "dw"}}} with each output's agreement
-(snip_vs_double.agree: bit for bit, NVFP4 within a few ulps). test_double_catches_snip_drift.py
+(snip_vs_double.agree: bit for bit, NVFP4 within a few ulps). test_double_is_not_snip.py
 asserts the pattern.
 """
 
@@ -85,15 +85,26 @@ def nvfp4_weight_tiles_1x16():
 
 
 @contextlib.contextmanager
-def pow2_scales_rounded_up():
-    from snip_megatron.formats import fused
+def fp32_encode_scale_replaced(replacement):
+    """SNIP's FP32 / pow2 scale rule (formats/scales.py, which the eager casts call; quantize.py
+    holds its own name for it) replaced by `replacement(amax, elem_max)`."""
+    from snip_megatron.formats import quantize, scales
 
-    original = fused._fp32_encode_scale
+    with patched(scales, "fp32_encode_scale", replacement), \
+            patched(quantize, "fp32_encode_scale", replacement):
+        yield
+
+
+@contextlib.contextmanager
+def pow2_scales_rounded_up():
+    from snip_megatron.formats import scales
+
+    original = scales.fp32_encode_scale
 
     def rounded_up(amax, elem_max):  # the mask then keeps the next power of two up (or saturates)
         return original(amax, elem_max) * (2 - 2.0**-22)
 
-    with patched(fused, "_fp32_encode_scale", rounded_up):
+    with fp32_encode_scale_replaced(rounded_up):
         yield
 
 
@@ -119,14 +130,12 @@ def hadamard_signs_seeded():
 
 @contextlib.contextmanager
 def scale_as_reciprocal_times_max():
-    from snip_megatron.formats import fused
-
     def reciprocal_times_max(amax, elem_max):
         scale = amax.reciprocal() * elem_max
         scale = torch.where(amax == 0, torch.ones_like(scale), scale)
         return scale.clamp(max=torch.finfo(torch.float32).max)
 
-    with patched(fused, "_fp32_encode_scale", reciprocal_times_max):
+    with fp32_encode_scale_replaced(reciprocal_times_max):
         yield
 
 
