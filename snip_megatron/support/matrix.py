@@ -131,7 +131,8 @@ TESTED: tuple[Run, ...] = (
                        ("tp+pp+vpp", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
                        ("dp+recompute", LAYOUT + "test_te_data_parallel_with_the_distributed_optimizer_and_recompute"
                                                  f"[{model}-{sm}]"))),
-    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"))
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"),
+                                ("moe", "moe_te_grouped"))
       for backend, _ in GENERATIONS for run in _runs(
         "megatron-lm", models, backend,
         ("cp", PRETRAIN + f"test_cp_runs.py::test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell[{model}]"))),

@@ -1,8 +1,8 @@
 """Rules on mixture-of-experts runs. SNIP plans, measures and re-plans MoE models on Megatron's local
 spec (SequentialMLP experts with SNIP's emulated linears) and on the TE spec with grouped experts
 (TEGroupedMLP), with either the allgather or the alltoall dispatcher, at the layouts docs/support.md
-lists (expert, tensor, expert-tensor, pipeline with virtual stages, data parallelism, recompute;
-docs/moe.md); these rules refuse the rest, each with its reason."""
+lists (expert, tensor, expert-tensor, pipeline with virtual stages, data and context parallelism,
+recompute; docs/moe.md); these rules refuse the rest, each with its reason."""
 
 from __future__ import annotations
 
@@ -30,6 +30,16 @@ def _balancing(s):
     kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
     odd = [k for k in kinds if k in ("sinkhorn", "quantile_balancing")]
     return {"kinds": " ".join(odd)} if odd else None
+
+
+def _cp_wide_experts(s):
+    """Experts under CP fed other ranks' tokens: the first of TP, EP and expert TP above 1."""
+    if not moe(s) or s.num("model.context_parallel_size") <= 1:
+        return None
+    sizes = {"model.tensor_model_parallel_size": s.num("model.tensor_model_parallel_size"),
+             "model.expert_model_parallel_size": s.num("model.expert_model_parallel_size"),
+             "model.expert_tensor_parallel_size": _etp(s)}
+    return next(({"lead": path} for path, size in sizes.items() if size > 1), None)
 
 
 def _grouped_fp4_sizes(s) -> bool:
@@ -74,11 +84,18 @@ RULES = (
                            "model.moe_grouped_gemm": True, "model.tensor_model_parallel_size": 2,
                            "model.sequence_parallel": True, "model.expert_tensor_parallel_size": 4,
                            "run.world_size": 4}, entries=("megatron-lm", "bridge")),
-    Rule("moe-cp", ("model.context_parallel_size", "model.num_moe_experts"),
-         lambda s: moe(s) and s.num("model.context_parallel_size") > 1,
-         "{n[model.context_parallel_size]} > 1 with {n[model.num_moe_experts]}: SNIP does not measure experts "
-         "over context parallelism yet (untested)", "run MoE at {set[model.context_parallel_size]:1}",
-         example={**MOE, "model.context_parallel_size": 2, "run.world_size": 2}, entries=("megatron-lm", "bridge")),
+    Rule("moe-cp", ("model.context_parallel_size", "model.tensor_model_parallel_size",
+                    "model.expert_model_parallel_size", "model.expert_tensor_parallel_size", "model.num_moe_experts"),
+         _cp_wide_experts,
+         "{nv[model.context_parallel_size]} with {n[model.num_moe_experts]} and {nx[lead]} > 1: under context "
+         "parallelism SNIP gathers each expert's rows over CP and puts them in the micro-batch's order from each CP "
+         "rank's own routing, which holds where Megatron's token dispatcher moves no token between ranks (TP, EP and "
+         "expert TP 1); experts fed other ranks' tokens under CP are untested",
+         "run the experts at {set[model.tensor_model_parallel_size]:1} {set[model.expert_model_parallel_size]:1} "
+         "{set[model.expert_tensor_parallel_size]:1} under CP, or {set[model.context_parallel_size]:1}",
+         example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
+                  "model.moe_grouped_gemm": True, "model.context_parallel_size": 2,
+                  "model.expert_model_parallel_size": 2, "run.world_size": 2}, entries=("megatron-lm", "bridge")),
     Rule("moe-flex-dispatcher", ("model.moe_token_dispatcher_type",),
          lambda s: moe(s) and s.get("model.moe_token_dispatcher_type") == "flex",
          "{nv[model.moe_token_dispatcher_type]}: Megatron's flex dispatcher moves tokens through DeepEP's or "
