@@ -16,8 +16,9 @@ setup(
         # without a pre-release admits none.
         "torch>=2.13.0a0",
         "megatron-core>=0.16.1",
-        # The planner's ILP solver. PuLP >= 4 (Python >= 3.12) ships CBC only in its `cbc` extra
-        # (the cbcbox wheel); PuLP 3.x (the line Python 3.11 gets) bundles the CBC binary.
+        # compat: the planner's ILP solver by Python version. PuLP >= 4 (Python >= 3.12) ships CBC
+        # only in its `cbc` extra (the cbcbox wheel); PuLP 3.x (the line Python 3.11 gets) bundles
+        # the CBC binary.
         'pulp[cbc]>=4.2; python_version >= "3.12"',
         'pulp>=3.3.2,<4; python_version < "3.12"',
         "hydra-core>=1.3",

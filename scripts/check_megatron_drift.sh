@@ -26,7 +26,7 @@ for patch in "$root"/patches/*.patch; do
     echo "ok   $(basename "$patch")"
     echo "$out" | grep "offset" | sed 's/^/       /'  # hunks that applied away from their line
   else
-    echo "FAIL $(basename "$patch")"; echo "$out" | sed 's/^/       /'; failed=1
+    echo "FAIL $(basename "$patch")"; printf "       %s\n" "${out//$'\n'/$'\n       '}"; failed=1
   fi
 done
 echo "== seams (snip_megatron/megatron/seams.py)"

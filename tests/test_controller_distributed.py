@@ -16,6 +16,8 @@ import pytest
 
 from tests.distributed import ROOT, run_distributed
 
+pytestmark = pytest.mark.launches
+
 WORKER = str(ROOT / "tests" / "workers" / "controller_worker.py")
 MEASURE_STEP, APPLY_STEP = 4, 5  # warmup 4, lag 1
 ALIGNED = ("--fp8-recipe", "mxfp8")  # formats whose blocks lie inside TP=2 shards

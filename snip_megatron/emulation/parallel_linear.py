@@ -113,7 +113,7 @@ class _QuantLinearMixin:
         return f"formats={self.format_spec.short_str()}"
 
     def __repr__(self) -> str:
-        # megatron-core 0.16 defines __repr__ on these layers, which hides extra_repr.
+        # compat: megatron-core 0.16 defines __repr__ on these layers, which hides extra_repr.
         base, extra = super().__repr__(), self.extra_repr()
         return base if extra in base else f"{base[:-1]}, {extra})"
 

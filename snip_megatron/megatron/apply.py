@@ -101,6 +101,7 @@ def precision_of(module) -> "Precision | None":
     return None
 
 
+# compat: megatron-core 0.19 re-arms TE's weight cache for a quant_recipe, 0.16-0.18 do not.
 MEGATRON_REARMS_QUANT_RECIPE = (0, 19)
 """megatron-core from which `MegatronModule.set_is_first_microbatch` re-arms TE's weight cache for a
 `quant_recipe` too (transformer/module.py); before, only under a global fp8/fp4 or kitchen."""
@@ -123,6 +124,7 @@ def megatron_refreshes_te_weights(config) -> bool:
     used for every later step."""
     if getattr(config, "fp8", None) or getattr(config, "fp4", None) or getattr(config, "use_kitchen", False):
         return True
+    # compat: re-armed by Megatron from 0.19 (MEGATRON_REARMS_QUANT_RECIPE), by SNIP before it.
     return (megatron_core_version() >= MEGATRON_REARMS_QUANT_RECIPE
             and getattr(config, "quant_recipe", None) is not None)
 
@@ -130,6 +132,7 @@ def megatron_refreshes_te_weights(config) -> bool:
 def weight_cache_notice() -> "str | None":
     """The start-up line of a TE run on a megatron-core that does not re-arm TE's weight cache for a
     per-module recipe (None on one that does)."""
+    # compat: 0.16-0.18 get the notice (SNIP turns the cache off), 0.19 none.
     version = megatron_core_version()
     if version >= MEGATRON_REARMS_QUANT_RECIPE:
         return None

@@ -279,6 +279,7 @@ def test_the_oracle_runs_singles_first_then_the_knapsack_of_their_harms(quality,
     assert "| 1.linear_fc1 | +12.500% ± 0.000% | 2 |" in table
 
 
+@pytest.mark.launches
 def test_the_oracle_trains_the_knapsack_of_the_singles_it_just_ran_and_resumes(quality, tmp_path):
     """End to end on a tiny model, as a user runs it: BF16, uniform FP8, the 4 singles, then the
     oracle's run at 50%, whose FP4 set is the knapsack over the logged singles' harms; a rerun with

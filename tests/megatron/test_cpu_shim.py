@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from snip_megatron.megatron import cpu_shim
@@ -80,6 +81,7 @@ CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.launches
 def test_install_uninstall_restores_torch_cuda():
     # A fresh interpreter: other tests in this process keep the shim installed.
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)

@@ -11,6 +11,8 @@ import pytest
 from snip_megatron.plan import Plan
 from tests.pretrain.test_runs import ROOT, losses, needs_training, run, snip_lines, state_of, train
 
+pytestmark = pytest.mark.launches
+
 PROBED = ROOT / "tests" / "pretrain" / "pretrain_worker.py"
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,0]",

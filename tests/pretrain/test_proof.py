@@ -83,6 +83,7 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
         "--snip-lag", "1"]
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("bypassed, argv, words", [
     ("train_step", ["--train-iters", "2"],
      "SNIP: Megatron ran a training forward of GPTModel before SNIP's step hook ever ran: its loop does not call "

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launches
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check_megatron_drift.sh"
 PATCHES = sorted((ROOT / "patches").glob("*.patch"))

@@ -26,6 +26,8 @@ from tests.distributed import run_distributed
 from tests.stats.test_measure_parallel import assert_same
 from tests.te.te_versions import double_pythonpath
 
+pytestmark = pytest.mark.launches
+
 WORKER = str(Path(__file__).with_name("measure_worker.py"))
 DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2", "moe_ep2_a2a", "moe_etp2",
                "moemtp_tp2_sp_ep2", "moemtp_pp2", "ds_pp2_vpp2", "ds_tp2_sp_ep2"]

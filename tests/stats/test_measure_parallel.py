@@ -18,6 +18,8 @@ from snip_megatron.plan import all_keys
 from snip_megatron.stats.table import StatsTable
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.launches
+
 WORKER = str(Path(__file__).with_name("measure_worker.py"))
 INNER = {"gx_ex": ("gx_sq", "ex"), "gw_ew": ("gw_sq", "ew"), "fwd_zg_clean": ("gy_sq", "fwd_z_sq"),
          "fwd_zg_noisy": ("gy_sq", "fwd_z_sq")}

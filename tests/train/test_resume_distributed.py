@@ -7,6 +7,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from distributed import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.launches
+
 SCRIPT = str(Path(__file__).with_name("resume_script.py"))
 
 
