@@ -118,6 +118,34 @@ def read_te_support() -> TESupport:
     return support_from(te_pytorch, version)
 
 
+def installed_version() -> "str | None":
+    """The installed Transformer Engine's version (`transformer_engine.__version__`, else its
+    distribution's), None where it cannot be imported."""
+    try:
+        import transformer_engine
+    except Exception:  # absent, or a broken install
+        return None
+    version = getattr(transformer_engine, "__version__", None)
+    if version is None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("transformer-engine")
+        except metadata.PackageNotFoundError:
+            return None
+    return str(version)
+
+
+def te_facts(backend: str) -> dict:
+    """The RunFacts fields of the installed TE for a run on `backend`: whether TE imports, its
+    version (TE backend only) and the environment's NVTE_* switches."""
+    from snip_megatron.te.environment import nvte_environ
+
+    found = te_installed()
+    return {"te_installed": found, "te_version": installed_version() if found and backend == "te" else None,
+            "te_environ": nvte_environ()}
+
+
 def te_installed() -> bool:
     """Transformer Engine's PyTorch part imports here (False also for a broken install, which
     raises RuntimeError without CUDA)."""

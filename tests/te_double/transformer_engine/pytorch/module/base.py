@@ -66,7 +66,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from transformer_engine.common.recipe import Recipe
+from transformer_engine.common.recipe import Recipe, unmodelled_switches
 from transformer_engine.pytorch.module import _formats
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.utils import assert_dim_for_fp8_exec, is_non_tn_fp8_gemm_supported
@@ -155,6 +155,15 @@ def _refuse_unmodelled(module: str, **options) -> None:
         raise NotImplementedError(f"transformer_engine test double: {module}({', '.join(on)}) is "
                                   f"not modelled (userbuffers / tp-comm-overlap, delayed wgrad "
                                   f"and symmetric all-reduce are GPU features)")
+
+
+def _refuse_unmodelled_switches(recipe: Recipe) -> None:
+    """The fields TE >= 2.15 reads from NVTE_BACKWARD_OVERRIDE, NVTE_NVFP4_ROW_SCALED_ACTIVATION and
+    NVTE_NVFP4_4OVER6 (common/recipe's `unmodelled_switches`): the double runs TE 2.14's recipes only."""
+    found = unmodelled_switches(recipe)
+    if found:
+        raise NotImplementedError(f"transformer_engine test double: {type(recipe).__name__}({', '.join(found)}) "
+                                  "is not modelled (TE >= 2.15 environment switches; SNIP refuses them at start-up)")
 
 
 def _storage(recipe: Recipe) -> str:
@@ -422,6 +431,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 self._fp8_workspaces.clear()  # made with the old recipe's quantizers
         held = self._held_recipe
         try:
+            _refuse_unmodelled_switches(held)
             _formats.check_kernels(held)
             spec = _formats.format_spec(held, self.quantizers)
             if checks is not None:
