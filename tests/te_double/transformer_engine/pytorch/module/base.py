@@ -59,6 +59,9 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import os
+import pickle
+import re
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -66,6 +69,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from transformer_engine._double import VERSION
 from transformer_engine.common.recipe import Recipe, unmodelled_switches
 from transformer_engine.pytorch.module import _formats
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
@@ -155,6 +159,14 @@ def _refuse_unmodelled(module: str, **options) -> None:
         raise NotImplementedError(f"transformer_engine test double: {module}({', '.join(on)}) is "
                                   f"not modelled (userbuffers / tp-comm-overlap, delayed wgrad "
                                   f"and symmetric all-reduce are GPU features)")
+
+
+def _ignores_stateless_pickles() -> bool:
+    """TE 2.16.1, 2.17.1 and >= 2.18 skip a checkpoint's pickled stateless recipe (#3123, backported
+    to the 2.16 and 2.17 patch releases: pytorch/_extra_state.py is absent at v2.16 and v2.17)."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", VERSION)
+    major, minor, patch = (int(g or 0) for g in match.groups())
+    return (major, minor) >= (2, 18) or ((major, minor) in ((2, 16), (2, 17)) and patch >= 1)
 
 
 def _refuse_unmodelled_switches(recipe: Recipe) -> None:
@@ -341,6 +353,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.fp8 = False
         self.fp8_calibration = False
         self.fp8_initialized = False
+        self.fp8_meta_tensors_initialized = False
+        """TE's flag (base.py:653, 748, 810): the module holds quantizers; False makes the next quantized
+        forward build them from that forward's recipe (SNIP sets it after a resume)."""
         self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
         self.tp_group = None
         self.tp_size = 1
@@ -420,7 +435,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if not (self.fp8_initialized and current == original):
             self.fp8_meta["recipe"] = current
             self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
-            self._held_recipe = _formats.quantizer_recipe(self._held_recipe, current)
+            held = self._held_recipe if self.fp8_meta_tensors_initialized else None  # base.py:748
+            self._held_recipe = _formats.quantizer_recipe(held, current)
+            self.fp8_meta_tensors_initialized = True
             if self._held_recipe is current:
                 self.quantizers = _formats.make_quantizers(current)
             self.fp8_initialized = True
@@ -440,6 +457,51 @@ class TransformerEngineBaseModule(torch.nn.Module):
             self._record(QuantizedRun(True, current, held, None, refused=str(error)))
             raise
         return self._record(QuantizedRun(True, current, held, spec.recipe, spec=spec), spec)
+
+    # -- extra state: the checkpointed recipe ----------------------------------------------------
+    def get_extra_state(self) -> torch.Tensor:
+        """TE 2.14 base.py:848-913: an empty uint8 tensor unless the module ran quantized, else the
+        pickled recipe and the simple fp8_meta values (delayed scaling's scales are not modelled)."""
+        if not (self.fp8_meta["fp8_checkpoint"] or self.fp8 or self.fp8_calibration):
+            return torch.empty(0, dtype=torch.uint8)
+        extra = {k: v for k, v in self.fp8_meta.items()
+                 if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str, tuple, list))}
+        state = {"recipe": self.fp8_meta["recipe"], "extra_fp8_variables": extra}
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        """Load a checkpoint's extra state as the double's TE version does.
+
+        TE 2.14-2.16.0 and 2.17.0 (v2.14 base.py:915-948): unpickle, take the recipe into fp8_meta
+        and build quantizers from it (`init_fp8_meta_tensors`); `fp8_initialized` stays False, so
+        the next quantized forward takes the autocast's recipe into fp8_meta, but `set_meta_tensor`
+        returns early while the recipe class matches (base.py:747-763): the module keeps the
+        checkpoint's quantizers, made under the saving process's environment.
+        TE 2.16.1, 2.17.1 and >= 2.18 (#3123; v2.18 base.py:1361-1369, pytorch/_extra_state.py:98-113,
+        121-186): a pickle whose recipe is stateless (every built-in recipe but DelayedScaling) is
+        ignored; a delayed-scaling one is loaded only with NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1,
+        else RuntimeError."""
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        if not isinstance(state, torch.Tensor):
+            raise RuntimeError("Unsupported checkpoint format.")
+        data = state.detach().cpu().numpy().tobytes()
+        if _ignores_stateless_pickles():
+            delayed = b"DelayedScaling" in data  # _classify_extra_state_pickle: the recipe's global
+            if not delayed:
+                return
+            if os.getenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "0") != "1":
+                raise RuntimeError(f"Refusing to load pickled Transformer Engine extra state for "
+                                   f"{type(self).__name__}. ... set NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.")
+        state = pickle.loads(data)
+        self.fp8_meta.update(state.get("extra_fp8_variables", {}))
+        recipe = state["recipe"]
+        self.fp8_meta["recipe"] = recipe
+        held = self._held_recipe if self.fp8_meta_tensors_initialized else None  # init_fp8_meta_tensors
+        self._held_recipe = _formats.quantizer_recipe(held, recipe)
+        if self._held_recipe is recipe:
+            self.quantizers = _formats.make_quantizers(recipe)
+        self.fp8_meta_tensors_initialized = True
 
     def _record(self, run: QuantizedRun, spec=None):
         self.last_run = run

@@ -32,10 +32,8 @@ Each raises RuntimeError (TE's NVTE_CHECK / kernel errors are RuntimeErrors), re
 `last_splits` keeps the m_splits of the last forward and `gemm_runs` each GEMM's weight workspace
 ("none" for an empty split), for tests.
 
-Extra state (base.py:848-940): `get_extra_state` returns an empty uint8 tensor unless the module
-ran quantized (then the pickled recipe and its simple fp8_meta values, as TE), which Megatron's
-TEGroupedLinear splits per expert in its sharded state dict; `set_extra_state` takes the recipe
-back. (The double's Linear / LayerNormLinear keep no extra state.)
+Extra state: every module's (base.py `get_extra_state` / `set_extra_state`, per TE version), which
+Megatron's TEGroupedLinear splits per expert in its sharded state dict.
 
 Not modelled: a single grouped weight or bias (`single_grouped_weight` / `single_grouped_bias`,
 TE >= 2.14's GroupedTensor), delayed wgrad (`delay_wgrad_compute` / `backward_dw`), userbuffers,
@@ -45,7 +43,6 @@ TEGroupedLinear hands TE no TP group when experts are split, the dispatcher comm
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import replace
 from typing import Callable, List, Optional
 
@@ -158,23 +155,6 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.fp8_calibration = FP8GlobalStateManager.is_fp8_calibration()
         self.fp8_meta["fp8_checkpoint"] = self.fp8 or self.fp8_calibration
         self.fp8_meta["num_gemms"] = num_gemms
-
-    def get_extra_state(self) -> torch.Tensor:
-        if not (self.fp8_meta["fp8_checkpoint"] or self.fp8 or self.fp8_calibration):
-            return torch.empty(0, dtype=torch.uint8)
-        extra = {k: v for k, v in self.fp8_meta.items()
-                 if isinstance(v, (bool, int, float, str, tuple, list))}
-        state = {"recipe": self.fp8_meta["recipe"], "extra_fp8_variables": extra}
-        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
-            return
-        if not isinstance(state, torch.Tensor):
-            raise RuntimeError("Unsupported checkpoint format.")
-        state = pickle.loads(state.detach().cpu().numpy().tobytes())
-        self.fp8_meta["recipe"] = state["recipe"]
-        self.fp8_meta.update(state.get("extra_fp8_variables", {}))
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, inp: torch.Tensor, m_splits: List[int], is_first_microbatch: Optional[bool] = None):
