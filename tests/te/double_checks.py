@@ -942,12 +942,13 @@ def check_reference_workspace_is_emptied_until_its_backward():
 def check_shape_and_bias_refusals():
     """TE's refusals of shapes and biases in a quantized linear: its FP8 shape assert on the input
     and the weight (utils.py:479-489, ValueError), MXFP8's and NVFP4's quantizer dims
-    (csrc/quantizer.cpp, RuntimeError), and the reference NVFP4 GEMM's bias and K % 32 rules and
+    (csrc/quantizer.cpp, RuntimeError), the reference NVFP4 GEMM's bias and K % 32 rules and
     its Hadamard transform's token count (ValueError; fprop checks in forward, dgrad / wgrad in
-    backward). High precision takes every shape."""
+    backward), and cuBLAS's FP8 GEMMs' K % 16 (RuntimeError in backward). High precision takes
+    every shape."""
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import (CustomRecipe, Float8BlockScaling, MXFP8BlockScaling,
-                                                  NVFP4BlockScaling)
+    from transformer_engine.common.recipe import (CustomRecipe, Float8BlockScaling, Float8CurrentScaling,
+                                                  MXFP8BlockScaling, NVFP4BlockScaling)
     from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import nvfp4_ref_rht_2d_quantizer_factory
 
     g = torch.Generator().manual_seed(16)
@@ -986,6 +987,21 @@ def check_shape_and_bias_refusals():
                 y = layer(x)  # the forward passes
             _expect(ValueError, lambda: y.backward(torch.randn(tokens, m, generator=g)),
                     "K dimension must be divisible by 32, got K=48")
+    # cuBLAS's FP8 GEMMs: K % 16 (common/gemm/cublaslt_gemm.cu:158-162, 207-214, 250-254, 293-300).
+    # 24 tokens and 40 out-features pass TE's assert (% 8) and the forward; wgrad (K = tokens) and
+    # dgrad (K = out-features) stop in the backward.
+    for recipe, words in ((Float8BlockScaling(), "Leading dimension requirement on NVTE_BLOCK_SCALING GEMM"),
+                          (Float8CurrentScaling(), "Leading dimension requirement on A for FP8 GEMM")):
+        for tokens, m, k_value in ((24, 96, 24), (64, 40, 40)):
+            layer, _ = attempt(recipe, tokens, 64, m)
+            x = torch.randn(tokens, 64, generator=g, requires_grad=True)
+            with te_autocast(recipe):
+                y = layer(x)
+            _expect(RuntimeError, lambda: y.backward(torch.randn(tokens, m, generator=g)),
+                    f"{words}. Caller must pad. (K={k_value}")
+        layer, _ = attempt(recipe, 24, 64, 96)
+        with torch.no_grad(), te_autocast(recipe):
+            layer(torch.randn(24, 64, generator=g))  # no backward: fprop's K is in_features
 
 
 def check_cuda_and_cublas_gates():

@@ -238,6 +238,31 @@ def _check_reference_qgemm(k: int, n: int, bias=None) -> None:
         raise ValueError(f"N dimension must be divisible by 8, got N={n}")
 
 
+_FP8_GEMM_K_MESSAGE = {
+    "float8": "Leading dimension requirement on A for FP8 GEMM. Caller must pad.",
+    "float8_blockwise": "Leading dimension requirement on NVTE_BLOCK_SCALING GEMM. Caller must pad.",
+}
+"""TE 2.14 common/gemm/cublaslt_gemm.cu: cuBLAS's FP8 GEMMs need every operand's leading dimension
+(the GEMM's inner dim K) divisible by 16: tensor scaling :158-162 (A), :250-254 (B); block scaling
+:207-210 (A), :293-296 (B). MXFP8 / NVFP4 quantizers already need 32 / 16 (`_check_quantizable`)."""
+
+
+def _fp8_backward_checks(storage: str, out_features: int, *, wgrad: bool, dgrad: bool) -> Callable:
+    """The FP8 GEMMs' K % 16 in the backward pass: dgrad's K is the local out_features, wgrad's the
+    tokens of the output gradient (the input's rows as the GEMM sees them, gathered under SP).
+    Forward's K is in_features, which TE's shape assert already holds to 16. Tensor scaling is
+    checked as on Hopper's TN-only GEMMs on every GPU (on SM100 TE's non-TN layouts check outer
+    dims instead, cublaslt_gemm.cu:137-147): as strict as SNIP's shape rule (te/shapes.py)."""
+
+    def checks(grad_output: torch.Tensor) -> None:
+        tokens = math.prod(grad_output.shape[:-1])
+        for needed, k in ((dgrad, out_features), (wgrad, tokens)):
+            if needed and k % 16:
+                raise RuntimeError(f"{_FP8_GEMM_K_MESSAGE[storage]} (K={k}; transformer_engine test double)")
+
+    return checks
+
+
 @dataclass
 class _WgradRoute:
     """Where a backward's weight gradient goes (TE's wgrad GEMM epilogue and what `backward` returns
@@ -603,6 +628,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         x, weight_operand = _GemmOperands.apply(inp, weight, values, dtype, route, refill)
         out = quantized_linear(x, weight_operand, gemm_bias, spec,
                                QuantRuntime(generator=self.sr_generator))
+        if storage in _FP8_GEMM_K_MESSAGE and torch.is_grad_enabled() and out.requires_grad:
+            out = _BackwardChecks.apply(out, _fp8_backward_checks(storage, weight.shape[0], wgrad=weight.requires_grad,
+                                                                  dgrad=requires_dgrad))
         if storage == "reference_nvfp4" and torch.is_grad_enabled() and out.requires_grad:
             out = _BackwardChecks.apply(out, self._reference_backward_checks(
                 tuple(weight.shape), wgrad=weight.requires_grad, dgrad=requires_dgrad,
