@@ -127,3 +127,29 @@ def describe_exclusions(excluded: dict[LayerKey, dict[Precision, str]]) -> list[
             seen.setdefault((key.name, p), why)
     return [f"{name} kept out of {p.value.upper()} in every layer: {why}" for (name, p), why in seen.items()]
 
+
+NVFP4_FUSED_SPLIT_INNER = 128
+"""TE's fused NVFP4 split-quantize of grouped (MoE expert) GEMMs needs the inner dim of what it
+quantizes to divide by this; otherwise TE 2.14-2.18 quantizes each split on its unfused path."""
+
+
+def unfused_grouped_nvfp4(inventory, uses, fp4_recipe: str) -> "str | None":
+    """The start-up line of a run whose grouped expert GEMMs TE quantizes to NVFP4 on its unfused
+    path (None when it uses the fused one, or plans no NVFP4).
+
+    TE's GroupedLinear quantizes its input (forward) and output gradient (backward) with
+    `tex.split_quantize`; an inner dim that is not a multiple of 128 makes it warn once and quantize
+    each expert's split alone through `multi_tensor_quantize_impl`, the same `NVFP4Quantizer`
+    a dense linear uses (TE 2.14 csrc/extensions/cast.cpp:1425-1436, 1467; v2.16 :1411, v2.18
+    :1774, main :2017; the fused kernel's own check, :1293-1294, is only on the fused path). That
+    is the arithmetic SNIP measures for each expert (its own scales, Hadamard transform and
+    rounding per split), so the run is served, only slower. `inventory`: the model's planned linears."""
+    if "fp4" not in [str(getattr(p, "value", p)) for p in uses] or fp4_recipe != "nvfp4":
+        return None
+    dims = sorted({d for e in inventory if e.experts for d in e.shape if d % NVFP4_FUSED_SPLIT_INNER})
+    if not dims:
+        return None
+    return (f"MoE: the grouped experts' NVFP4 inputs and gradients of inner size {', '.join(map(str, dims))} (not "
+            f"multiples of {NVFP4_FUSED_SPLIT_INNER}) are quantized on TE's unfused path, one expert at a time as a "
+            "dense linear's are (TE warns 'Unfused NVFP4 quantization fallback'): slower than the fused kernel, "
+            "the same arithmetic SNIP measures")

@@ -785,8 +785,8 @@ def check_grouped_linear_runs_each_split_as_a_linear_and_refuses_unaligned_split
     is_first_microbatch) runs split i as a Linear of weight<i> under the module's one recipe (each
     GEMM quantized on its own: our emulation per split), caches a workspace per GEMM ("weight<i>"),
     routes each wgrad into weight<i>.main_grad under fusion (an empty split: zeros, no quantizer),
-    and refuses splits TE's kernels cannot take: FP8 rows % 16, MXFP8 % 32, NVFP4 % 32 (and the
-    inner dim % 128), a CustomRecipe at all."""
+    and refuses splits TE's kernels cannot take: FP8 rows % 16, MXFP8 % 32, NVFP4 % 32, a
+    CustomRecipe at all; NVFP4 on an inner dim not a multiple of 128 runs with TE's warning."""
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import CustomRecipe, Float8BlockScaling
     from transformer_engine.pytorch.custom_recipes import quantization_nvfp4
@@ -845,16 +845,24 @@ def check_grouped_linear_runs_each_split_as_a_linear_and_refuses_unaligned_split
         else:
             raise AssertionError(f"{fmt} took splits {bad}")
         _step(te.GroupedLinear(2, k, m, bias=False), x2, gy2, recipes[fmt], m_splits=[32, 32])
+    # NVFP4 on an inner dim not a multiple of 128: TE warns and quantizes each split on its own
+    # (csrc/extensions/cast.cpp:1425-1437): each split computes as a linear of its own
     narrow = te.GroupedLinear(2, 64, m, bias=False)
-    for recipe, text in ((recipes["nvfp4"], "inner dim to be multiple of 128"),
-                         (CustomRecipe(qfactory=quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory),
-                          "Unexpected type for quantizer")):
-        try:
-            _step(narrow, x2[:, :64], gy2, recipe, m_splits=[32, 32])
-        except RuntimeError as error:
-            assert text in str(error), error
-        else:
-            raise AssertionError(f"{type(recipe).__name__} was not refused")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, _ = _step(narrow, x2[:, :64], gy2, recipes["nvfp4"], m_splits=[32, 32])
+    assert any("Unfused NVFP4 quantization fallback" in str(w.message) for w in caught), caught
+    assert narrow.last_run.formats == "nvfp4"
+    want = [_emulated(xi, getattr(narrow, f"weight{i}").detach(), gi, "nvfp4")[0]
+            for i, (xi, gi) in enumerate(zip(x2[:, :64].split([32, 32]), gy2.split([32, 32])))]
+    assert torch.equal(y, torch.cat(want))
+    try:
+        _step(narrow, x2[:, :64], gy2, CustomRecipe(qfactory=quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory),
+              m_splits=[32, 32])
+    except RuntimeError as error:
+        assert "Unexpected type for quantizer" in str(error), error
+    else:
+        raise AssertionError("CustomRecipe was not refused")
     _step(layer, x2, gy2, None, m_splits=[8, 56])  # high precision: any split
     # extra state: empty unless it ran quantized, then the recipe (Megatron splits it per expert)
     assert te.GroupedLinear(2, 8, 8).get_extra_state().numel() == 0

@@ -23,9 +23,13 @@ TE's refusals of a quantized grouped forward, checked on every split before any 
   `get_fp8_align_size`, megatron/core/fp8_utils.py:318-323);
 - MXFP8: every split's rows and the features a multiple of 32 (TE csrc/quantizer.cpp:1349-1351
   on each split's tensor; TE issue #2966);
-- NVFP4: the inner dim a multiple of 128 (csrc/extensions/cast.cpp:1293-1294, the multi-tensor
-  quantize) and every split a multiple of 32 (the FP4 GEMMs' 16-byte TMA alignment along the
-  token dim of the wgrad GEMM; Megatron's `get_fp4_align_size`, fp4_utils.py:176-205, pads to 128);
+- NVFP4: every split a multiple of 32 (the FP4 GEMMs' 16-byte TMA alignment along the token dim
+  of the wgrad GEMM; Megatron's `get_fp4_align_size`, fp4_utils.py:176-205, pads to 128) and its
+  dims multiples of 16 (each split's quantizer). An inner dim that is not a multiple of 128 is not
+  refused: `tex.split_quantize` then warns once and quantizes each split on its own, through the
+  quantizer a dense linear uses (csrc/extensions/cast.cpp:1425-1437, 1467; the fused kernel's
+  "NVFP4 multi-quantize requires inner dim to be multiple of 128", :1293-1294, is on the fused
+  path only); the double runs every split as one GEMM of its own anyway, and warns as TE does;
 - a CustomRecipe (TE's reference NVFP4 factory): GroupedLinear has no custom-quantizer branch in
   TE 2.14, and `tex.split_quantize` refuses the reference quantizers (csrc/common.cpp:51-64).
 Each raises RuntimeError (TE's NVTE_CHECK / kernel errors are RuntimeErrors), recorded in `last_run`.
@@ -43,6 +47,7 @@ TEGroupedLinear hands TE no TP group when experts are split, the dispatcher comm
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from typing import Callable, List, Optional
 
@@ -59,6 +64,18 @@ SPLIT_ALIGNMENT = {"float8": 16, "float8_blockwise": 16, "mxfp8": 32, "nvfp4": 3
 (see the module docstring)."""
 
 
+_UNFUSED_NVFP4_WARNED = []
+
+
+def _warn_unfused_nvfp4() -> None:
+    """TE's once-per-process NVTE_WARN (csrc/extensions/cast.cpp:1426-1432, std::call_once)."""
+    if not _UNFUSED_NVFP4_WARNED:
+        _UNFUSED_NVFP4_WARNED.append(True)
+        warnings.warn("Unfused NVFP4 quantization fallback is triggered because the input tensor inner dimension "
+                      "is not a multiple of 128, disabling NVFP4 grouped kernel fusion. NVFP4 might bring "
+                      "performance regressions for this input tensor shape.")
+
+
 def check_splits(recipe: Recipe, inp: torch.Tensor, m_splits: List[int]) -> None:
     """TE's refusals of `m_splits` (and the inner dim) for a grouped forward under `recipe`."""
     storage = _storage(recipe)
@@ -67,7 +84,7 @@ def check_splits(recipe: Recipe, inp: torch.Tensor, m_splits: List[int]) -> None
                            "built-in quantizers only (CustomRecipe quantizers are not supported)")
     features = inp.shape[-1]
     if storage == "nvfp4" and features % 128:
-        raise RuntimeError("NVFP4 multi-quantize requires inner dim to be multiple of 128.")
+        _warn_unfused_nvfp4()
     align = SPLIT_ALIGNMENT[storage]
     for i, rows in enumerate(m_splits):
         if rows % align:
