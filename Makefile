@@ -4,11 +4,12 @@ SHELL := /bin/bash
 LANES := prod:runs prod:units compat:runs compat:units bridge
 PYTEST_ARGS ?=
 
-.PHONY: help demo test test-prod test-compat test-bridge env env-prod env-compat env-bridge clean
+.PHONY: help demo test test-fast test-prod test-compat test-bridge env env-prod env-compat env-bridge clean
 
 help:
 	@echo "make demo        tiny Llama-like pretraining with SNIP on CPU, on real text"
 	@echo "make test        create the environments if missing, run each lane's tests"
+	@echo "make test-fast   the prod lane's in-process tests only (no test marked launches): a few minutes"
 	@echo "make env-prod    Python 3.12, torch 2.14.1, megatron-core 0.19.2 (.venv-prod)"
 	@echo "make env-compat  Python 3.11, torch 2.13.0 CPU, megatron-core 0.16.1 (.venv-compat)"
 	@echo "make env-bridge  Python 3.12, torch 2.14.1, megatron-core 0.19.2, megatron-bridge 0.6.2 (.venv-bridge)"
@@ -27,6 +28,10 @@ demo: env-prod
 # run_tests.sh creates each lane's environment if missing, beside the lanes already testing.
 test:
 	@scripts/run_tests.sh $(LANES) -- $(PYTEST_ARGS)
+
+# The tests that start no process (pytest.ini's `launches` marker; tests/test_launch_marks.py).
+test-fast:
+	@scripts/run_tests.sh prod -- -m "not launches" $(PYTEST_ARGS)
 
 test-prod:
 	@scripts/run_tests.sh prod -- $(PYTEST_ARGS)

@@ -16,8 +16,9 @@ setup(
         # without a pre-release admits none.
         "torch>=2.13.0a0",
         "megatron-core>=0.16.1",
-        # The planner's ILP solver. PuLP >= 4 (Python >= 3.12) ships CBC only in its `cbc` extra
-        # (the cbcbox wheel); PuLP 3.x (the line Python 3.11 gets) bundles the CBC binary.
+        # compat: the planner's ILP solver by Python version. PuLP >= 4 (Python >= 3.12) ships CBC
+        # only in its `cbc` extra (the cbcbox wheel); PuLP 3.x (the line Python 3.11 gets) bundles
+        # the CBC binary.
         'pulp[cbc]>=4.2; python_version >= "3.12"',
         'pulp>=3.3.2,<4; python_version < "3.12"',
         "hydra-core>=1.3",
@@ -34,7 +35,7 @@ setup(
         # TE's PyTorch extension as TE publishes it (an sdist built against the local torch and
         # CUDA; TE recommends `pip install --no-build-isolation`); 2.9 brought the NVFP4 recipe.
         # NVIDIA apex is not here: it is not on PyPI (the PyPI `apex` is an unrelated project);
-        # the NGC PyTorch image ships it, and SNIP does not need it (README, Environments).
+        # the NGC PyTorch image ships it, and SNIP does not need it (docs/getting-started.md, Install).
         "gpu": ["transformer-engine[pytorch]>=2.9"],
         "test": ["pytest", "pytest-timeout", "torchao==0.18.0"],
     },

@@ -83,7 +83,7 @@ def measure_cost(pairs: int, mbs: int, error_token_stride: int | None = None,
                  clock=time.perf_counter) -> dict:
     import dataclasses
 
-    from snip_megatron.formats.fused import eager_cpu_path
+    from snip_megatron.formats.cpu_kernel import eager_cpu_path
 
     from snip_megatron.config import SnipConfig
     from snip_megatron.plan import Plan

@@ -582,6 +582,12 @@ def timing_text(args, results: list[dict]) -> str:
             + (". This report was made from the results log." if args.report_only else "."))
 
 
+ANSWERS = ("Answers: how SNIP's per-layer plans compare at equal FP4 budgets with uniform precision, the fixed "
+           "rules, the recipe and an oracle, in final validation loss, on CPU (the summary and the other figures: "
+           "[status.md](status.md)).")
+"""The main report's first line (docs/ pages each open with what they answer)."""
+
+
 def write_results(path: Path, args, results, summaries, lines) -> None:
     from snip_megatron.report import PLANS_FILE, draw_heatmap, load_plan_history
 
@@ -604,6 +610,7 @@ def write_results(path: Path, args, results, summaries, lines) -> None:
     text = [
         f"{h} {title} (written by `bench/quality.py`)",
         "",
+        *([ANSWERS, ""] if args.model is None and docs.name == "docs" else []),
         f"Command: `{' '.join(['python bench/quality.py'] + [a for a in args.argv if a not in ('--report-only', '--resume')])}`  ",
         f"Machine: {_device_name()}, {os.cpu_count()} CPU cores ({cpu}), Python {platform.python_version()}; "
         + timing_text(args, results),

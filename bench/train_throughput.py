@@ -21,7 +21,7 @@ import statistics
 import time
 
 from snip_megatron.data.prepare import DEFAULT_CACHE_DIR, DataConfig
-from snip_megatron.formats.fused import eager_cpu_path
+from snip_megatron.formats.cpu_kernel import eager_cpu_path
 from snip_megatron.plan import Plan
 from snip_megatron.shapes import get_shape
 from snip_megatron.train.config import TrainConfig

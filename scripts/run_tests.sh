@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run the test suite in each named lane: `scripts/run_tests.sh prod compat bridge -- [pytest options]`.
 # Each lane first gets its environment (scripts/make_env.sh: returns at once when it is current), then
-# runs its own tests: prod and compat the whole suite but tests/bridge, bridge only tests/bridge
-# (Megatron-Bridge is installed in that lane alone). Options after `--` go to every lane.
+# runs its own tests: prod the whole suite but tests/bridge; compat only the tests marked `compat`
+# there (those exercising code that differs between the lanes' pins: pytest.ini, tests/test_compat_marks.py);
+# bridge only tests/bridge (Megatron-Bridge is installed in that lane alone). Options after `--` go to
+# every lane; a `-m EXPR` of them is joined to the compat lane's own (`compat and (EXPR)`).
 # A lane can run in two shards, each its own pytest beside the others: LANE:runs (the folders whose
 # tests train models in several processes, RUN_FOLDERS) and LANE:units (the rest); `make test` runs
 # prod and compat so, which packs the suite onto two cores better than two long lanes would.
@@ -31,6 +33,23 @@ lane_paths() {  # $1 lane -> `paths`, what its pytest runs; fails for an unknown
     *) return 1 ;;
   esac
 }
+lane_options() {  # $1 lane, then pytest options -> `options`: with the lane's marker (compat) joined in
+  local marker="" joined=0
+  case "$1" in compat|compat:*) marker=compat ;; esac
+  shift
+  options=()
+  while [ $# -gt 0 ]; do
+    if [ -n "$marker" ] && [ "$1" = "-m" ] && [ $# -gt 1 ]; then
+      options+=(-m "$marker and ($2)")
+      joined=1
+      shift 2
+      continue
+    fi
+    options+=("$1")
+    shift
+  done
+  if [ -n "$marker" ] && [ $joined -eq 0 ]; then options=(-m "$marker" ${options[@]+"${options[@]}"}); fi
+}
 for lane in "${lanes[@]}"; do
   lane_paths "$lane" || { echo "unknown lane '$lane' (valid: prod, compat, bridge; prod:runs, prod:units, compat:runs, compat:units)" >&2; exit 2; }
 done
@@ -49,14 +68,15 @@ logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
 
 run_lane() {  # $1 lane, then pytest options; writes $logs/LANE.log, then $logs/LANE.rc
-  local lane=$1 rc start=$SECONDS paths env=${1%%:*}
+  local lane=$1 rc start=$SECONDS paths options env=${1%%:*}
   shift
   lane_paths "$lane"
+  lane_options "$lane" "$@"
   {
     # Shards of one lane share its environment: one creates it while the other waits.
     if flock "$logs/$env.lock" scripts/make_env.sh "$env"; then
       echo "=== lane: $lane ($(".venv-$env/bin/python" --version 2>&1))"
-      ".venv-$env/bin/python" -m pytest "${paths[@]}" "$@"
+      ".venv-$env/bin/python" -m pytest "${paths[@]}" ${options[@]+"${options[@]}"}
       rc=$?
       if [ $rc -eq 5 ]; then echo "lane $lane: no tests collected -- failing"; rc=1; fi
     else

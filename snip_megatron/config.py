@@ -66,7 +66,7 @@ def _format_costs(costs: dict) -> str:
     return ",".join(f"{p.value}={costs[p]:g}" for p in Precision)
 
 
-_BOOLS = ("enabled", "per_stage_budget", "pin_plan", "baseline_relax")
+_BOOLS = ("enabled", "per_stage_budget", "pin_plan", "baseline_relax", "strict")
 _FRACTIONS = ("fp4_budget", "fp8_budget", "baseline_fraction")
 _POSITIVE_INTS = ("interval", "loss_guard_window", "baseline_k")
 _NON_NEGATIVE_INTS = ("lag", "seed", "measure_micro_batches")
@@ -218,6 +218,10 @@ class SnipConfig:
     """Revert a new plan when the loss exceeds this many times its recent mean (0 disables; else > 1)."""
     loss_guard_window: int = 50
     """Steps of loss history the loss guard compares against."""
+    strict: bool = False
+    """Stop the run when a measurement fails. Off: the failure is logged (a warning) and counted
+    (snip/measure_failures), training goes on with its plan, and the same failure twice in a row
+    stops re-planning."""
     seed: int = 1234
     """Seed of the noise passes and of the random baseline."""
 

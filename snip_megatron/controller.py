@@ -12,11 +12,13 @@ The loop of DESIGN section 6, as a step hook (snip_megatron.hooks) that both tra
   With lag 0 the plan is applied right after the measurement, before step t trains.
 
 Steps that neither measure, apply nor close a loss-guard window issue no collective.
-Failures never stop training: a layer with non-finite statistics keeps its precision; a solver
-that raises, hangs past its limit or finds nothing keeps the previous plan; an exception while
-measuring or applying a plan, on any rank, becomes one rank-agreed decision (one all-reduce of a
-flag) to skip that update and keep the previous plan; the optional loss guard reverts a plan after
-which the loss rose by more than `loss_guard_factor`. What the controller did is written by
+Failures do not stop training (except a failed measurement in strict mode): a layer with
+non-finite statistics keeps its precision; a solver that raises, hangs past its limit or finds
+nothing keeps the previous plan; an exception while measuring or applying a plan, on any rank,
+becomes one rank-agreed decision (one all-reduce of a flag) to skip that update and keep the
+previous plan, and the same measurement failure twice in a row stops re-planning
+(snip_megatron.failures); the optional loss guard reverts a plan after which the loss rose by
+more than `loss_guard_factor`. What the controller did is written by
 `snip_megatron.report.PlanLog`.
 """
 
@@ -32,7 +34,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from snip_megatron import defaults
 from snip_megatron.config import SnipConfig
+from snip_megatron.failures import MeasurementFailures, all_reduce_max, collective_device
 from snip_megatron.formats.precision import Precision
 from snip_megatron.hooks import StepContext, StepHook
 from snip_megatron.models import gpt
@@ -93,10 +97,6 @@ def initial_plan(config: SnipConfig, model: Model) -> tuple[Plan, str]:
     return Plan.uniform(model, config.initial_precision), f"initial {config.initial_precision}"
 
 
-def _collective_device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-
 class SnipController(StepHook):
     """Re-plans the precision of every planned linear during training (see module docstring).
 
@@ -131,9 +131,9 @@ class SnipController(StepHook):
         self._log = log
         self.plan_log = PlanLog(run_dir, self.flops, log=log, gemm_cost=config.gemm_costs(),
                                 budget=config.plan_choices().budget, loggers=loggers)
-        self._measure = measure or _default_measure(config)
-        self._estimate = estimate or _default_estimate(config)
-        self._solve = solve or _default_solve(config)
+        self._measure = measure or defaults.measure(config)
+        self._estimate = estimate or defaults.estimate(config)
+        self._solve = solve or defaults.solve(config)
         self._apply = apply or (lambda ctx, plan: ctx.set_plan(plan))
         self.schedule = Schedule(first=config.warmup_steps(total_steps), interval=config.interval,
                                  lag=config.lag)
@@ -151,6 +151,8 @@ class SnipController(StepHook):
         self.ctx: StepContext | None = None
         self._guard: dict | None = None
         self._recent_losses: list[float] = []
+        self.failures = MeasurementFailures(config.strict, loggers, log=self.log)
+        """Failed measurements: counted, and bounded (snip_megatron.failures)."""
 
     # -- set-up ---------------------------------------------------------------------------------
     @property
@@ -228,8 +230,9 @@ class SnipController(StepHook):
         if self.pending is not None and step >= self.pending.apply_step:
             self._apply_pending(step)
         if self.next_measure is not None and step == self.next_measure:
-            self.next_measure = step + self.schedule.interval
-            self._start_measurement(step)
+            self.next_measure = step + self.schedule.interval  # kept on: a resumed run measures again
+            if self.failures.stopped is None:
+                self._start_measurement(step)
             if self.pending is not None and self.pending.apply_step <= step:
                 self._apply_pending(step)  # lag 0: the new plan trains this very step
 
@@ -253,13 +256,11 @@ class SnipController(StepHook):
             error = None
             try:
                 stats = self._measure(self.ctx, step)
-            except MeasurementFailed as exc:  # every rank raised it together: agreed already
-                self._log(f"[snip] rank {self.rank}: measurement at step {step} failed ({exc}); "
-                          "skipping this update, training continues with the current plan")
-                return
-            except Exception as exc:  # noqa: BLE001 - a failed measurement never stops training
+            except MeasurementFailed as exc:  # every rank raised it together, with its own cause if any
+                error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - a failed measurement stops training in strict mode only
                 error = f"{type(exc).__name__}: {exc}"
-            if self._any_rank(error is not None, f"measurement at step {step}", error):
+            if self.failures.agree(step, error):
                 return
         measure_s = time.perf_counter() - start
         pending = _Pending(measure_step=step, apply_step=step + self.schedule.lag, started=time.perf_counter())
@@ -275,11 +276,7 @@ class SnipController(StepHook):
         The failing rank logs its cause; rank 0 says the update is skipped."""
         if error is not None:
             self._log(f"[snip] rank {self.rank}: {what} failed: {error}")
-        flag = failed
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            t = torch.tensor([1 if failed else 0], dtype=torch.int64, device=_collective_device())
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(int(t[0]))
+        flag = bool(all_reduce_max(int(failed)))
         if flag:
             self.log(f"{what} failed on {'this' if failed else 'another'} rank; skipping this update, "
                      "training continues with the current plan")
@@ -387,7 +384,7 @@ class SnipController(StepHook):
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return plan
         ids = torch.tensor(plan.to_ids(n) if plan is not None else [-1] * len(self.keys),
-                           dtype=torch.int64, device=_collective_device())
+                           dtype=torch.int64, device=collective_device())
         dist.broadcast(ids, src=0)
         if int(ids[0]) < 0:
             return None
@@ -427,7 +424,7 @@ class SnipController(StepHook):
         """The last rank holds the loss (last pipeline stage): its decision, for every rank."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=_collective_device())
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device())
         dist.broadcast(t, src=dist.get_world_size() - 1)
         return bool(int(t[0]))
 
@@ -488,35 +485,3 @@ class SnipController(StepHook):
                 self.pending.error = "the solve was not finished when the checkpoint was written"
         if self.ctx is not None:
             self._apply(self.ctx, self.plan)
-
-
-# -- defaults: SNIP's own measurement, estimate and solver, from the one SnipConfig ---------------
-
-def _default_measure(config: SnipConfig):
-    measure_config = config.measure_config()
-
-    def measure(ctx, step):
-        from snip_megatron.stats import measure_step
-
-        return measure_step(ctx, measure_config)
-    return measure
-
-
-def _default_estimate(config: SnipConfig):
-    estimate_config = config.estimate_config()
-
-    def estimate(stats):
-        from snip_megatron.estimate.cost import cost_table
-
-        return cost_table(stats, estimate_config)
-    return estimate
-
-
-def _default_solve(config: SnipConfig):
-    planner_config = config.planner_config()
-
-    def solve(costs, flops, *, previous=None, stages=None, pinned=None):
-        from snip_megatron.planner.solve import solve_plan
-
-        return solve_plan(costs, flops, planner_config, previous=previous, stages=stages, pinned=pinned)
-    return solve

@@ -46,6 +46,7 @@ from pathlib import Path
 from snip_megatron.formats.precision import Formats, Precision
 from snip_megatron.models import gpt
 from snip_megatron.plan import Plan
+from snip_megatron.run_files import load_plan_history
 
 FORMATS = ("megatron", "bridge", "json")
 DEFAULT_NAMES = {"megatron": "snip_precision_config.yaml", "bridge": "snip_quant_recipe.yaml",
@@ -55,8 +56,6 @@ DEFAULT_NAMES = {"megatron": "snip_precision_config.yaml", "bridge": "snip_quant
 
 def plan_at(run_dir: "str | Path", step: "int | None" = None) -> tuple[int, Plan]:
     """(step it was applied, plan) of the run's final plan, or of the plan in force at `step`."""
-    from snip_megatron.report import load_plan_history
-
     history = load_plan_history(Path(run_dir))
     if step is None:
         return history[-1]

@@ -23,6 +23,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 
+from snip_megatron.formats.precision import Precision
 from snip_megatron.loggers import RunLoggers
 from snip_megatron.plan import Plan, parse_key
 
@@ -31,6 +32,8 @@ TABLE_TAG = "snip/plan_table"
 _TIMED = {"measure_s": "snip/measure_s", "solve_s": "snip/solve_s", "predicted_cost": "snip/predicted_cost",
           "predicted_loss_increase": "snip/predicted_loss_increase"}
 """PlanLog row fields written only when the plan came from a measurement, and their tags."""
+_CODE = {Precision.BF16: 2, Precision.FP8: 1, Precision.FP4: 0}
+"""The heat map's colour index of each precision."""
 
 
 def plan_scalars(row: Mapping) -> dict[str, float]:
@@ -56,12 +59,41 @@ def plan_table(row: Mapping) -> tuple[list[str], list[list]]:
             [[*parse_key(e["layer"]), e["precision"], e["previous"], *(e.get(c) for c in costs)] for e in measured])
 
 
-def heatmap_image(history: Sequence[tuple[int, Plan]]):
-    """The heat map of `history` (report.heatmap_figure) as an H x W x 3 uint8 array."""
+def heatmap_figure(history: list[tuple[int, Plan]], last_step: int | None = None, dpi: int = 120):
+    """Layers (rows, forward order) x training steps (columns), colour = precision: a matplotlib
+    Figure (the caller saves or renders it, then closes it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import ListedColormap
 
-    from snip_megatron.report import heatmap_figure
+    keys = list(history[-1][1])
+    steps = [s for s, _ in history]
+    end = max(last_step or steps[-1], steps[-1] + 1)
+    grid = np.full((len(keys), len(steps)), np.nan)
+    for j, (_, plan) in enumerate(history):
+        for i, key in enumerate(keys):
+            if key in plan:
+                grid[i, j] = _CODE[plan[key]]
+    edges = steps + [end]
+    fig, ax = plt.subplots(figsize=(8, max(3, 0.16 * len(keys) + 1.5)), dpi=dpi)
+    cmap = ListedColormap(["#d62728", "#ff7f0e", "#1f77b4"])  # fp4, fp8, bf16
+    ax.pcolormesh(edges, np.arange(len(keys) + 1), grid, cmap=cmap, vmin=-0.5, vmax=2.5)
+    ax.set_yticks(np.arange(len(keys)) + 0.5)
+    ax.set_yticklabels([str(k) for k in keys], fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("training step")
+    ax.set_title("SNIP precision per linear layer (red FP4, orange FP8, blue BF16)")
+    fig.tight_layout()
+    return fig
+
+
+def heatmap_image(history: Sequence[tuple[int, Plan]]):
+    """The heat map of `history` (`heatmap_figure`) as an H x W x 3 uint8 array."""
+    import matplotlib.pyplot as plt
+    import numpy as np
 
     fig = heatmap_figure(list(history), dpi=80)
     try:

@@ -86,6 +86,24 @@ class WandbWriter:
         """W&B sends in the background."""
 
 
+MEASURE_FAILURES = "snip/measure_failures"
+"""The scalar counting a run's failed measurements (snip_megatron.failures)."""
+
+
+def write_scalars(loggers: "RunLoggers | None", step: int, values: Mapping[str, float]) -> None:
+    """`values` at `step` in each of this rank's writers of `loggers` (none: nothing); a writer that
+    fails is reported on this rank and never stops training."""
+    if loggers is None or not loggers.enabled:
+        return
+    for writer in loggers.writers():
+        try:
+            writer.scalars(step, values)
+            writer.flush()
+        except Exception as exc:  # noqa: BLE001 - a logger's failure never stops training
+            print(f"[snip] writing {', '.join(values)} of step {step} to the run's loggers failed: "
+                  f"{type(exc).__name__}: {exc}", flush=True)
+
+
 def writers_of(tensorboard=None, wandb=None) -> list[FigureWriter]:
     """Adapters for the writers given (None: that logger is off)."""
     out: list[FigureWriter] = []

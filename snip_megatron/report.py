@@ -19,12 +19,11 @@ import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from snip_megatron.figures import PlanFigures, heatmap_figure
 from snip_megatron.formats.precision import Precision
 from snip_megatron.plan import Plan
+from snip_megatron.run_files import METRICS_FILE, PLANS_FILE, load_plan_history, read_jsonl
 
-PLANS_FILE = "snip_plans.jsonl"
-METRICS_FILE = "metrics.jsonl"
-_CODE = {Precision.BF16: 2, Precision.FP8: 1, Precision.FP4: 0}
 
 
 # -- the plan log: written by the controller (rank 0) ---------------------------------------------
@@ -41,7 +40,6 @@ class PlanLog:
 
     def __init__(self, run_dir: "str | Path | None", flops: Mapping, log: Callable[[str], None] = print,
                  gemm_cost: "Mapping | None" = None, budget: str = "fp4_fraction", loggers=None):
-        from snip_megatron.figures import PlanFigures
         from snip_megatron.planner.config import BUDGETS, DEFAULT_GEMM_COST
 
         if budget not in BUDGETS:
@@ -153,64 +151,7 @@ def _json_default(obj):
     return str(obj)
 
 
-# -- reading and drawing ---------------------------------------------------------------------------
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Every JSON object of a JSONL file; a truncated last line (a run killed mid-write) is skipped."""
-    rows = []
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
-    return rows
-
-
-def load_plan_history(run_dir: Path) -> list[tuple[int, Plan]]:
-    path = run_dir / PLANS_FILE
-    if not path.exists():
-        raise ValueError(f"{run_dir} has no {PLANS_FILE}: was SNIP enabled in that run?")
-    history = [(int(row["step"]), Plan(row["plan"])) for row in read_jsonl(path)]
-    if not history:
-        raise ValueError(f"{path} holds no plan")
-    return history
-
-
-def heatmap_figure(history: list[tuple[int, Plan]], last_step: int | None = None, dpi: int = 120):
-    """Layers (rows, forward order) x training steps (columns), colour = precision: a matplotlib
-    Figure (the caller saves or renders it, then closes it)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import ListedColormap
-
-    keys = list(history[-1][1])
-    steps = [s for s, _ in history]
-    end = max(last_step or steps[-1], steps[-1] + 1)
-    grid = np.full((len(keys), len(steps)), np.nan)
-    for j, (_, plan) in enumerate(history):
-        for i, key in enumerate(keys):
-            if key in plan:
-                grid[i, j] = _CODE[plan[key]]
-    edges = steps + [end]
-    fig, ax = plt.subplots(figsize=(8, max(3, 0.16 * len(keys) + 1.5)), dpi=dpi)
-    cmap = ListedColormap(["#d62728", "#ff7f0e", "#1f77b4"])  # fp4, fp8, bf16
-    ax.pcolormesh(edges, np.arange(len(keys) + 1), grid, cmap=cmap, vmin=-0.5, vmax=2.5)
-    ax.set_yticks(np.arange(len(keys)) + 0.5)
-    ax.set_yticklabels([str(k) for k in keys], fontsize=6)
-    ax.invert_yaxis()
-    ax.set_xlabel("training step")
-    ax.set_title("SNIP precision per linear layer (red FP4, orange FP8, blue BF16)")
-    fig.tight_layout()
-    return fig
-
+# -- drawing ---------------------------------------------------------------------------
 
 def draw_heatmap(history: list[tuple[int, Plan]], out: Path, last_step: int | None = None) -> Path:
     """The heat map of `heatmap_figure`, as a PNG at `out`."""

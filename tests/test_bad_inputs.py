@@ -97,6 +97,7 @@ COMPACT = [
 ]
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("args, message", COMPACT)
 def test_the_compact_loop_refuses_bad_input(files, tmp_path, args, message):
     args = [a.format(root=files) for a in args]
@@ -117,6 +118,7 @@ PRETRAIN = [
 ]
 
 
+@pytest.mark.launches
 @pytest.mark.skipif(not HAVE_TRAINING, reason="snip-pretrain-gpt needs megatron.training "
                                               "(megatron-core >= 0.19, prod lane)")
 @pytest.mark.parametrize("args, message", PRETRAIN)

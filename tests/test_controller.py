@@ -11,6 +11,7 @@ import pytest
 from snip_megatron.config import SnipConfig
 from snip_megatron.controller import Schedule, SnipController
 from snip_megatron.formats.precision import Formats, Precision
+from snip_megatron.loggers import RunLoggers
 from snip_megatron.plan import Plan, all_keys
 from snip_megatron.shapes import ModelShape
 
@@ -223,3 +224,59 @@ def test_a_state_saved_before_the_inventory_resumes_identically():
     resumed.run(16, 40)
     assert resumed.ctrl.plan == full.ctrl.plan
     assert [h["step"] for h in resumed.ctrl.history] == [h["step"] for h in full.ctrl.history]
+
+
+class FailingHarness(Harness):
+    """A Harness whose measurements raise `errors` in turn (None: that one works)."""
+
+    def __init__(self, errors, **cfg):
+        self.errors = list(errors)
+        self.scalars = []
+        super().__init__(**cfg)
+        writer = SimpleNamespace(scalars=lambda step, v: self.scalars.append((step, v)), flush=lambda: None)
+        # the run's TensorBoard, for the failures alone (the plan's figures would draw images)
+        self.ctrl.failures.loggers = RunLoggers(writers=lambda: [writer], enabled=True)
+
+    def _measure(self, trainer, step):
+        self.measured.append(step)
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise error
+        return "stats"
+
+
+def test_a_failed_measurement_is_a_warning_a_count_and_twice_the_same_stops_replanning(caplog):
+    h = FailingHarness([RuntimeError("stats exploded\n  at line 2"), RuntimeError("stats exploded\n  at line 9")])
+    with caplog.at_level("WARNING", logger="snip_megatron.measure"):
+        h.run(0, 36)
+    assert [r.getMessage() for r in caplog.records if r.name == "snip_megatron.measure"] == [
+        "[snip] rank 0: measurement at step 5 failed: RuntimeError: stats exploded",
+        "[snip] rank 0: measurement at step 15 failed: RuntimeError: stats exploded"]
+    assert h.scalars == [(5, {"snip/measure_failures": 1.0}), (15, {"snip/measure_failures": 2.0})]
+    assert h.measured == [5, 15]  # no measurement after the stop...
+    assert h.ctrl.plan == Plan.uniform(4, "fp8") and h.applied == [h.ctrl.plan]  # ...and the plan kept
+    stops = [line for line in h.logs if "stops re-planning" in line]
+    assert stops == ["[snip] the measurement failed at two measurements in a row the same way (RuntimeError: "
+                     "stats exploded), at step 15: SNIP stops re-planning and the run goes on with its current "
+                     "plan; fix the cause and resume to re-plan again, or turn strict mode on (--snip-strict, "
+                     "Bridge's snip.strict) to stop the run at a failed measurement"]
+    assert sum("skipping this update" in line for line in h.logs) == 1
+    assert h.ctrl.state_dict()["next_measure"] == 45  # a resumed run measures again
+
+
+def test_other_failures_in_a_row_skip_their_updates_and_replanning_goes_on():
+    h = FailingHarness([RuntimeError("one"), ValueError("two"), None])
+    h.run(0, 28)
+    assert h.measured == [5, 15, 25] and h.ctrl.failures.count == 2 and h.ctrl.failures.stopped is None
+    assert [e["step"] for e in h.ctrl.history] == [0, 27]  # the third measurement's plan, applied after the lag
+
+
+def test_strict_mode_stops_the_run_at_the_first_failed_measurement():
+    from snip_megatron.megatron.args import add_snip_args, snip_config_from_args
+
+    args = add_snip_args(__import__("argparse").ArgumentParser()).parse_args(["--snip", "--snip-strict"])
+    assert snip_config_from_args(args).strict
+    h = FailingHarness([KeyError("x_sq")], strict=True)
+    with pytest.raises(RuntimeError, match=r"^SNIP: the measurement at step 5 failed \(KeyError: 'x_sq'\) and strict "
+                                           r"mode is on \(--snip-strict, Bridge's snip.strict\): stopping the run"):
+        h.run(0, 8)

@@ -16,6 +16,8 @@ import pytest
 
 from tests.distributed import ROOT, run_distributed
 
+pytestmark = pytest.mark.launches
+
 WORKER = str(ROOT / "tests" / "workers" / "controller_worker.py")
 MEASURE_STEP, APPLY_STEP = 4, 5  # warmup 4, lag 1
 ALIGNED = ("--fp8-recipe", "mxfp8")  # formats whose blocks lie inside TP=2 shards
@@ -117,19 +119,40 @@ def test_kill_after_plan_change_and_resume(start, tmp_path):
 
 
 def test_a_measurement_failing_on_one_rank_is_skipped_on_every_rank(start, tmp_path):
-    """Failures never stop training: rank 1's measurement raises, every rank skips that update (one
-    all-reduce of a failure flag) and keeps its plan, and the next measurement re-plans as usual."""
+    """A failure that does not repeat does not stop training: rank 1's measurement raises, every rank
+    skips that update (one all-reduce of a failure flag) and keeps its plan, and the next measurement
+    re-plans as usual."""
     root, cache, ckpt = start
-    out = run_distributed([WORKER, "--out", str(tmp_path), "--data-cache", str(cache), "--steps", "9",
-                           "--interval", "3", "--fail-measure-rank", "1"], nproc=2, timeout=600).stdout
+    proc = run_distributed([WORKER, "--out", str(tmp_path), "--data-cache", str(cache), "--steps", "9",
+                            "--interval", "3", "--fail-measure-rank", "1"], nproc=2, timeout=600)
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert ("rank 1: measurement at step 4 failed (the statistics pass: 1.linear_qkv: RuntimeError: "
-            "injected statistics failure); skipping this update") in out
-    assert "rank 0: measurement at step 4 failed (the statistics pass: failed on another rank)" in out
+    # the failing rank's cause, a warning; rank 0's decision, once
+    assert ("[snip] rank 1: measurement at step 4 failed: the statistics pass: 1.linear_qkv: RuntimeError: "
+            "injected statistics failure") in proc.stderr
+    assert "rank 0: measurement at step 4 failed" not in proc.stderr
+    assert proc.stdout.count("[snip] measurement at step 4 failed (on another rank: see its warning); "
+                             "skipping this update") == 1
     for rank in ranks:
         assert [s for s, _ in rank["applied"]] == [0, 8]  # no plan from step 4; step 7's applies at 8
         assert sorted(map(int, rank["losses"])) == list(range(1, 10))
     assert _plans(ranks[0]) == _plans(ranks[1])
+
+
+def test_the_same_failure_twice_on_one_rank_stops_replanning_on_every_rank(start, tmp_path):
+    """Rank 1's measurement fails at steps 4 and 7 the same way: every rank stops re-planning (one
+    all-reduce carries the repeat), says so once, and trains on with its plan."""
+    root, cache, ckpt = start
+    proc = run_distributed([WORKER, "--out", str(tmp_path), "--data-cache", str(cache), "--steps", "11",
+                            "--interval", "3", "--fail-measure-rank", "1", "--fail-measure-times", "2"],
+                           nproc=2, timeout=600)
+    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert proc.stderr.count("[snip] rank 1: measurement at step 7 failed: the statistics pass") == 1
+    assert proc.stdout.count("stops re-planning") == 1
+    assert ("[snip] the measurement failed at two measurements in a row the same way (on another rank: see its "
+            "warning), at step 7: SNIP stops re-planning") in proc.stdout
+    for rank in ranks:
+        assert [s for s, _ in rank["applied"]] == [0]  # nothing measured at 10
+        assert sorted(map(int, rank["losses"])) == list(range(1, 12)) and rank["next_measure"] == 13
 
 
 def test_a_plan_change_failing_on_one_rank_is_undone_on_every_rank(start, tmp_path):

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 os.environ["SNIP_COMPILED_CAST"] = "1"
 
-import snip_megatron.formats.fused as fused  # noqa: E402
+import snip_megatron.formats.cpu_kernel as cpu_kernel  # noqa: E402
 from snip_megatron.formats import Formats, Role, Rounding, compiled, quantize  # noqa: E402
 
 RECIPES = {"blockwise": Formats().spec("fp8"), "tensorwise": Formats(fp8_recipe="tensorwise").spec("fp8"),
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":  # the graph serves GPUs; on CPU, for this smoke test, it is forced
-        fused.USE_CPU_KERNEL = False
+        cpu_kernel.USE_CPU_KERNEL = False
         compiled.serves = lambda x, want_codes, amax_group: not want_codes
     compiled.reset()
     check = probe(256, 512, device)

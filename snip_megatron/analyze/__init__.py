@@ -8,7 +8,7 @@ The checkpoint is Megatron-LM's (`snip-pretrain-gpt` / `snip-pretrain-hybrid`, o
 HybridModel), Megatron-Bridge's (`--recipe`) or the compact loop's (`snip-train` / `python -m
 snip_megatron.train`: its flags), told apart by the compact loop's manifest and Bridge's run config;
 every model SNIP trains (dense, MLA, MTP, MoE, HybridModel) is planned by its inventory. Parts, one
-job each: `cli` (flags, refusals, the run), `megatron_lm`, `bridge` and `compact` (load and measure
-in each loop), `quiet` (the loop's own output held back), `plans` (solve the budgets, evaluate the
-recipe rules), `output` (table, files, picture).
+job each: `cli` (flags, refusals, the run), `checkpoint` (which loop saved it), `megatron_lm`,
+`bridge` and `compact` (load and measure in each loop), `quiet` (the loop's own output held back),
+`plans` (solve the budgets, evaluate the recipe rules), `output` (table, files, picture).
 """

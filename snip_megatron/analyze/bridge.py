@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snip_megatron.analyze.cli import BRIDGE_RUN_CONFIG as RUN_CONFIG
+from snip_megatron.analyze.checkpoint import BRIDGE_RUN_CONFIG as RUN_CONFIG
 from snip_megatron.analyze.measured import Measurement, measured_count, said_before, uneven_split
 
 MODEL_FIELDS = (("model", "num_layers"), ("model", "hidden_size"), ("model", "ffn_hidden_size"),

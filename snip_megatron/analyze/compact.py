@@ -43,7 +43,7 @@ def measure(argv: list, load: Path, step: "int | None", k: int) -> Measurement:
     from snip_megatron.train.loop import Trainer
 
     loaded = int(checkpoint.verify(load, step).name[5:])  # CheckpointError names what is missing
-    config, snip, _, te = parse_args([*argv, "--snip", "--snip-measure-micro-batches", str(k)])
+    config, snip, _ = parse_args([*argv, "--snip", "--snip-measure-micro-batches", str(k)])
     snip = dataclasses.replace(snip, plan=None, pin_plan=False, baseline=None)
     config = dataclasses.replace(config, load_dir=None, load_step=None, save_dir=None, metrics_path=None,
                                  tensorboard_dir=None, progress=False, eval_interval=None,
@@ -59,18 +59,12 @@ def measure(argv: list, load: Path, step: "int | None", k: int) -> Measurement:
     except BaseException:
         trainer.close()
         raise
-    excluded = None
-    if te is not None:
-        from snip_megatron.te.shapes import te_exclusions
-
-        excluded = te_exclusions(config.shape, snip.formats, snip.uses, inventory=trainer.inventory, tp=config.tp,
-                                 micro_batch_size=config.micro_batch_size)
 
     def controller_for(snip_config):  # the model's planned linears: a preset's MLA or MoE experts too
         return SnipController(snip_config, trainer.shape, total_steps=config.steps, log=lambda msg: None,
-                              tokens_per_step=config.micro_batch_size * config.seq_len, excluded=excluded,
+                              tokens_per_step=config.micro_batch_size * config.seq_len,
                               inventory=trainer.inventory)
 
     return Measurement(stats=stats, snip=snip, controller_for=controller_for, step=loaded,
                        measured=measured_count(trainer.num_microbatches, trainer.dp_size, k), seconds=seconds,
-                       pp=config.pp, sm=getattr(te, "sm", None), close=trainer.close)
+                       pp=config.pp, sm=None, close=trainer.close)

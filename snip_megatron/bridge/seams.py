@@ -9,8 +9,9 @@ and apply a new plan, and it re-seeds the emulated linears' stochastic rounding 
 Bridge's `train()` looks `train_step` up in its module when it starts, so the wrapper is installed
 there (by `enable_snip`, before pretrain) and passes through for any pretrain() that is not the
 active SNIP run's. Its parameters are checked against the ones this code was written for
-(`check_seams`) before anything is wrapped, so a Bridge that changed them fails at start-up with
-the function named, never mid-run (tests/bridge/test_seams.py fails too).
+(`check_seams`, with the callers that must look them up here: snip_megatron/megatron/seams.py)
+before anything is wrapped, so a Bridge that changed them fails at start-up with the function
+named, never mid-run (tests/bridge/test_seams.py fails too).
 
 `mtp_block_spec` (which GPTModelProvider.provide looks up in its module when it builds a chunk):
 for the active SNIP run's model on the emulated backend, the multi-token-prediction block gets
@@ -22,23 +23,24 @@ from __future__ import annotations
 
 import functools
 
+from snip_megatron.megatron import seams as table
+
 MODULE = "megatron.bridge.training.train"
 PROVIDER = "megatron.bridge.models.gpt_provider"
-WRAPPED = {
-    (MODULE, "train_step"):
-        ("forward_step_func", "data_iterator", "model", "optimizer", "scheduler", "global_state"),
-    (PROVIDER, "mtp_block_spec"): ("config", "vp_stage"),
-}
-"""The wrapped functions and the leading parameters the wrappers rely on (Bridge 0.6.2)."""
+WRAPPED = table.wrapped("bridge")
+"""The wrapped functions and the leading parameters the wrappers rely on (Bridge 0.6.2;
+snip_megatron.megatron.seams)."""
 
 _ORIGINAL: dict = {}
 
 
 def check_seams() -> None:
-    """Raise RuntimeError naming the wrapped Bridge function if its parameters changed."""
-    from snip_megatron.pretrain.seams import check_seams as check
+    """Raise RuntimeError naming every seam of Bridge's loop (and Megatron-Core's) that no longer
+    holds: a wrapped function whose parameters changed, or that Bridge no longer looks up where SNIP
+    wraps it (snip_megatron.megatron.seam_check)."""
+    from snip_megatron.megatron.seam_check import check
 
-    check(WRAPPED, loop="Megatron-Bridge")
+    check("bridge")
 
 
 def install() -> None:

@@ -5,7 +5,9 @@
     snip-train --print-command model=llama_7b parallel=tp4_pp2   # for launch/*.sh: one arg a line
 
 The tiny recipe runs the compact loop (`python -m snip_megatron.train ...`); bigger ones run
-`snip-pretrain-gpt` (Megatron-LM's loop) with the recipe as Megatron arguments.
+`snip-pretrain-gpt` (Megatron-LM's loop) with the recipe as Megatron arguments. --dry-run prints
+the command of any recipe, with a placeholder for what only the cluster knows (a multi-node run's
+rendezvous endpoint, unless given); --print-command and a real run need it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import argparse
 import os
 import sys
 
-from snip_megatron.cli.command import launch_command, shell_line, training_target
-from snip_megatron.cli.recipe import check_input_files, compose_config, to_recipe
 from snip_megatron.errors import run_cli
+
+RDZV_PLACEHOLDER = "<HOST:PORT>"
+"""What --dry-run prints for a multi-node run's rendezvous endpoint when none is given."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Raises ValueError for bad input (`cli` prints it in one line and exits 2)."""
     opts = build_parser().parse_args(argv)
+    # The recipe's modules import torch and megatron.core: after quiet_startup (`cli`) and --help.
+    from snip_megatron.cli.command import launch_command, shell_line, training_target
+    from snip_megatron.cli.recipe import check_input_files, compose_config, to_recipe
+
     cfg = compose_config(opts.overrides, config_dir=opts.config_dir, config_name=opts.config_name)
     from omegaconf import OmegaConf
 
@@ -48,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     if opts.print_target:
         print("\n".join(training_target(recipe)))
         return 0
-    cmd = launch_command(recipe, rdzv_endpoint=opts.rdzv_endpoint, rdzv_id=opts.rdzv_id)
+    placeholder = opts.dry_run and recipe.parallel.nnodes > 1 and not opts.rdzv_endpoint
+    cmd = launch_command(recipe, rdzv_endpoint=RDZV_PLACEHOLDER if placeholder else opts.rdzv_endpoint,
+                         rdzv_id=opts.rdzv_id)
     if opts.print_command:
         print("\n".join(cmd))
         return 0
@@ -57,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         print(resolved_yaml.rstrip())
         print(f"# entry: {recipe.entry}; world size {recipe.parallel.world_size} = "
               f"tp {recipe.parallel.tp} x pp {recipe.parallel.pp} x dp {recipe.parallel.data_parallel_size}")
+        if placeholder:
+            print(f"# {RDZV_PLACEHOLDER}: the c10d rendezvous endpoint of the job's first node, known on the "
+                  "cluster (--rdzv-endpoint or SNIP_RDZV_ENDPOINT; launch/slurm.sbatch sets it)")
         print("# launch command")
         print(shell_line(cmd))
         return 0
@@ -67,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli() -> None:
     """Console entry point `snip-train`."""
+    from snip_megatron.megatron.startup import quiet_startup
+
+    quiet_startup()  # before the recipe's imports reach megatron.core: one line per expected absence
     sys.exit(run_cli("snip-train", main))
 
 

@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
 )
 
+from snip_megatron.emulation import forward_impl
 from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
 from snip_megatron.formats import Formats, FormatSpec, Precision, Role
 from snip_megatron.formats.sr_noise import SeedStream
@@ -51,6 +52,9 @@ class _QuantLinearMixin:
     format_spec: FormatSpec
 
     def _init_quant(self) -> None:
+        # Megatron's forward passes only keywords SNIP knows; the layer asks for nothing refused
+        megatron_class = next(c for c in type(self).__mro__ if c is ColumnParallelLinear or c is RowParallelLinear)
+        forward_impl.check_module(self, megatron_class)
         self.formats = Formats()
         self._sr_seed = next(_CONSTRUCTED)
         self._sr_stream: SeedStream | None = None
@@ -109,31 +113,37 @@ class _QuantLinearMixin:
         return f"formats={self.format_spec.short_str()}"
 
     def __repr__(self) -> str:
-        # megatron-core 0.16 defines __repr__ on these layers, which hides extra_repr.
+        # compat: megatron-core 0.16 defines __repr__ on these layers, which hides extra_repr.
         base, extra = super().__repr__(), self.extra_repr()
         return base if extra in base else f"{base[:-1]}, {extra})"
 
     # ---- forward -------------------------------------------------------------------------------
     def _forward_impl(self, input, weight, *args, **kwargs):
+        # Megatron passes keywords only; each one is known (forward_impl.FORWARD_IMPL_KEYWORDS)
+        if args:
+            raise TypeError(f"{type(self).__name__}._forward_impl takes Megatron's keyword arguments only, "
+                            f"got {len(args)} more positional")
+        forward_impl.check_keywords(type(self).__name__, kwargs)
         # Megatron's own path; also for an MoE expert routed no tokens this micro-batch (an empty
         # product is exact in every format, and there is nothing to quantize)
         if not self.format_spec.is_quantized or input.numel() == 0:
-            return super()._forward_impl(input, weight, *args, **kwargs)
+            return super()._forward_impl(input, weight, **kwargs)
         return self._quantized_forward_impl(input, weight, **kwargs)
 
     def _quantized_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
-                                allreduce_dgrad=False, sequence_parallel=False,
-                                grad_output_buffer=None, **_):
-        if grad_output_buffer is not None:
-            raise ValueError(f"{type(self).__name__}: defer_embedding_wgrad_compute is not "
-                             "supported by the emulated quantized linear")
+                                allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
+                                grad_output_buffer=None, wgrad_deferral_limit=None, gtp_remat_size=1,
+                                output_dtype=None):
+        forward_impl.check_values(type(self).__name__, input.dtype, grad_output_buffer, gtp_remat_size,
+                                  output_dtype)
         group = self._tp_group()
+        comm_group = group if tp_group is None else tp_group
         # The communication Megatron's fused linear does around its GEMMs, as autograd mappings.
         if sequence_parallel:
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True,
-                                                         group=group)
+                                                         group=comm_group)
         elif allreduce_dgrad:
-            input = copy_to_tensor_model_parallel_region(input, group=group)
+            input = copy_to_tensor_model_parallel_region(input, group=comm_group)
         runtime = self._runtime(group, gradient_accumulation_fusion)
         return quantized_linear(input, weight, bias, self.format_spec, runtime)
 

@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from snip_megatron.formats.elements import GRID
+from snip_megatron.formats.scales import block_scales, group_size, per_tensor_scales
 from snip_megatron.formats.spec import CastConfig, ElementFormat
 
 _LOG = logging.getLogger(__name__)
@@ -38,10 +40,8 @@ def enabled() -> bool:
 
 def serves(x: torch.Tensor, want_codes: bool, amax_group) -> bool:
     """Whether this cast can go through the compiled graph (opt-in, off CPU, no codes, local amax)."""
-    from snip_megatron.formats.fused import _group_size
-
     return (enabled() and x.device.type != "cpu" and not want_codes
-            and (amax_group is None or _group_size(amax_group) == 1))
+            and (amax_group is None or group_size(amax_group) == 1))
 
 
 def cast_2d(x, cast: CastConfig, block, u, out_dtype, eager):
@@ -123,8 +123,6 @@ def _compile():
 
 def _cast_graph(x, u, cast: CastConfig, block, out_dtype):
     """The fused path's cast (fused._quantize_2d without codes, one chunk), as pure tensor ops."""
-    from snip_megatron.formats.fused import _GRID, _block_scales, per_tensor_scales
-
     xf = x.float()
     rows, cols = xf.shape
     br, bc = block if block is not None else (1, cols)
@@ -138,10 +136,10 @@ def _cast_graph(x, u, cast: CastConfig, block, out_dtype):
     else:
         shape = (rows // br, br, cols // bc, bc)
         bits = (xf.view(torch.int32) & 0x7FFFFFFF).view(shape).amax(dim=(1, 3))
-        enc, decode, _ = _block_scales(bits.view(torch.float32), cast, per_tensor)
+        enc, decode, _ = block_scales(bits.view(torch.float32), cast, per_tensor)
         enc, decode = (s.view(shape[0], 1, shape[2], 1) for s in (enc, decode))
     y = xf.view(shape) * enc
-    q = _round(y, cast.element, None if u is None else u.view(shape), _GRID[cast.element])
+    q = _round(y, cast.element, None if u is None else u.view(shape), GRID[cast.element])
     return (q * decode).view(rows, cols).to(out_dtype)
 
 

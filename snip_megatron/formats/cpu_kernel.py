@@ -11,6 +11,7 @@ others wait, so two processes starting at once build it once.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -55,6 +56,27 @@ def kernel():
     return _STATE["module"]
 
 
+
+USE_CPU_KERNEL = True
+"""Whether CPU tensors go through the kernel when it builds; False runs the fused path's eager
+ops (tests compare both to the reference)."""
+
+
+@contextlib.contextmanager
+def eager_cpu_path():
+    """Within: CPU tensors take the eager path, not the kernel (benchmarks time both side by side)."""
+    global USE_CPU_KERNEL
+    previous, USE_CPU_KERNEL = USE_CPU_KERNEL, False
+    try:
+        yield
+    finally:
+        USE_CPU_KERNEL = previous
+
+
+def use_cpu_kernel() -> bool:
+    """Whether a CPU cast runs the kernel now: switched on and built."""
+    return USE_CPU_KERNEL and kernel() is not None
+
 def unavailable_reason() -> str | None:
     kernel()
     return _STATE.get("reason")
@@ -68,8 +90,9 @@ def _build():
     import torch
 
     arch, tag = _arch_flags()
-    # The name carries everything the binary depends on: a cache shared by two torch versions
-    # (prod and compat lanes) or two CPUs never loads the other's build.
+    # compat: built against the running torch's C++ headers (2.13 in the compat lane, 2.14 in
+    # prod). The name carries everything the binary depends on: a cache shared by two torch
+    # versions or two CPUs never loads the other's build.
     key = _SOURCE.read_bytes() + " ".join(_FLAGS + arch + [torch.__version__]).encode()
     name = f"snip_quantize_cpu_{tag}_{hashlib.sha1(key).hexdigest()[:10]}"
     start = time.perf_counter()

@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from snip_megatron.formats.constants import E2M1_MAX, E8M0_MAX_CODE
+from snip_megatron.formats.constants import E2M1_MAX, E4M3_MAX, E5M2_MAX, E8M0_MAX_CODE
 from snip_megatron.formats.spec import ElementFormat
 
 _FP8_DTYPES = {ElementFormat.E4M3: torch.float8_e4m3fn, ElementFormat.E5M2: torch.float8_e5m2}
+
+# Round-to-nearest-even to an element grid by adding and subtracting a magic power of two: for
+# |y| in [2**e, 2**(e+1)) with e at least the format's smallest normal exponent emin, adding
+# 2**(e + 23 - mantissa_bits) leaves a float32 whose last bit is worth one grid step, so the
+# IEEE addition rounds |y| to the grid, ties to even, and the subtraction is exact. Below 2**emin
+# the grid step is the subnormal step, the one of e = emin. (The fused and compiled paths.)
+GRID = {
+    # element: (largest magnitude, float32 bits of 2**emin, (23 - mantissa bits) << 23)
+    ElementFormat.E2M1: (E2M1_MAX, 127 << 23, 22 << 23),  # emin 0, 1 mantissa bit
+    ElementFormat.E4M3: (E4M3_MAX, (127 - 6) << 23, 20 << 23),  # emin -6, 3 mantissa bits
+    ElementFormat.E5M2: (E5M2_MAX, (127 - 14) << 23, 21 << 23),  # emin -14, 2 mantissa bits
+}
 
 
 def fp8_dtype(element: ElementFormat) -> torch.dtype:

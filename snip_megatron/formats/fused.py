@@ -15,7 +15,7 @@ nothing to compile), and:
 - rounds to the element grid with float adds of a magic power of two and integer masks, in
   place, for E2M1 and for E4M3/E5M2 alike (exactly the round-to-nearest-even of torch's float8
   casts, without them);
-- computes the scales with the reference's formulas, operation for operation;
+- computes the scales with the reference's formulas, operation for operation (scales.py);
 - on CPU, walks the tensor in row chunks of about `CHUNK_ELEMENTS` (block amax, scales, cast and
   decode per chunk), so intermediates stay in cache and three scratch buffers serve every chunk.
   Only the result (and, with return_codes, the codes) is allocated at full size. A per-tensor
@@ -35,22 +35,19 @@ dequantized values are NaN in both, its E8M0 scale is 255 in both).
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from snip_megatron.formats.constants import (
-    E2M1_MAX, E4M3_MAX, E4M3_MIN_NORMAL, E5M2_MAX, E8M0_BIAS, E8M0_NAN_CODE, F32_MAX,
-    F32_MIN_NORMAL, NVFP4_GLOBAL_DIVISOR,
-)
-from snip_megatron.formats import compiled
-from snip_megatron.formats.elements import e2m1_codes, e8m0_round_up, fp8_dtype
+from snip_megatron.formats import compiled, kernel_path
+from snip_megatron.formats.cpu_kernel import use_cpu_kernel
+from snip_megatron.formats.elements import GRID, e2m1_codes, fp8_dtype
 from snip_megatron.formats.hadamard import hadamard_last_dim
+from snip_megatron.formats.quantized import QuantizedTensor
+from snip_megatron.formats.scales import block_scales, per_tensor_scales, reduce_amax
 from snip_megatron.formats.spec import CastConfig, ElementFormat, Rounding, ScaleFormat
-from snip_megatron.formats.sr_noise import CounterNoise
+from snip_megatron.formats.sr_noise import CounterNoise, KernelNoise, stochastic_noise
 
 CHUNK_ELEMENTS = 1 << 18
 """Elements per row chunk on CPU (1 MiB of float32 per buffer: a chunk's buffers stay in cache).
@@ -60,17 +57,6 @@ per-op overhead, 2**20 more in cache misses (bench/quantize_throughput.py)."""
 _SIGN = -(1 << 31)  # 0x80000000 as int32
 _ABS = 0x7FFFFFFF  # clears the sign bit
 _EXP = 0x7F800000  # the exponent field
-# Round-to-nearest-even to an element grid by adding and subtracting a magic power of two: for
-# |y| in [2**e, 2**(e+1)) with e at least the format's smallest normal exponent emin, adding
-# 2**(e + 23 - mantissa_bits) leaves a float32 whose last bit is worth one grid step, so the
-# IEEE addition rounds |y| to the grid, ties to even, and the subtraction is exact. Below 2**emin
-# the grid step is the subnormal step, the one of e = emin.
-_GRID = {
-    # element: (largest magnitude, float32 bits of 2**emin, (23 - mantissa bits) << 23)
-    ElementFormat.E2M1: (E2M1_MAX, 127 << 23, 22 << 23),  # emin 0, 1 mantissa bit
-    ElementFormat.E4M3: (E4M3_MAX, (127 - 6) << 23, 20 << 23),  # emin -6, 3 mantissa bits
-    ElementFormat.E5M2: (E5M2_MAX, (127 - 14) << 23, 21 << 23),  # emin -14, 2 mantissa bits
-}
 
 
 @torch.no_grad()
@@ -82,9 +68,6 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
     and `tensor` was checked by `quantize`. operand=True: the cast as a GEMM reads it
     (`formats/operand.py`), a tuple (values in the GEMM layout, tensor scale, block scales,
     block)."""
-    from snip_megatron.formats import kernel_path
-    from snip_megatron.formats.quantize import QuantizedTensor, stochastic_noise
-
     out_dtype = tensor.dtype if out_dtype is None else out_dtype
     if dim not in (0, -1, tensor.dim() - 1):
         raise ValueError(f"quantize: dim must be 0 or -1 (the blocked dimension), got {dim}")
@@ -108,14 +91,14 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
         # The reference's layout and transform; the quantization in between is this module's.
         xg = _float_copy(x2.t() if transposed else x2)
         if isinstance(u, CounterNoise):
-            u = _KernelNoise(u, transposed, *x2.shape)
+            u = KernelNoise(u, transposed, *x2.shape)
         elif u is not None and transposed:
             u = _float_copy(u.t())
         rows, cols = xg.shape
         pads = (-rows % cast.block[0], -cols % cast.block[1])
         if any(pads):
             xg = F.pad(xg, (0, pads[1], 0, pads[0]))
-            u = u if u is None or isinstance(u, _KernelNoise) else F.pad(u, (0, pads[1], 0, pads[0]))
+            u = u if u is None or isinstance(u, KernelNoise) else F.pad(u, (0, pads[1], 0, pads[0]))
         xg = hadamard_last_dim(xg, cast.hadamard)
         if operand:  # the GEMM contracts in the transformed domain, padding included (zeros before)
             values, _, scales, tensor_scale = _quantize_2d(xg, cast, cast.block, u, torch.bfloat16,
@@ -129,7 +112,7 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
 
     rows, cols = x2.shape
     if isinstance(u, CounterNoise):
-        u = _KernelNoise(u, False, rows, cols)
+        u = KernelNoise(u, False, rows, cols)
     block = None
     pads = (0, 0)
     if cast.block is not None:
@@ -137,7 +120,7 @@ def quantize_fused(tensor: torch.Tensor, cast: CastConfig, *, dim: int = -1,
         pads = (-rows % block[0], -cols % block[1])
     if any(pads):
         x2 = F.pad(x2, (0, pads[1], 0, pads[0]))
-        u = u if u is None or isinstance(u, _KernelNoise) else F.pad(u, (0, pads[1], 0, pads[0]))
+        u = u if u is None or isinstance(u, KernelNoise) else F.pad(u, (0, pads[1], 0, pads[0]))
     if operand:
         values, _, scales, tensor_scale = _quantize_2d(x2, cast, block, u, torch.bfloat16, amax_group,
                                                        False, kernel, factor=True)
@@ -161,16 +144,6 @@ def _float_copy(x: torch.Tensor) -> torch.Tensor:
     return out.copy_(x)
 
 
-class _KernelNoise(NamedTuple):
-    """Counter-based noise for the kernel: the generator's parameters and the natural 2D shape
-    (rows, cols) it counts over; `transposed`: the kernel's rows are the natural columns."""
-
-    noise: CounterNoise
-    transposed: bool
-    rows: int
-    cols: int
-
-
 def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes, kernel: bool,
                  factor: bool = False):
     """Q of a 2D tensor whose dims are whole blocks of `block` (rows, cols, in x's own layout), or
@@ -180,29 +153,12 @@ def _quantize_2d(x, cast: CastConfig, block, u, out_dtype, amax_group, want_code
         x = x.float()  # float64: rounded to float32 first, as the reference
     x = x.contiguous()
     if kernel:
-        from snip_megatron.formats.kernel_path import quantize_2d_kernel
-
-        return quantize_2d_kernel(x, cast, block, u, out_dtype, amax_group, want_codes)
+        return kernel_path.quantize_2d_kernel(x, cast, block, u, out_dtype, amax_group, want_codes)
     if not factor and compiled.serves(x, want_codes, amax_group):
         out = compiled.cast_2d(x, cast, block, u, out_dtype, lambda: _quantize_2d_eager(
             x, cast, block, u, out_dtype, amax_group, False)[0])
         return out, None, None, None
     return _quantize_2d_eager(x, cast, block, u, out_dtype, amax_group, want_codes, factor)
-
-
-def per_tensor_scales(amax, cast: CastConfig, block):
-    """The per-tensor scales from the tensor's amax: tensorwise (block None): (encode, decode),
-    1x1; NVFP4's second level: (amax, global scale, its reciprocal)."""
-    if block is None:
-        enc = _fp32_encode_scale(amax, cast.element.max)
-        decode = _nan_where_not_finite(enc.reciprocal(), amax)  # TE multiplies by 1 / scale
-        # 1x1, not 0-dim: a 0-dim float32 would not promote a bfloat16 chunk to float32.
-        return enc.view(1, 1), decode.view(1, 1)
-    global_scale = amax / NVFP4_GLOBAL_DIVISOR
-    # All-zero (or absurdly tiny) tensors: any finite scale quantizes them to 0.
-    global_scale = torch.where(global_scale >= F32_MIN_NORMAL, global_scale,
-                               torch.ones_like(global_scale))
-    return amax, global_scale, 1.0 / global_scale
 
 
 def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, want_codes,
@@ -219,7 +175,7 @@ def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, wan
     # Per-tensor scales first (one read pass): tensorwise FP8, NVFP4's second level.
     per_tensor = None
     if block is None or cast.tensor_scale:
-        per_tensor = per_tensor_scales(_reduce_amax(_abs_max(x, step, scratch, c), amax_group),
+        per_tensor = per_tensor_scales(reduce_amax(_abs_max(x, step, scratch, c), amax_group),
                                        cast, block)
 
     out = torch.empty((rows, cols), dtype=out_dtype, device=x.device)
@@ -238,7 +194,7 @@ def _quantize_2d_eager(x, cast: CastConfig, block, u, out_dtype, amax_group, wan
         else:
             shape = ((r1 - r0) // br, br, cols // bc, bc)
             block_amax = _block_amax(xc, br, bc, scratch, c)
-            enc, decode, scales = _block_scales(block_amax, cast, per_tensor)
+            enc, decode, scales = block_scales(block_amax, cast, per_tensor)
             enc, decode = (s.view(shape[0], 1, shape[2], 1) for s in (enc, decode))
             if want_codes:
                 scales_all.append(scales)
@@ -281,28 +237,6 @@ def _operand_decode(decode, cast: CastConfig, block_scales):
     if cast.tensor_scale:
         return torch.where(nan, decode, block_scales.float().view(decode.shape)), None
     return decode, None
-
-
-USE_CPU_KERNEL = True
-"""Whether CPU tensors go through the compiled kernel (formats/cpu_kernel.py) when it builds;
-False runs this module's eager path (tests compare both to the reference)."""
-
-
-@contextlib.contextmanager
-def eager_cpu_path():
-    """Within: CPU tensors take the eager path, not the kernel (benchmarks time both side by side)."""
-    global USE_CPU_KERNEL
-    previous, USE_CPU_KERNEL = USE_CPU_KERNEL, False
-    try:
-        yield
-    finally:
-        USE_CPU_KERNEL = previous
-
-
-def use_cpu_kernel() -> bool:
-    from snip_megatron.formats.cpu_kernel import kernel
-
-    return USE_CPU_KERNEL and kernel() is not None
 
 
 def _chunk_rows(x, br: int) -> int:
@@ -349,7 +283,7 @@ def reserve_cpu_scratch() -> None:
 def _round_in_place(y, element: ElementFormat, u, scratch: _Scratch, c: dict) -> None:
     """y (flat float32) -> its values on the element grid, saturated, sign kept (-0 stays -0,
     NaN stays NaN): nearest-even, or stochastic with noise u (y's rows, x's layout)."""
-    top, min_exp_bits, magic_shift = _GRID[element]
+    top, min_exp_bits, magic_shift = GRID[element]
     n = y.numel()
     yi = y.view(torch.int32)
     sign, magic = scratch.sign[:n], scratch.magic[:n]
@@ -378,7 +312,7 @@ def _constants(device) -> dict:
     table = _CONSTANTS.get(device)
     if table is None:
         values = {"sign": _SIGN, "abs": _ABS, "exp": _EXP, "one_exp": 1 << 23}
-        for _, bits, shift in _GRID.values():
+        for _, bits, shift in GRID.values():
             values[bits], values[shift] = bits, shift
         table = {k: torch.tensor(v, dtype=torch.int32, device=device) for k, v in values.items()}
         table["abs16"] = torch.tensor(0x7FFF, dtype=torch.int16, device=device)
@@ -418,51 +352,3 @@ def _block_amax(x, br: int, bc: int, scratch: _Scratch, c: dict) -> torch.Tensor
         # reduction is not.
         a = torch.amax(a.reshape(-1, bc).t(), 0)
     return a.view(rows // br, cols // bc).view(torch.float32)
-
-
-def _block_scales(block_amax, cast: CastConfig, per_tensor):
-    """(encode, decode poisoned where the block or tensor is not finite, scales): the reference's
-    formulas on the block amaxes, operation for operation."""
-    elem_max = cast.element.max
-    if cast.scale in (ScaleFormat.FP32, ScaleFormat.POW2):
-        enc = _fp32_encode_scale(block_amax, elem_max)
-        if cast.scale is ScaleFormat.POW2:
-            enc = (enc.view(torch.int32) & -(1 << 23)).view(torch.float32)
-        decode = enc.reciprocal()
-        scales = decode
-    elif cast.scale is ScaleFormat.E8M0:
-        exp = e8m0_round_up(block_amax / elem_max)
-        enc = torch.where(exp == 0, torch.ones_like(block_amax),
-                          torch.exp2((E8M0_BIAS - exp).to(torch.float32)))
-        decode = torch.exp2((exp - E8M0_BIAS).to(torch.float32))
-        scales = torch.where(torch.isfinite(block_amax), exp, torch.full_like(exp, E8M0_NAN_CODE))
-        scales = scales.to(torch.uint8)
-    else:  # NVFP4: E4M3 block scale on the FP32 per-tensor scale
-        amax, global_scale, inv_global = per_tensor
-        block_scale = (block_amax / elem_max) / global_scale
-        scales = block_scale.clamp(E4M3_MIN_NORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-        block_scale_f32 = scales.float()
-        enc = inv_global / block_scale_f32
-        decode = _nan_where_not_finite(global_scale * block_scale_f32, amax)
-    return enc, _nan_where_not_finite(decode, block_amax), scales
-
-
-def _group_size(group) -> int:
-    return torch.distributed.get_world_size(group)
-
-
-def _reduce_amax(amax, group):
-    from snip_megatron.formats.quantize import _reduce_amax as reduce
-
-    return reduce(amax, group)
-
-
-def _fp32_encode_scale(amax, elem_max):
-    # max / amax, 1 for all-zero groups, capped at the largest float32 (TE's compute_scale).
-    scale = elem_max / amax
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-    return scale.clamp(max=F32_MAX)
-
-
-def _nan_where_not_finite(decode, amax):
-    return torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))

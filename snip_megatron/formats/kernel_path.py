@@ -1,7 +1,7 @@
 """The CPU kernel's casts (formats/cpu_kernel.py, csrc/quantize_cpu.cpp): each cast of the fused
 path in one kernel call, bit for bit the same (tests/formats/test_fused.py).
 
-`fused.quantize_fused` sends CPU tensors here where `fused.use_cpu_kernel()` says the kernel is
+`fused.quantize_fused` sends CPU tensors here where `cpu_kernel.use_cpu_kernel()` says the kernel is
 built and switched on; the eager path in fused.py runs everything else.
 """
 
@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from snip_megatron.formats.cpu_kernel import kernel, use_cpu_kernel
 from snip_megatron.formats.elements import e2m1_codes, fp8_dtype
-from snip_megatron.formats.fused import _group_size, _KernelNoise, _reduce_amax, per_tensor_scales, use_cpu_kernel
 from snip_megatron.formats.hadamard import hadamard_factor, hadamard_signs
+from snip_megatron.formats.quantized import QuantizedTensor
+from snip_megatron.formats.scales import group_size, per_tensor_scales, reduce_amax
 from snip_megatron.formats.spec import CastConfig, ElementFormat, ScaleFormat
-from snip_megatron.formats.sr_noise import CounterNoise
+from snip_megatron.formats.sr_noise import CounterNoise, KernelNoise
 
 ELEMENT_CODES = {ElementFormat.E2M1: 0, ElementFormat.E4M3: 1, ElementFormat.E5M2: 2}
 SCALE_CODES = {ScaleFormat.FP32: 1, ScaleFormat.POW2: 2, ScaleFormat.E8M0: 3}  # else NVFP4: 4
@@ -23,9 +25,7 @@ def quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, wan
     scales from its own amax pass (with the reference's formulas, as the 0-dim torch ops here
     compute them) unless the amax is all-reduced over a group of more than one rank; then here.
     It computes the block scales with the same formulas and rounds as `fused._round_in_place`, drawing
-    counter-based noise itself (`_KernelNoise`)."""
-    from snip_megatron.formats.cpu_kernel import kernel
-
+    counter-based noise itself (`KernelNoise`)."""
     k = kernel()
     if x.dtype == torch.float16:
         x = x.float()
@@ -34,9 +34,9 @@ def quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, wan
     tensor_finite = True
     per_tensor_scale = None
     per_tensor = block is None or cast.tensor_scale
-    amax_in_kernel = per_tensor and (amax_group is None or _group_size(amax_group) == 1)
+    amax_in_kernel = per_tensor and (amax_group is None or group_size(amax_group) == 1)
     if per_tensor and not amax_in_kernel:
-        amax = _reduce_amax(k.abs_max(x), amax_group)
+        amax = reduce_amax(k.abs_max(x), amax_group)
         tensor_finite = bool(torch.isfinite(amax))
         if block is None:
             enc_t, dec_t = per_tensor_scales(amax, cast, block)
@@ -55,7 +55,7 @@ def quantize_2d_kernel(x, cast: CastConfig, block, u, out_dtype, amax_group, wan
         scale_dtype = torch.float32 if scale_code in (1, 2) else torch.uint8
         scales = torch.empty((rows // br, cols // bc), dtype=scale_dtype)
     noise_args = {}
-    if isinstance(u, _KernelNoise):
+    if isinstance(u, KernelNoise):
         seed, col_offset = u.noise
         noise_args = dict(noise_counter=True, seed_lo=seed & 0xFFFFFFFF,
                           seed_hi=(seed >> 32) & 0xFFFFFFFF, col_offset=col_offset,
@@ -89,7 +89,7 @@ def hadamard_kernel_serves(tensor, cast: CastConfig, u, amax_group) -> bool:
     and no amax group to all-reduce the per-tensor amax over."""
     return (tensor.device.type == "cpu" and cast.hadamard == 16 and cast.block == (1, 16)
             and (u is None or isinstance(u, CounterNoise))
-            and (amax_group is None or _group_size(amax_group) == 1) and use_cpu_kernel())
+            and (amax_group is None or group_size(amax_group) == 1) and use_cpu_kernel())
 
 
 _HADAMARD_SIGNS: dict = {}
@@ -102,9 +102,6 @@ def quantize_hadamard_kernel(x2, tensor, cast: CastConfig, transposed: bool, noi
     transformed tensor (a first pass, transforming again), quantizes, transforms back and writes
     the result in the GEMM layout; returned as its transposed view where the blocks run along
     dim 0, as the other path."""
-    from snip_megatron.formats.cpu_kernel import kernel
-    from snip_megatron.formats.quantize import QuantizedTensor
-
     if x2.dtype not in (torch.float32, torch.bfloat16):
         x2 = x2.float()  # float64 rounded to float32 first, as the reference
     x2 = x2.contiguous()

@@ -1,7 +1,8 @@
 """Fake quantization: tensor -> Q(tensor) (dequantized), optionally with its codes and scales.
 
 `quantize` runs the fused path (`formats/fused.py`); `quantize_reference` is the plain eager
-implementation it is tested against, bit for bit, and the definition of the numerics below.
+implementation it is tested against, bit for bit, and the definition of the numerics below. The
+scale formulas are `formats/scales.py`'s, which every path shares (the CPU kernel's C++ restates them).
 
 Numerics follow the hardware recipes and, where torchao has a reference, match it bit for bit:
 NVFP4 = torchao `nvfp4_quantize(x, 16, per_tensor_amax_to_scale(amax))` then dequantize;
@@ -33,35 +34,18 @@ Rules (documented behaviour, tested):
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
-from snip_megatron.formats.constants import (
-    E4M3_MAX, E4M3_MIN_NORMAL, E8M0_BIAS, E8M0_NAN_CODE, F32_MAX, F32_MIN_NORMAL,
-    NVFP4_GLOBAL_DIVISOR,
-)
-from snip_megatron.formats.elements import cast_fp8, e2m1_codes, e8m0_round_up, round_e2m1
+from snip_megatron.formats.elements import cast_fp8, e2m1_codes, round_e2m1
+from snip_megatron.formats.fused import quantize_fused
 from snip_megatron.formats.hadamard import hadamard_last_dim
-from snip_megatron.formats.spec import CastConfig, ElementFormat, Rounding, ScaleFormat
-from snip_megatron.formats.sr_noise import CounterNoise, draw_seed
-
-
-class QuantizedTensor(NamedTuple):
-    """Q(t) and how it is stored. codes/scales are in the GEMM layout (blocked dim last), padded to
-    whole blocks and, with a Hadamard transform, in the transformed domain."""
-
-    dequantized: torch.Tensor
-    """Q(t) in t's layout and shape (Hadamard undone), dtype out_dtype."""
-    codes: torch.Tensor
-    """float8 tensor (FP8 elements) or uint8 E2M1 codes (bit 3 = sign)."""
-    scales: torch.Tensor
-    """Decode scale per block, (rows // br, cols // bc): float32 (powers of two for pow2 scales),
-    float8_e4m3fn (NVFP4) or uint8 biased E8M0 exponents (255 = NaN); a 1x1 float32 tensor for
-    per-tensor scaling."""
-    tensor_scale: torch.Tensor | None
-    """NVFP4 FP32 per-tensor decode scale (amax / 2688); None otherwise."""
+from snip_megatron.formats.quantized import QuantizedTensor
+from snip_megatron.formats.scales import (
+    block_scales, fp32_encode_scale, nan_where_not_finite, per_tensor_scales, reduce_amax,
+)
+from snip_megatron.formats.spec import CastConfig, ElementFormat, Role, Rounding
+from snip_megatron.formats.sr_noise import CounterNoise, stochastic_noise
 
 
 def quantize(tensor: torch.Tensor, cast: CastConfig | None, *, dim: int = -1,
@@ -85,8 +69,6 @@ def quantize(tensor: torch.Tensor, cast: CastConfig | None, *, dim: int = -1,
     early = _check(tensor, cast, out_dtype, return_codes)
     if early is not None:
         return early
-    from snip_megatron.formats.fused import quantize_fused
-
     return quantize_fused(tensor, cast, dim=dim, out_dtype=out_dtype, noise=noise,
                           generator=generator, amax_group=amax_group, return_codes=return_codes)
 
@@ -154,21 +136,6 @@ def _gemm_layout(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
     return x2.contiguous(), False
 
 
-def stochastic_noise(noise, generator, tensor):
-    """The noise of a stochastic cast of `tensor`: a U[0, 1) tensor of its shape (`noise` given
-    as one), or a `CounterNoise` (given, or seeded from `generator`: one draw, so each cast gets
-    its own stream; formats/sr_noise.py)."""
-    if noise is None:
-        if generator is None:
-            raise ValueError("stochastic rounding needs generator= or noise=")
-        return CounterNoise(draw_seed(generator))
-    if isinstance(noise, CounterNoise):
-        return noise
-    if noise.shape != tensor.shape:
-        raise ValueError(f"noise shape {tuple(noise.shape)} != tensor shape {tuple(tensor.shape)}")
-    return noise
-
-
 def _uniform_noise(noise, generator, tensor, dim, pads) -> torch.Tensor:
     noise = stochastic_noise(noise, generator, tensor)
     if isinstance(noise, CounterNoise):
@@ -176,14 +143,6 @@ def _uniform_noise(noise, generator, tensor, dim, pads) -> torch.Tensor:
     u, _ = _gemm_layout(noise.float(), dim)
     pad_r, pad_c = pads
     return F.pad(u, (0, pad_c, 0, pad_r)) if (pad_r or pad_c) else u
-
-
-def _reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
-    # NaN -> Inf first: MAX reductions need not propagate NaN, Inf they do; both mean "non-finite".
-    amax = torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
-    if group is not None and torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-    return amax
 
 
 def _cast_elements(y, element: ElementFormat, u, want_codes: bool):
@@ -195,30 +154,12 @@ def _cast_elements(y, element: ElementFormat, u, want_codes: bool):
     return codes.float(), codes
 
 
-def _fp32_encode_scale(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
-    # max / amax, 1 for all-zero groups, capped at the largest float32 (TE's compute_scale).
-    scale = elem_max / amax
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-    return scale.clamp(max=F32_MAX)
-
-
-def _round_down_to_pow2(scale: torch.Tensor) -> torch.Tensor:
-    # TE's force_pow_2_scales: keep the sign and exponent bits of the float32 scale, clear the
-    # mantissa (0xFF800000 as int32). Scales here are positive normal floats (or 0 for non-finite
-    # amaxes, which stay 0 and dequantize to NaN).
-    return (scale.contiguous().view(torch.int32) & -(1 << 23)).view(torch.float32)
-
-
-def _nan_where_not_finite(decode: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
-
-
 def _quantize_tensorwise(x, cast, amax_group, want_codes):
     # Current scaling: one FP32 scale from this step's amax of the whole (unsharded) tensor.
-    amax = _reduce_amax(x.abs().amax(), amax_group)
-    scale = _fp32_encode_scale(amax, cast.element.max)
+    amax = reduce_amax(x.abs().amax(), amax_group)
+    scale = fp32_encode_scale(amax, cast.element.max)
     q, codes = _cast_elements(x * scale, cast.element, None, want_codes)
-    decode = _nan_where_not_finite(scale.reciprocal(), amax)  # TE multiplies by scale_inv = 1/scale
+    decode = nan_where_not_finite(scale.reciprocal(), amax)  # TE multiplies by scale_inv = 1/scale
     return q.mul_(decode), codes, decode.reshape(1, 1), None
 
 
@@ -232,40 +173,11 @@ def _quantize_blocked(x, cast, amax_group, u, want_codes):
         block_amax = torch.maximum(hi, lo.neg())  # (nr, 1, nc, 1); NaN propagates
     else:
         block_amax = xb.abs().amax(dim=(1, 3), keepdim=True)
-    elem_max = cast.element.max
-    tensor_scale = None
-
-    if cast.scale in (ScaleFormat.FP32, ScaleFormat.POW2):
-        enc = _fp32_encode_scale(block_amax, elem_max)
-        if cast.scale is ScaleFormat.POW2:
-            enc = _round_down_to_pow2(enc)
-        decode = enc.reciprocal()  # exact for a power of two
-        scales = decode
-    elif cast.scale is ScaleFormat.E8M0:
-        # RCEIL: the smallest power of two with amax / scale <= max, so nothing saturates.
-        exp = e8m0_round_up(block_amax / elem_max)
-        # Reciprocal as TE's exp2f_rcp: code 0 (2**-127) encodes with 1.0.
-        enc = torch.where(exp == 0, torch.ones_like(block_amax),
-                          torch.exp2((E8M0_BIAS - exp).to(torch.float32)))
-        decode = torch.exp2((exp - E8M0_BIAS).to(torch.float32))
-        scales = torch.where(torch.isfinite(block_amax), exp, torch.full_like(exp, E8M0_NAN_CODE))
-        scales = scales.to(torch.uint8)
-    else:  # NVFP4: E4M3 block scale on an FP32 per-tensor scale
-        amax = _reduce_amax(block_amax.amax(), amax_group)
-        global_scale = amax / NVFP4_GLOBAL_DIVISOR
-        # All-zero (or absurdly tiny, amax < ~3e-35) tensors: any finite scale quantizes them to 0.
-        global_scale = torch.where(global_scale >= F32_MIN_NORMAL, global_scale,
-                                   torch.ones_like(global_scale))
-        block_scale = (block_amax / elem_max) / global_scale
-        block_scale_e4m3 = block_scale.clamp(E4M3_MIN_NORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-        block_scale_f32 = block_scale_e4m3.float()
-        # Same operation order as torchao (and TE's kernel): x * ((1 / global) / block), and
-        # dequantize with (global * block).
-        enc = (1.0 / global_scale) / block_scale_f32
-        decode = _nan_where_not_finite(global_scale * block_scale_f32, amax)
-        scales, tensor_scale = block_scale_e4m3, global_scale
-
-    decode = _nan_where_not_finite(decode, block_amax)
+    per_tensor = None
+    if cast.tensor_scale:  # NVFP4: the E4M3 block scales sit on an FP32 per-tensor scale
+        per_tensor = per_tensor_scales(reduce_amax(block_amax.amax(), amax_group), cast, cast.block)
+    enc, decode, scales = block_scales(block_amax, cast, per_tensor)
+    tensor_scale = None if per_tensor is None else per_tensor[1]
     ub = None if u is None else u.view(nr, br, nc, bc)
     q, codes = _cast_elements(xb * enc, cast.element, ub, want_codes)
     deq = q.mul_(decode).view(rows, cols)
@@ -278,8 +190,6 @@ def quantize_for_role(tensor: torch.Tensor, spec, role, *, reference: bool = Fal
     """quantize() with the role's cast and blocking dim: `tensor` is the role's operand in its
     natural layout (X: [..., k] tokens x in-features, W: m x k, G_Y: [..., m]); kwargs as quantize.
     reference=True runs `quantize_reference`."""
-    from snip_megatron.formats.spec import Role
-
     role = Role(role)
     fn = quantize_reference if reference else quantize
     return fn(tensor, spec.cast(role), dim=role.contraction_dim, **kwargs)

@@ -17,7 +17,9 @@ from dataclasses import dataclass, fields
 from enum import Enum
 
 from snip_megatron.formats.constants import E2M1_MAX, E4M3_MAX, E5M2_MAX
-from snip_megatron.formats.precision import FP4_RECIPES, FP8_RECIPES, Formats, Precision
+from snip_megatron.formats.recipes import (
+    FP4_RECIPES, FP8_RECIPES, Precision, check_variants, effective_fp4_gradient_rounding, effective_fp8_format,
+)
 
 
 class Role(str, Enum):
@@ -214,15 +216,15 @@ class FormatSpec:
         precision = Precision.parse(precision)
         fp8_recipe = _check_recipe("fp8_recipe", fp8_recipe, FP8_RECIPES)
         fp4_recipe = _check_recipe("fp4_recipe", fp4_recipe, FP4_RECIPES)
-        formats = Formats(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, fp8_format=fp8_format,
-                          fp8_block_scales=fp8_block_scales, fp4_gradient_rounding=fp4_gradient_rounding)
+        check_variants(fp8_recipe=fp8_recipe, fp4_recipe=fp4_recipe, fp8_format=fp8_format,
+                       fp8_block_scales=fp8_block_scales, fp4_gradient_rounding=fp4_gradient_rounding)
         if precision is Precision.BF16:
             return cls(precision=precision, recipe="bf16")
         if precision is Precision.FP8:
-            casts = _FP8_RECIPES[fp8_recipe](hybrid=formats.effective_fp8_format == "hybrid",
+            casts = _FP8_RECIPES[fp8_recipe](hybrid=effective_fp8_format(fp8_recipe, fp8_format) == "hybrid",
                                              pow2=fp8_block_scales == "pow2")
             return cls(precision=precision, recipe=fp8_recipe, **casts)
-        stochastic = formats.effective_fp4_gradient_rounding == "stochastic"
+        stochastic = effective_fp4_gradient_rounding(fp4_recipe, fp4_gradient_rounding) == "stochastic"
         return cls(precision=precision, recipe=fp4_recipe, **_FP4_RECIPES[fp4_recipe](stochastic=stochastic))
 
 

@@ -84,6 +84,31 @@ def shard_noise(seed: int, shape, *, rank: int = 0, world: int = 1, stride: int 
                       for s in range(stride)], dim=-1)
 
 
+class KernelNoise(NamedTuple):
+    """Counter-based noise as the CPU kernel draws it: the generator's parameters and the natural
+    2D shape (rows, cols) it counts over; `transposed`: the kernel's rows are the natural columns."""
+
+    noise: CounterNoise
+    transposed: bool
+    rows: int
+    cols: int
+
+
+def stochastic_noise(noise, generator, tensor):
+    """The noise of a stochastic cast of `tensor`: a U[0, 1) tensor of its shape (`noise` given
+    as one), or a `CounterNoise` (given, or seeded from `generator`: one draw, so each cast gets
+    its own stream)."""
+    if noise is None:
+        if generator is None:
+            raise ValueError("stochastic rounding needs generator= or noise=")
+        return CounterNoise(draw_seed(generator))
+    if isinstance(noise, CounterNoise):
+        return noise
+    if noise.shape != tensor.shape:
+        raise ValueError(f"noise shape {tuple(noise.shape)} != tensor shape {tuple(tensor.shape)}")
+    return noise
+
+
 class SeedStream:
     """Stochastic-rounding seeds counted on the host: the n-th seed is splitmix64 of (seed, n), a
     pure function of both. Drawing one never waits for a device, and a CPU run and a GPU run with

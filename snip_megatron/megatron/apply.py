@@ -142,6 +142,7 @@ def megatron_rearms_te_cache(config=None) -> bool:
     probe.te_module = torch.nn.Module()
     probe.te_module.is_first_microbatch = False
     probe.set_is_first_microbatch()
+    # compat: megatron-core 0.16-0.18 leave the probe's flag False (SNIP turns the cache off), 0.19 flips it
     return probe.te_module.is_first_microbatch is True
 
 

@@ -59,3 +59,14 @@ def make_forward_step(loss_key: str = "lm loss"):
         return output, loss_func
 
     return forward_step
+
+
+def on_this_cp_rank(batch: dict, cp_group) -> dict:
+    """Megatron's split of a micro-batch's [b, s] tensors to this context-parallel rank's tokens."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    # compat: megatron-core 0.16's get_batch_on_this_cp_rank has no is_hybrid_cp (0.19 requires it)
+    hybrid = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
+    return get_batch_on_this_cp_rank(batch, **({"is_hybrid_cp": False} if hybrid else {}), cp_group=cp_group)

@@ -15,6 +15,9 @@ streams and events in the DDP grad sync). `install()` makes those work on CPU, p
    ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` work;
 4. a backward started from Python (Megatron's recompute calls ``torch.autograd.backward`` inside a
    backward) runs with the mode on.
+5. ``--moe-token-dispatcher-type alltoall`` runs over gloo: its split sizes become the numpy
+   arrays they are on a GPU (`_splits_to_cpu`), and its gather over expert TP of parts of unequal
+   sizes, which gloo's all_gather refuses, goes through equal padded parts (`_uneven_gather`).
 
 `uninstall()` restores every patched attribute. Both are no-ops when CUDA is available.
 Order: init the process group -> import megatron.core -> install() -> initialize_model_parallel.
@@ -105,6 +108,44 @@ def _patch(obj, name: str, value) -> None:
     setattr(obj, name, value)
 
 
+def _splits_to_cpu(original):
+    """Megatron's alltoall dispatcher moves its split sizes off the GPU with
+    ``maybe_move_tensor_to_cpu(t, as_numpy=True)`` (transformer/moe/token_dispatcher.py:930-938
+    @0.19.2), which turns only a CUDA tensor into numpy (moe_utils.py:1184-1187): on the CPU
+    the splits stay tensors and reach ``all_to_all_single`` (tensor_parallel/mappings.py:460), whose
+    split-size arguments take lists. This converts a CPU tensor asked for as numpy, the one thing
+    the GPU path does that the CPU path skips; everything else goes to Megatron's function."""
+
+    def to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return to_cpu
+
+
+def _uneven_gather(original):
+    """Megatron's alltoall dispatcher gathers its tokens over expert TP with each rank's count
+    (token_dispatcher.py:734-744 @0.19.2) through ``_gather_along_first_dim`` with
+    ``output_split_sizes``, which hands ``torch.distributed.all_gather`` a list of unequal parts
+    (tensor_parallel/mappings.py:147-154): NCCL gathers them, gloo refuses ("invalid tensor size").
+    Here every rank's part is padded to the largest with zero rows, gathered, and cut back to its
+    size: the output Megatron's gather gives. Equal or no split sizes go to Megatron's function."""
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or len(set(output_split_sizes)) <= 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in output_split_sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, output_split_sizes)])
+
+    return gather
+
+
 def needed() -> bool:
     """The shim is needed only where CUDA is not available."""
     return not torch.cuda.is_available()
@@ -153,6 +194,15 @@ def install() -> bool:
         _patch(mrandom, "_set_cuda_rng_state",
                lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
     _patch(torch.autograd, "_engine_run_backward", _backward_in_mode(torch.autograd._engine_run_backward))
+    try:
+        from megatron.core.tensor_parallel import mappings
+        from megatron.core.transformer.moe import token_dispatcher
+    except Exception:  # megatron missing or broken
+        mappings = token_dispatcher = None
+    if getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None) is not None:
+        _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _splits_to_cpu(token_dispatcher.maybe_move_tensor_to_cpu))
+    if getattr(mappings, "_gather_along_first_dim", None) is not None:
+        _patch(mappings, "_gather_along_first_dim", _uneven_gather(mappings._gather_along_first_dim))
     _MODE = CudaToCpuMode()
     _MODE.__enter__()
     return True

@@ -16,7 +16,11 @@ A grouped expert linear (Megatron's TEGroupedLinear over TE's GroupedLinear, `--
 becomes one GemmView per expert GEMM (`weight<i>`): the rows of its input are split by the
 forward's `m_splits`, as TE splits them, so each expert's GEMM gets hooks of its own, exactly as a
 SequentialMLP's local experts do. No TP mapping: TE's grouped GEMM communicates nothing (Megatron's
-token dispatcher does).
+token dispatcher does). Under expert TP a gated fc1's shard on each rank is its [gate | up] rows, as
+the MLP's fc1 with `stride=2` (transformer/mlp.py:206-216 @0.19.2), though Megatron marks TE's
+grouped weights `partition_stride = 1` (extensions/transformer_engine.py:121-123): the views carry
+the stride the rows really have (`GemmView.partition_stride`), which places the measurement's noise
+and stochastic rounding at each row's feature of the whole GEMM.
 """
 
 from __future__ import annotations
@@ -53,12 +57,15 @@ class GemmView(torch.nn.Module):
     """Y = X W^T of a TE linear with Megatron's TP mappings, unquantized; the measurement's hooks
     attach here. `weight` is the TE module's own Parameter (not registered a second time)."""
 
-    def __init__(self, module, column: bool, duplicated: bool = False, weight_name: str = "weight"):
+    def __init__(self, module, column: bool, duplicated: bool = False, weight_name: str = "weight",
+                 partition_stride: "int | None" = None):
         super().__init__()
         self._module = [module]  # a list: not a submodule, so its parameters are not listed twice
         self.column, self.duplicated = column, duplicated
         self.sequence_parallel = bool(getattr(module, "sequence_parallel", False))
         self.weight_name = weight_name  # a grouped linear's expert: "weight<i>"
+        # how many interleaved parts each TP shard holds (Megatron's partition_stride)
+        self.partition_stride = partition_stride or int(getattr(self.weight, "partition_stride", 1) or 1)
 
     @property
     def weight(self) -> torch.nn.Parameter:
@@ -109,11 +116,13 @@ def is_grouped_linear(module) -> bool:
 
 
 @contextlib.contextmanager
-def unfused_grouped(module):
+def unfused_grouped(module, column: bool = False):
     """Run a grouped expert linear as one plain GEMM per expert while the context lasts; yields the
     experts' views in expert order. Output convention as Megatron's TEGroupedLinear: (output, None),
-    or (output, [bias<i>]) when it returns its biases."""
-    views = [GemmView(module, column=False, duplicated=True, weight_name=f"weight{i}")
+    or (output, [bias<i>]) when it returns its biases. `column`: it is the column-parallel fc1 (of
+    a gated MLP, its rows are [gate | up] on every expert-TP rank: stride 2)."""
+    stride = 2 if column and getattr(module.config, "gated_linear_unit", False) else 1
+    views = [GemmView(module, column=False, duplicated=True, weight_name=f"weight{i}", partition_stride=stride)
              for i in range(module.num_gemms)]
     biases = [getattr(module, f"bias{i}") for i in range(module.num_gemms)] if module.use_bias else None
     returns_bias = bool(getattr(module, "te_return_bias", False))

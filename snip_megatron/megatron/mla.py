@@ -70,13 +70,15 @@ class DuplicatedDownProjection(ColumnParallelLinear, metaclass=_CountsAsColumnPa
         self.weight.sequence_parallel = bool(self.config.sequence_parallel)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """The whole weight, replicated over TP (one main replica), as TE's duplicated TELinear saves it."""
+        """The whole weight, replicated over TP and DP (one main replica), as TE's duplicated TELinear
+        saves it (Megatron reads the DP group only when it is given neither group)."""
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         group = self._checkpoint_tp_group or ps.get_tensor_model_parallel_group()
         return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, None,
-                                                   sharded_offsets, tp_group=group)
+                                                   sharded_offsets, tp_group=group,
+                                                   dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True))
 
 
 class QuantDownProjection(_QuantLinearMixin, DuplicatedDownProjection):

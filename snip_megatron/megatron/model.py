@@ -75,6 +75,7 @@ def check_mla_buildable() -> None:
     None when Transformer Engine is absent, so it cannot be built there: refused with the way out."""
     from snip_megatron.megatron.apply import megatron_core_version
 
+    # compat: 0.16's MLASelfAttention needs TE; 0.17+ builds on the local spec too.
     if megatron_core_version() < (0, 17) and not te_importable():
         raise ValueError("multi-latent attention on megatron-core < 0.17 needs Transformer Engine (its "
                          "MLASelfAttention checks isinstance(linear_proj, TELinear), None without TE): use "

@@ -51,6 +51,7 @@ MEGATRON_MODULES = r"megatron"  # megatron.core, megatron.training and the vendo
 # (0.19.2: a default TransformerConfig counts as the deprecated "full" CUDA-graph scope; an
 # experimental MIMO config class warns when imported; every GPTModel logs that GPTModel is
 # deprecated). Nothing to act on for a SNIP user: filtered too, by message and megatron's modules.
+# compat: 0.19.2 raises these notices, 0.16.1 none of them (the filters then match nothing).
 MEGATRON_NOTICES = (r"full scope is deprecated", r"MimoModelConfig is experimental")
 GPT_LOGGER, GPT_MESSAGE = "megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"
 # Megatron-Bridge logs each TE symbol it cannot find, with a traceback, when TE is absent

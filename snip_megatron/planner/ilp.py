@@ -59,7 +59,7 @@ def _cbc_command(config: PlannerConfig, time_limit_s: float | None = None):
     except Exception:
         return None
     path = config.cbc_path
-    if path is None:
+    if path is None:  # compat: PuLP 3 (Python 3.11, the compat lane) bundles CBC; PuLP 4 has cbcbox
         bundled = getattr(getattr(pulp, "PULP_CBC_CMD", None), "pulp_cbc_path", None)
         if bundled and os.path.isfile(bundled):
             path = bundled
@@ -114,8 +114,9 @@ def _cbc_version(path: str) -> str:
 
 
 def cbc_banner_version(banner: str) -> str:
-    """The version in what `cbc -quit` prints: "Version: 2.10.3" (the binary PuLP 3 bundles) or a
-    first line "CBC devel (git:146ce89) — COIN-OR Branch and Cut" (cbcbox's build)."""
+    """The version in what `cbc -quit` prints: "Version: 2.10.3" (the binary PuLP 3 bundles),
+    "Version: Devel (unstable)" (cbcbox 2.929, PuLP 4.2's) or a first line "CBC devel (git:146ce89) —
+    COIN-OR Branch and Cut" (cbcbox's later builds)."""
     found = re.search(r"Version:\s*(\S+)", banner) or re.match(r"\s*CBC\s+(.+?)\s+\W\s+COIN-OR", banner)
     return found.group(1) if found else "(version unknown)"
 
@@ -261,7 +262,7 @@ def _budget_row(weights, need: float, scale: float) -> tuple[list[float], float]
 
 def _status(pulp, prob, ret) -> tuple[str, bool]:
     """("optimal" | "feasible (...)" | other, has_solution) across PuLP 3 (int) and 4 (stats)."""
-    if hasattr(ret, "has_solution"):  # PuLP >= 4: LpSolveStats
+    if hasattr(ret, "has_solution"):  # compat: PuLP >= 4 returns LpSolveStats, PuLP 3 a status int
         name = getattr(ret.status, "name", str(ret.status))
         if name in ("Optimal", "GapLimit"):  # GapLimit: proven within gap_rel, which we asked for
             return "optimal", bool(ret.has_solution)

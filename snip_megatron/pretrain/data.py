@@ -43,9 +43,11 @@ def get_batch(data_iterator, vp_stage=None, mtp_here: bool = False) -> dict:
     embed the tokens again, so the stage gets every tensor (tokens and positions also on the last)."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+    from megatron.core.utils import get_batch_on_this_tp_rank
     from megatron.training import get_args
     from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    from snip_megatron.megatron.batch import on_this_cp_rank
 
     if not is_first_or_last_pipeline_stage(vp_stage) and not mtp_here:
         return dict.fromkeys(BATCH_KEYS)
@@ -67,7 +69,7 @@ def get_batch(data_iterator, vp_stage=None, mtp_here: bool = False) -> dict:
         mtp_on_this_rank=mtp_here, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         is_pipeline_last_stage=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage))
-    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
+    batch = on_this_cp_rank(batch, ps.get_context_parallel_group())
     return {k: batch.get(k) for k in BATCH_KEYS}
 
 

@@ -25,6 +25,7 @@ def require_megatron_training() -> None:
     (megatron-core < 0.19)."""
     from snip_megatron.errors import MissingDependency
 
+    # compat: megatron.training ships with megatron-core >= 0.19; 0.16 (the compat lane) gets this refusal.
     try:
         import megatron.training  # noqa: F401
         from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: F401

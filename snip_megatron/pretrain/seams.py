@@ -1,9 +1,11 @@
 """Where SNIP joins megatron.training: the step boundary and the checkpoint save.
 
 Megatron-LM offers no hook at a step boundary with the data iterator at hand, nor one after a
-checkpoint is final, so SNIP wraps three functions, and only these, each checked against the
-parameters this code was written for (`check_seams`, run before anything is wrapped, so a Megatron
-that changed one fails at start-up with the function named, never mid-run):
+checkpoint is final, so SNIP wraps these functions, and only these, each checked against the
+parameters this code was written for and against the caller that must look it up here
+(`check_seams`, run before anything is wrapped, so a Megatron that changed one fails at start-up
+with the function named, never mid-run; the table: snip_megatron/megatron/seams.py), and each
+proven to run once the run is under way (snip_megatron.pretrain.proof):
 
 - `training.train_step`: on every rank, before the step trains, the controller may measure on the
   step's own micro-batches (which train_step then trains on) and apply a new plan;
@@ -17,36 +19,20 @@ that changed one fails at start-up with the function named, never mid-run):
 
 from __future__ import annotations
 
-import inspect
+from snip_megatron.megatron import seams as table
 
-WRAPPED = {
-    ("megatron.training.training", "train_step"):
-        ("forward_step_func", "data_iterator", "model", "optimizer", "opt_param_scheduler", "config",
-         "forward_backward_func", "iteration"),
-    ("megatron.training.training", "save_checkpoint"):
-        ("iteration", "model", "optimizer", "opt_param_scheduler", "num_floating_point_operations_so_far"),
-    ("megatron.training.checkpointing", "schedule_async_save"): ("async_request",),
-    ("megatron.training.models.gpt", "mtp_block_spec"): ("config", "transformer_layer_spec"),
-}
-"""The functions SNIP wraps and the leading parameters it relies on."""
+WRAPPED = table.wrapped("megatron-lm")
+"""The functions SNIP wraps and the leading parameters it relies on (snip_megatron.megatron.seams)."""
 
 
-def check_seams(wrapped: "dict | None" = None, loop: str = "Megatron-LM") -> None:
-    """Raise RuntimeError naming any wrapped function whose parameters changed (`wrapped`: a table
-    like WRAPPED, which is the default; `loop` names the framework in the message)."""
-    import importlib
+def check_seams() -> None:
+    """Raise RuntimeError naming every seam of Megatron-LM's loop (and Megatron-Core's) that no
+    longer holds: a wrapped function whose parameters changed or that its caller no longer looks
+    up where SNIP wraps it, a private method SNIP overrides with another signature
+    (snip_megatron.megatron.seam_check)."""
+    from snip_megatron.megatron.seam_check import check
 
-    for (module_name, name), expected in (WRAPPED if wrapped is None else wrapped).items():
-        fn = getattr(importlib.import_module(module_name), name, None)
-        if fn is None:
-            raise RuntimeError(f"{module_name}.{name} does not exist in this {loop}; snip-megatron "
-                               "joins the training loop there and cannot run with this version")
-        fn = getattr(fn, "__wrapped__", fn)
-        have = tuple(inspect.signature(fn).parameters)[:len(expected)]
-        if have != expected:
-            raise RuntimeError(f"{module_name}.{name} takes ({', '.join(have)}, ...) in this {loop}; "
-                               f"snip-megatron was written for ({', '.join(expected)}, ...) and cannot "
-                               "join the training loop safely")
+    check("megatron-lm")
 
 
 def _is_rank_0() -> bool:
@@ -101,6 +87,7 @@ def install(run) -> None:
         margs = get_args()
         if not margs.save or kwargs.get("non_persistent_ckpt"):
             return original_save(iteration, *args, **kwargs)
+        run.saving(iteration)
         state = run.state_dict(iteration)  # every rank: the controller may wait for its solver
 
         def write_after_checkpoint():

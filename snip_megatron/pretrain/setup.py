@@ -69,6 +69,8 @@ class SnipRun:
     inventory: Any = None
     """The model's planned linears as the config gives them (models.inventory.Inventory); the built
     model is checked against it before the first step."""
+    proof: Any = None
+    """The run-time proof that Megatron's loop goes through SNIP's seams (pretrain.proof.RunProof)."""
     _started: bool = False
     _ctx: Any = field(default=None, repr=False)
 
@@ -77,6 +79,9 @@ class SnipRun:
         """Before Megatron's train_step: the controller may measure on this step's micro-batches
         (which train_step then trains on) and apply a new plan. Returns what train_step must read."""
         from snip_megatron.pretrain.step import MegatronStep
+
+        if self.proof is not None:
+            self.proof.step_begins(step)
 
         ctx = MegatronStep(step=step - 1, chunks=list(model), optimizer=optimizer,
                            forward_step_func=forward_step_func, data_iterator=data_iterator,
@@ -144,12 +149,20 @@ class SnipRun:
         if state is not None:
             self.controller.load_state_dict(state["controller"])
 
+    def saving(self, iteration: int) -> None:
+        """SNIP's save wrapper, at a persistent save of `iteration` (every rank)."""
+        if self.proof is not None:
+            self.proof.saving(iteration)
+
     def report_saved(self, iteration: int, state: dict, save_dir: str) -> None:
+        """Rank 0, once the checkpoint of `iteration` is final: SNIP's state beside it."""
         from snip_megatron.plan import Plan
         from snip_megatron.pretrain.state import write_state
 
         path = write_state(save_dir, iteration, state)
         print(f"[snip] saved plan ({Plan.from_dict(state['plan']).counts()}) to {path}", flush=True)
+        if self.proof is not None:
+            self.proof.state_written(iteration, save_dir)
 
 
 def _num_microbatches() -> int:
@@ -377,6 +390,10 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
     else:
         model_cfg.transformer_layer_spec = snip_layer_spec(run, model_cfg.transformer_layer_spec)
     seams.install(run)
+    from snip_megatron.pretrain.proof import RunProof
+
+    run.proof = RunProof(args.save, args.save_interval)
+    run.proof.arm()  # the first training forward must come after SNIP's step hook
     plan = run.controller.plan
     _print_rank_0(f"[snip] on; backend {backend}; formats {snip.formats.short_str(snip.uses)}; plan: "
                   f"{getattr(run.controller, 'plan_source', '?')} {plan.counts()}")

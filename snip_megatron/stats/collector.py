@@ -87,7 +87,7 @@ class LinearProbe:
         # nothing sharded by features; under SP both X and Y hold this rank's tokens only
         w = module.weight
         tp = self.tp_size
-        self.stride = int(getattr(w, "partition_stride", 1) or 1)
+        self.stride = int(getattr(module, "partition_stride", None) or getattr(w, "partition_stride", 1) or 1)
         self.k = w.shape[1] * (tp if self.row else 1)
         self.m = w.shape[0] * (tp if self.column else 1)
         # sequence parallelism: which operand is token-sharded

@@ -259,7 +259,8 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             linears = []
             for pl in planned:
                 if is_grouped_linear(pl.module):  # one view per expert GEMM, as SequentialMLP's experts
-                    linears += [(pl.key, v) for v in views.enter_context(unfused_grouped(pl.module))]
+                    column = kinds[pl.key] is ParallelKind.COLUMN
+                    linears += [(pl.key, v) for v in views.enter_context(unfused_grouped(pl.module, column))]
                 elif is_te_linear(pl.module):
                     linears.append((pl.key, views.enter_context(unfused(
                         pl.module, column=kinds[pl.key] is ParallelKind.COLUMN,

@@ -6,6 +6,8 @@ a checkpoint of another model is refused in one line naming the flag."""
 import subprocess
 import sys
 
+import pytest
+
 from snip_megatron.analyze.cli import main
 from snip_megatron.errors import run_cli
 from snip_megatron.models import gpt
@@ -13,6 +15,8 @@ from snip_megatron.plan import Plan
 from snip_megatron.shapes import PRESETS
 from tests.analyze.helpers import check_analysis, snapshot
 from tests.distributed import ROOT
+
+pytestmark = pytest.mark.launches
 
 LOOP = ["--model", "llama_tiny_moe", "--micro-batch-size", "2", "--global-batch-size", "8", "--max-bytes", "300000"]
 

@@ -23,6 +23,8 @@ from tests.pretrain.test_moe_runs import MOE
 from tests.pretrain.test_runs import MODEL, needs_training, run
 from tests.pretrain.test_te_runs import TE, WORKER, run_te, te_env
 
+pytestmark = pytest.mark.launches
+
 DATA = ["--mock-data", "--vocab-size", "256", "--eval-interval", "100"]
 SAVE = ["--train-iters", "2", "--save-interval", "2"]
 EXPERTS = gpt.MoEDims(num_experts=4, topk=2, ffn_hidden_size=32, layer_freq=(1, 0))

@@ -8,10 +8,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from snip_megatron.plan import Plan
 from tests.analyze.helpers import check_analysis, snapshot, table_rows
 from tests.distributed import ROOT
 from tests.pretrain.test_runs import ENV, MODEL, needs_training, run
+
+pytestmark = pytest.mark.launches
 
 DATA = ["--mock-data", "--vocab-size", "256", "--train-iters", "2", "--eval-interval", "100"]
 

@@ -5,7 +5,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.distributed import ROOT
+
+pytestmark = pytest.mark.launches
 
 
 def test_the_script_checks_and_times_a_key_on_cpu():

@@ -20,6 +20,7 @@ def check():
     return module
 
 
+@pytest.mark.launches
 def test_the_script_refuses_without_a_gpu():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--pattern", "M*M-"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)

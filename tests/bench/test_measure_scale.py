@@ -11,10 +11,13 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 MEGATRON_019 = tuple(int(x) for x in version("megatron-core").split(".")[:2]) >= (0, 19)
 
 
+@pytest.mark.launches
 def test_quick_run_prints_its_result_line(tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore",  # OMP_NUM_THREADS: the lane's (tests/conftest.py)
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -279,6 +279,7 @@ def test_the_oracle_runs_singles_first_then_the_knapsack_of_their_harms(quality,
     assert "| 1.linear_fc1 | +12.500% ± 0.000% | 2 |" in table
 
 
+@pytest.mark.launches
 def test_the_oracle_trains_the_knapsack_of_the_singles_it_just_ran_and_resumes(quality, tmp_path):
     """End to end on a tiny model, as a user runs it: BF16, uniform FP8, the 4 singles, then the
     oracle's run at 50%, whose FP4 set is the knapsack over the logged singles' harms; a rerun with
@@ -403,3 +404,10 @@ def test_an_moe_run_trains_measures_and_plans_its_expert_units(quality, tmp_path
     plan = history[-1][1]
     assert {str(k) for k in plan if "expert" in k.name} == {f"{l}.expert_fc{i}" for l in (1, 2) for i in (1, 2)}
     assert 0.7 <= snip["fp4_fraction"] <= 0.8 and math.isfinite(snip["val_bf16"]) and not snip["diverged"]
+
+
+def test_the_report_in_docs_opens_with_what_it_answers(quality):
+    """docs/results.md says what it answers on its first line after the title, as the generator
+    writes it (a hand edit would be lost at the next --report-only)."""
+    lines = (ROOT / "docs" / "results.md").read_text().splitlines()
+    assert lines[0].startswith("# Quality at equal FP4 budgets") and lines[2] == quality.ANSWERS

@@ -24,6 +24,7 @@ def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
+@pytest.mark.launches
 def test_the_environment_opens_an_env_process_group():
     plain = subprocess.run([sys.executable, "-c", OPEN_GROUP], env=_clean_env(), capture_output=True,
                            text=True, timeout=120)

@@ -29,6 +29,7 @@ def te_check():
     sys.modules.pop("bench_te_check", None)
 
 
+@pytest.mark.launches
 def test_the_script_refuses_without_a_gpu():
     proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr
@@ -186,6 +187,7 @@ def test_the_start_up_checks_at_a_given_sm(te_check):
     assert fields == {"te": "absent", "snip_default": "fp8,fp4", "fp4_refused": "n/a", "_ok": True}
 
 
+@pytest.mark.launches
 @needs_training
 def test_the_pretrain_probe_on_cpu(te_check, tmp_path):
     """The pretrain part's worker (snip-pretrain-gpt with the probe on SNIP's controller) on CPU
@@ -254,6 +256,7 @@ def _over_the_doubles(sm: int, fix: bool) -> tuple[dict, str]:
     return json.loads(last.split(" ", 1)[1]), proc.stdout
 
 
+@pytest.mark.launches
 def test_warmup_and_gpt_parts_over_the_te_double_at_sm100():
     """The warmup and gpt parts with `device="cpu"` over the TE test double standing in for a B200
     (and the apex double, so Megatron's default gradient-accumulation fusion runs): every recipe
@@ -267,6 +270,7 @@ def test_warmup_and_gpt_parts_over_the_te_double_at_sm100():
     assert "plan {'bf16': 5, 'fp8': 6, 'fp4': 5}: delivered to 16 TE linears; 16 with fuse_wgrad_accumulation" in log
 
 
+@pytest.mark.launches
 def test_the_gpt_part_catches_stale_weights_and_sm90_refuses_fp4():
     """Stand-in SM90 with SNIP's weight-cache fix undone: on megatron-core < 0.19, which does not
     re-arm TE's cache for a quant_recipe, step 2's forwards run step 1's weights and the gpt part

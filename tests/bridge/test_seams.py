@@ -39,8 +39,9 @@ def test_a_changed_train_step_is_refused_naming_it(monkeypatch):
         raise AssertionError("never called")
 
     monkeypatch.setattr(btrain, "train_step", train_step)
-    with pytest.raises(RuntimeError, match=r"megatron.bridge.training.train.train_step takes "
-                                           r"\(forward_step_func, data_iterators, .*Megatron-Bridge"):
+    with pytest.raises(RuntimeError, match=r"^snip-megatron cannot join this Megatron-Bridge \(megatron-core .*, "
+                                           r"megatron-bridge .*\) safely: megatron.bridge.training.train.train_step "
+                                           r"takes \(forward_step_func, data_iterators, "):
         check_seams()
 
 

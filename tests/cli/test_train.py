@@ -38,10 +38,15 @@ def test_dry_run_70b_multi_node(capsys):
                        "-m", "snip_megatron.pretrain", *EXPECTED_70B]
 
 
-def test_multi_node_needs_a_rendezvous(capsys, monkeypatch):
+def test_a_multi_node_dry_run_shows_the_rendezvous_as_a_placeholder_a_launch_needs_it(capsys, monkeypatch):
     monkeypatch.delenv("SNIP_RDZV_ENDPOINT", raising=False)
-    code, _, err = run_cli(capsys, "--dry-run", "model=llama_70b", "parallel=tp8_pp8", "train=pretrain")
-    assert code == 2 and "parallel.nnodes=8 needs a rendezvous endpoint" in err
+    code, out, err = run_cli(capsys, "--dry-run", "model=llama_70b", "parallel=tp8_pp8")
+    assert code == 0, err
+    cmd = command_line(out)
+    assert cmd[cmd.index("--nnodes") + 1] == "8" and cmd[cmd.index("--rdzv-endpoint") + 1] == cli.RDZV_PLACEHOLDER
+    assert f"# {cli.RDZV_PLACEHOLDER}: the c10d rendezvous endpoint" in out
+    code, out, err = run_cli(capsys, "--print-command", "model=llama_70b", "parallel=tp8_pp8")  # launch/*.sh
+    assert code == 2 and out == "" and "parallel.nnodes=8 needs a rendezvous endpoint" in err
 
 
 def test_dry_run_tiny_is_the_compact_loop(capsys):
@@ -96,8 +101,17 @@ def test_without_dry_run_it_execs_the_command(capsys, monkeypatch):
     assert "--snip" not in seen["argv"] and seen["argv"][seen["argv"].index("--steps") + 1] == "50"
 
 
-def test_module_entry_point_runs():
+@pytest.mark.launches
+def test_module_entry_point_runs_and_starts_quietly(tmp_path):
+    """As snip-pretrain-gpt: one line per expected absence, none of Megatron's warnings about it."""
+    from tests.megatron.test_startup import WALL, absent, child_env
+
     proc = subprocess.run([sys.executable, "-m", "snip_megatron.cli.train", "--dry-run", "model=llama_1b",
-                           "parallel=tp1_dp8", "train=pretrain"], capture_output=True, text=True, timeout=120)
+                           "parallel=tp1_dp8", "train=pretrain"], cwd=tmp_path, env=child_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "--nproc-per-node 8" in proc.stdout and "--num-query-groups 4" in proc.stdout
+    lines = proc.stderr.splitlines()
+    assert all(line.startswith("[snip] ") for line in lines) and not any(w in proc.stderr for w in WALL), lines
+    for absence in absent():
+        assert lines.count(f"[snip] {absence.notice}") == 1, lines

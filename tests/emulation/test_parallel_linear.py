@@ -118,6 +118,7 @@ def test_finish_init_rejects_bad_configs(megatron_single):
     assert layer.precision is Precision.BF16  # nothing half-applied
 
 
+@pytest.mark.compat
 def test_repr_shows_formats(megatron_single):
     layers = _pair()
     layers["qcol"].set_precision("fp4")

@@ -3,7 +3,11 @@ NVFP4's stochastically rounded gradients on a gated fc1's strided shards."""
 
 import json
 
+import pytest
+
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.launches
 
 # Tensors no rank sums across are bit-identical; the others (Y of the row-parallel layer, G_X of
 # the column-parallel one) differ only by the order of an FP32 all-reduce.

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-import snip_megatron.formats.fused as fused
+import snip_megatron.formats.cpu_kernel as cpu_kernel
 from snip_megatron.formats import Role, compiled, quantize, quantize_reference
 from snip_megatron.formats.spec import Rounding
 from tests.formats.test_fused import CASE_DATA, SPECS, _assert_bits_equal
@@ -17,7 +17,7 @@ from tests.formats.test_fused import CASE_DATA, SPECS, _assert_bits_equal
 @pytest.fixture
 def compiled_on_cpu(monkeypatch):
     """The compiled path for CPU tensors (it serves GPUs only), the C++ kernel off."""
-    monkeypatch.setattr(fused, "USE_CPU_KERNEL", False)
+    monkeypatch.setattr(cpu_kernel, "USE_CPU_KERNEL", False)
     monkeypatch.setattr(compiled, "serves", lambda x, want_codes, amax_group: not want_codes)
     compiled.reset()
     yield

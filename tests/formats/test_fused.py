@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import snip_megatron.formats.cpu_kernel as cpu_kernel
 import snip_megatron.formats.fused as fused
 import snip_megatron.formats.kernel_path as kernel_path
 from snip_megatron.formats import (
@@ -146,9 +147,9 @@ def chunking(request, monkeypatch):
     # least one block row), so every chunk boundary is crossed; one chunk runs the same ops.
     if request.param == "kernel":
         _require_kernel()
-        monkeypatch.setattr(fused, "USE_CPU_KERNEL", True)
+        monkeypatch.setattr(cpu_kernel, "USE_CPU_KERNEL", True)
     else:
-        monkeypatch.setattr(fused, "USE_CPU_KERNEL", False)
+        monkeypatch.setattr(cpu_kernel, "USE_CPU_KERNEL", False)
     if request.param == "eager_many_chunks":
         monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 4096)
         monkeypatch.setattr(fused, "_KEPT", __import__("threading").local())
@@ -208,6 +209,7 @@ def test_element_rounding_equals_the_casts(element):
     _assert_bits_equal(want, got, element.value)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("element", list(ElementFormat))
 def test_kernel_element_rounding_equals_the_casts(element):
     # The compiled kernel's rounding on the same probe: a per-tensor cast with scale 1, its grid

@@ -5,7 +5,7 @@ alike by the CPU kernel, the eager fused path and the reference."""
 import pytest
 import torch
 
-import snip_megatron.formats.fused as fused
+from snip_megatron.formats.cpu_kernel import eager_cpu_path
 from snip_megatron.formats import Formats, Role, Rounding, quantize_for_role
 from snip_megatron.formats.sr_noise import CounterNoise, SeedStream, draw_seed, shard_noise
 
@@ -68,6 +68,7 @@ def test_shard_columns_are_the_full_tensors():
     assert torch.equal(CounterNoise(99).uniform((4, 6, 64)).reshape(24, 64), full)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("shape", [(64, 96), (50, 40), (7, 3, 48)])
 @pytest.mark.parametrize("role", SR_ROLES, ids=lambda r: r.value)
 def test_kernel_eager_and_reference_draw_the_same_noise(shape, role):
@@ -80,7 +81,7 @@ def test_kernel_eager_and_reference_draw_the_same_noise(shape, role):
         assert torch.equal(ref, quantize_for_role(x, NVFP4, role, reference=True,
                                                   noise=noise.uniform(x.shape)))
         fast = quantize_for_role(x, NVFP4, role, noise=noise)
-        with fused.eager_cpu_path():
+        with eager_cpu_path():
             eager = quantize_for_role(x, NVFP4, role, noise=noise)
         assert torch.equal(ref.view(torch.int32), fast.view(torch.int32))
         assert torch.equal(ref.view(torch.int32), eager.view(torch.int32))

@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from snip_megatron.megatron import cpu_shim
@@ -11,14 +12,22 @@ from snip_megatron.megatron import cpu_shim
 CHECK = textwrap.dedent("""
     import torch, torch.cuda.random
     import megatron.core.tensor_parallel.random as mrandom
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer.moe import token_dispatcher
     from snip_megatron.megatron import cpu_shim
     names = ["current_device", "synchronize", "current_stream", "default_stream", "Stream", "Event",
              "stream", "get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"]
     before = {n: getattr(torch.cuda, n) for n in names}
     before_m = (mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state, torch.cuda.random.get_rng_state,
                 torch.autograd._engine_run_backward)
+    before_moe = (token_dispatcher.maybe_move_tensor_to_cpu, mappings._gather_along_first_dim)
     assert cpu_shim.install() is True
     assert cpu_shim.is_installed()
+    # the alltoall dispatcher's split sizes come off "the GPU" as numpy, as a GPU copy gives them
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert type(splits).__name__ == "ndarray" and splits.tolist() == [3, 1], splits
+    assert torch.is_tensor(token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1])))
+    assert mappings._gather_along_first_dim is not before_moe[1]  # its uneven gather over gloo
     assert torch.zeros(2, device="cuda").device.type == "cpu"
     assert torch.ones(1).to("cuda:0").device.type == "cpu"
     assert torch.ones(1).cuda().device.type == "cpu"
@@ -72,6 +81,7 @@ CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.launches
 def test_install_uninstall_restores_torch_cuda():
     # A fresh interpreter: other tests in this process keep the shim installed.
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=120)

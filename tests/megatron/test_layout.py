@@ -96,6 +96,7 @@ def test_bad_layouts_are_refused(argv, words):
         main(argv)
 
 
+@pytest.mark.launches
 def test_module_entry_point_prints_result_last():
     import subprocess
     import sys

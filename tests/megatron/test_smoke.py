@@ -6,6 +6,8 @@ import pytest
 
 from tests.distributed import run_distributed
 
+pytestmark = pytest.mark.launches
+
 BACKEND = ["--backend", "local"]
 
 

@@ -31,6 +31,7 @@ def absent() -> list:
     return [a for a in ABSENCES if not startup._installed(a.module)]
 
 
+@pytest.mark.launches
 def test_demo_help_prints_notices_not_the_wall(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "snip_megatron.demo", "--help"], cwd=tmp_path,
                           env=child_env(tmp_path), capture_output=True, text=True, timeout=300)
@@ -46,6 +47,7 @@ def test_demo_help_prints_notices_not_the_wall(tmp_path):
     assert all(line.startswith("[snip] ") for line in lines), proc.stderr
 
 
+@pytest.mark.launches
 def test_without_it_the_wall_is_there(tmp_path):
     # The same import without quiet_startup: what the notices replace (and what the test above checks).
     proc = subprocess.run([sys.executable, "-c", "import snip_megatron.data.prepare"], cwd=tmp_path,
@@ -89,6 +91,7 @@ def test_only_the_replaced_warnings_are_filtered(fresh, monkeypatch):
     assert quiet_startup(stream=out) == [] and len(out.getvalue().splitlines()) == 1  # idempotent
 
 
+@pytest.mark.compat
 def test_megatrons_notices_about_its_own_defaults_are_filtered(fresh, monkeypatch):
     monkeypatch.setattr(startup, "_installed", lambda module: True)
     gpt_logger = logging.getLogger(startup.GPT_LOGGER)
@@ -108,6 +111,8 @@ def test_megatrons_notices_about_its_own_defaults_are_filtered(fresh, monkeypatc
         gpt_logger.filters[:] = before
 
 
+@pytest.mark.launches
+@pytest.mark.compat
 def test_building_the_demo_model_prints_only_snips_lines(tmp_path):
     code = ("from snip_megatron.megatron.startup import quiet_startup; quiet_startup()\n"
             "from snip_megatron.megatron import runtime\n"

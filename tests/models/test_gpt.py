@@ -43,6 +43,7 @@ def test_paths_and_keys_translate_both_ways():
         gpt.module_path(LayerKey(3, "linear_fc1"), 5)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("backend", ["emulated", "local"])
 def test_discovered_from_the_built_model_equals_the_one_from_its_shape(megatron_single, backend):
     from snip_megatron.megatron.model import build_model_chunks
@@ -60,6 +61,7 @@ def test_discovered_from_the_built_model_equals_the_one_from_its_shape(megatron_
         agree(found, expected=gpt.inventory(shape.with_(num_layers=shape.num_layers + 1)))
 
 
+@pytest.mark.launches
 def test_the_adapter_and_the_inventory_import_no_megatron_nor_torch():
     import subprocess
     import sys
@@ -135,6 +137,22 @@ def test_an_mla_model_built_on_the_emulated_spec_holds_its_inventory(megatron_si
     assert {type(m).__name__ for p, m in chunks[0].named_modules() if p.endswith("down_proj")} == {"QuantDownProjection"}
 
 
+
+@pytest.mark.compat
+def test_an_mtp_model_built_on_the_emulated_spec_holds_its_inventory(megatron_single):
+    """The MTP layer's inner transformer layer is named by release (gpt.MTP_INNER): its planned
+    linears are found, keyed apart from the decoder's, and built as SNIP's emulated linears."""
+    from snip_megatron.megatron.model import build_model_chunks
+    from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape
+
+    chunks = build_model_chunks(shape, backend="emulated", mtp_num_layers=1)
+    found = gpt.discover(chunks)
+    assert found == gpt.inventory(shape, mtp_num_layers=1) == gpt.of_config(chunks[0].config)
+    mtp = {n: m for n, m in chunks[0].named_modules() if n.startswith("mtp.layers.0.") and n.endswith(
+        ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "eh_proj"))}
+    assert len(mtp) == 5 and all(callable(getattr(m, "set_precision", None)) for m in mtp.values()), list(mtp)
+    assert {gpt.key_for_path(n, shape.num_layers) for n in mtp} == {e.key for e in found if gpt.is_mtp(e.key)}
+
 def test_multi_token_prediction_keys_live_apart_from_the_decoder():
     from snip_megatron.models.inventory import Inventory, merge
 
@@ -201,6 +219,7 @@ def test_local_expert_paths_are_their_units():
     assert gpt.module_path(LayerKey(6, "expert_fc1"), 4) == "decoder.layers.1.mlp.experts.linear_fc1"
 
 
+@pytest.mark.compat
 def test_moe_inventory_discovered_from_the_emulated_model_equals_the_configs(megatron_single):
     from snip_megatron.megatron.model import build_model_chunks
     from snip_megatron.megatron.smoke import SMOKE_SHAPE as shape

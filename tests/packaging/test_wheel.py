@@ -8,7 +8,9 @@ torch is the one thing the venv borrows: `snip_megatron.formats` imports it at p
 (the planner itself does not use it) and a fresh torch is 0.75-3.5 GB, so the running lane's
 site-packages is put on the venv's path *after* its own. The solve must then run the CBC of the
 venv's PuLP: a wheel whose PuLP requirement brings no CBC would make PuLP fall through to the
-lane's cbcbox, which the path assertions catch. Runs in each lane with that lane's Python.
+lane's cbcbox, which the path assertions catch. `pip check` passes there, and the CBC is the one
+the lane's lock pins (requirements/prod.txt's cbcbox on Python >= 3.12, compat.txt's PuLP on 3.11):
+what `pip install snip-megatron` resolves is what the tests ran. Runs in each lane with that lane's Python.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from pathlib import Path
 import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+
+from tests.packaging.test_lock import locked
+
+pytestmark = [pytest.mark.compat, pytest.mark.launches]
 
 ROOT = Path(__file__).resolve().parents[2]
 NGC_TORCH = "2.13.0a0+8145d630e8.nv26.06"  # the torch of nvcr.io/nvidia/pytorch:26.06-py3 (docker/README.md)
@@ -122,5 +128,9 @@ def test_fresh_venv_solves_with_its_own_cbc(wheel, tmp_path):
         cbc = Path(notice.split(" at ", 1)[1].rsplit(" (PuLP ", 1)[0])
         assert cbc.resolve().is_relative_to(site.resolve()), f"CBC not from the venv's PuLP: {notice}"
         assert f"[snip] planner: {notice}" in proc.stderr.splitlines(), proc.stderr
+        pins = locked("prod" if sys.version_info >= (3, 12) else "compat")
+        assert f"(PuLP {pins['pulp']}" in notice, (notice, pins["pulp"])  # the lock's PuLP, and its CBC
+        assert sys.version_info < (3, 12) or notice.endswith(f", cbcbox {pins['cbcbox']})"), (notice, pins["cbcbox"])
+        run([sys.executable, "-m", "pip", "--python", str(py), "check"], env=env)
     finally:
         shutil.rmtree(venv, ignore_errors=True)  # cbcbox alone is ~600 MB

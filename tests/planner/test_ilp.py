@@ -14,7 +14,7 @@ from snip_megatron.planner.ilp import cbc_available
 from snip_megatron.planner.solve import solve_plan
 from snip_megatron.shapes import ModelShape
 
-pytestmark = pytest.mark.skipif(not cbc_available(), reason="CBC is not installed here")
+pytestmark = [pytest.mark.compat, pytest.mark.skipif(not cbc_available(), reason="CBC is not installed here")]
 
 TWO = (P.FP8, P.FP4)
 THREE = (P.BF16, P.FP8, P.FP4)

@@ -143,6 +143,8 @@ def probe(controller, out: Path):
     at_start: dict = {}
 
     def start(ctx):
+        from megatron.core import parallel_state as ps
+
         from snip_megatron.megatron.apply import list_planned_linears
 
         built = te_state(ctx.chunks)  # as Megatron built them
@@ -155,6 +157,10 @@ def probe(controller, out: Path):
                   # experts per MoE layer on this rank (Megatron's MoE layers and their experts)
                   "local_experts": sorted({m.num_local_experts for c in ctx.chunks for m in c.modules()
                                            if isinstance(getattr(m, "num_local_experts", None), int)}),
+                  # Megatron's token dispatchers and the expert-TP size its expert groups were made with
+                  "dispatchers": sorted({type(m.token_dispatcher).__name__ for c in ctx.chunks for m in c.modules()
+                                         if hasattr(m, "token_dispatcher")}),
+                  "expert_tp": ps.get_expert_tensor_parallel_world_size(),
                   "stages": {str(k): v for k, v in (controller.stages or {}).items()},
                   "plan_source": controller.plan_source,
                   "te_built": built, "te_started": te_state(ctx.chunks)}

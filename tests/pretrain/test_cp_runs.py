@@ -19,6 +19,8 @@ from tests.pretrain.test_runs import MODEL, losses, needs_training, snip_lines, 
 from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, TE, WORKER, check_linears_follow_the_plan,
                                          check_runtime, te_env, te_rows)
 
+pytestmark = pytest.mark.launches
+
 CP = ["--context-parallel-size", "2"]
 MODELS = {"dense": MODEL, "mla_mtp": [*test_mla_runs.MODEL, *test_mla_runs.MLA, "--mtp-num-layers", "1"],
           "hybrid": [*MODEL, "--hybrid-layer-pattern", "*-*-"]}

@@ -5,12 +5,15 @@ grouped experts at TP=2 with sequence parallelism x EP=2 and PP=2 x VPP=2, from 
 tests/pretrain/test_moe_layouts.py. MoE latent projections on TE. (Statistics at these layouts equal
 one process's: tests/stats/test_measure_moe_parallel.py.)"""
 
+import pytest
 
 from snip_megatron.plan import Plan
 from tests.pretrain import test_mla_runs, test_runs
 from tests.pretrain.test_layouts import analyzed, check_launch, check_ranks
 from tests.pretrain.test_runs import needs_training, state_of
 from tests.pretrain.test_te_runs import BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, run_te
+
+pytestmark = pytest.mark.launches
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[0,1,1,1]",
        "--moe-shared-expert-intermediate-size", "128", "--moe-aux-loss-coeff", "1e-2"]

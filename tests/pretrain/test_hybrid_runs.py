@@ -21,6 +21,8 @@ from tests.pretrain.test_te_runs import (DATA, HOPPER_SNIP, TE, WORKER, check_li
                                          check_resumed_ranks, check_runtime, check_two_pipeline_stages, replanned,
                                          run_te, te_built, te_env, te_rows)
 
+pytestmark = pytest.mark.launches
+
 pytest.importorskip("megatron.core.models.hybrid.hybrid_model",
                     reason="megatron-core 0.16.1 (compat lane) has MambaModel, not HybridModel (0.18+)")
 

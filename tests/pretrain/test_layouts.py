@@ -17,10 +17,13 @@ Models: the dense GPT, and MLA with an MTP layer."""
 import pytest
 
 from snip_megatron.plan import Plan
+from tests.analyze.helpers import WORKER as ANALYZE_WORKER
 from tests.pretrain import test_mla_runs, test_runs
 from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of
 from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, WORKER, check_linears_follow_the_plan,
                                          check_runtime, run_te, te_rows)
+
+pytestmark = pytest.mark.launches
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 DP2 = ["--use-distributed-optimizer", *RECOMPUTE]
@@ -100,17 +103,28 @@ def analyzed(tmp_path, name: str, ckpt, step: int, flags: list, *, sm: "int | No
 
     drop = {"--num-layers-per-virtual-pipeline-stage"}
     flags = [a for i, a in enumerate(flags) if a not in drop and (i == 0 or flags[i - 1] not in drop)]
-    flags = [a.replace("|", "") if i and flags[i - 1] == "--hybrid-layer-pattern" else a for i, a in enumerate(flags)]
+    pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1]) if "--pipeline-model-parallel-size" in flags else 1
+    flags = [stage_segments(a, pp) if i and flags[i - 1] == "--hybrid-layer-pattern" else a
+             for i, a in enumerate(flags)]
     snip = HOPPER_SNIP if sm == 90 else BLACKWELL_SNIP
     argv = [*flags, *DATA, "--global-batch-size", "8", "--load", str(ckpt), "--out", str(tmp_path / name),
             "--budgets", "0.5", "--analyze-microbatches", "2", *snip[1:]]
     if sm is None:
         out = emulated(tmp_path, base, *argv, nproc=nproc, module="snip_megatron.analyze")
-    else:
-        out = run_te(tmp_path, ["-m", "snip_megatron.analyze"], *argv, sm=sm, nproc=nproc, timeout=900, model=base)
+    else:  # snip-analyze over the TE double, which stands in for the GPU of SM`sm`
+        out = run_te(tmp_path, [str(ANALYZE_WORKER), str(tmp_path / name / "record")], *argv, sm=sm, nproc=nproc,
+                     timeout=900, model=base)
     assert f"[snip-analyze] {ckpt} at step {step}:" in out, out[-3000:]
     doc = json.loads((tmp_path / name / "analysis.json").read_text())
     assert doc["budget_kind"] == kind and doc["plans"][0]["error"] is None, doc["plans"]
+
+
+def stage_segments(pattern: str, pp: int) -> str:
+    """A HybridModel's pattern with one segment per pipeline stage: its segments (one per virtual
+    chunk, in layer order) joined in order, the same layers without the virtual pipeline."""
+    segments = pattern.split("|")
+    per_stage = len(segments) // pp
+    return "|".join("".join(segments[i * per_stage:(i + 1) * per_stage]) for i in range(pp))
 
 
 def emulated(tmp_path, model: list, *argv: str, nproc: int, module: str = "snip_megatron.pretrain") -> str:

@@ -18,6 +18,8 @@ from tests.distributed import ROOT, run_distributed
 from tests.pretrain import test_runs
 from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of
 
+pytestmark = pytest.mark.launches
+
 # the GPT of test_runs without grouped-query attention, which Megatron refuses with MLA
 GQA = ("--group-query-attention", "--num-query-groups")
 MODEL = [a for i, a in enumerate(test_runs.MODEL)

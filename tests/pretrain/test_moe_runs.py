@@ -11,6 +11,8 @@ import pytest
 from snip_megatron.plan import Plan
 from tests.pretrain.test_runs import ROOT, losses, needs_training, run, snip_lines, state_of, train
 
+pytestmark = pytest.mark.launches
+
 PROBED = ROOT / "tests" / "pretrain" / "pretrain_worker.py"
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,0]",
@@ -87,28 +89,36 @@ def test_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double(t
     check_runtime(rows)
 
 
-# Each layout on two processes: EP=2 over two data-parallel replicas (allgather dispatcher, the
-# default), and PP=2 (the MoE layer on the first stage, the dense one on the second; DP=1). Expert
-# gradients are reduced by Megatron's DDP over the expert-data-parallel group. TP > 1 cannot run
-# here: Megatron's MoE layer trains at TP > 1 only with sequence parallelism, which the local spec's
-# torch norms refuse (its statistics are tested in tests/stats/test_measure_moe_parallel.py).
+# Each layout on two processes: EP=2 over two data-parallel replicas, with Megatron's allgather
+# dispatcher (the default) and with its alltoall one; expert TP 2 at TP 1 (each expert's linears
+# sharded over the two replicas, which the dispatcher gathers every token for); and PP=2 (the MoE
+# layer on the first stage, the dense one on the second; DP=1). Expert gradients are reduced by
+# Megatron's DDP over the expert-data-parallel group. TP > 1 cannot run here: Megatron's MoE layer
+# trains at TP > 1 only with sequence parallelism, which the local spec's torch norms refuse (its
+# statistics are tested in tests/stats/test_measure_moe_parallel.py).
+A2A = ["--moe-token-dispatcher-type", "alltoall"]
 LAYOUTS = {
     "ep2": ["--expert-model-parallel-size", "2"],
+    "ep2_a2a": ["--expert-model-parallel-size", "2", *A2A],
+    "etp2": ["--expert-tensor-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
 }
 
 
-def check_local_experts(probe, layout: str) -> None:
-    """Each rank's MoE layer holds the model's 4 experts, or 2 at EP=2 (Megatron's expert groups
-    set up as the flags say)."""
+def check_local_experts(probe, layout: str, nproc: int = 2) -> None:
+    """Each rank's MoE layer holds the model's 4 experts, or 2 at EP=2, behind the dispatcher and
+    at the expert TP the flags name (Megatron's expert groups set up as the flags say)."""
     import json
 
-    for rank in (0, 1):
-        found = json.loads((probe / f"rank{rank}.json").read_text())["local_experts"]
+    for rank in range(nproc):
+        found = json.loads((probe / f"rank{rank}.json").read_text())
         if "pp2" in layout and rank == 1:  # the MoE layer is on the first stage
-            assert found == [], found
-        else:
-            assert found == [2 if "ep2" in layout else 4], (rank, found)
+            assert found["local_experts"] == [], found
+            continue
+        assert found["local_experts"] == [2 if "ep2" in layout else 4], (rank, found)
+        dispatcher = "MoEAlltoAllTokenDispatcher" if "a2a" in layout else "MoEAllGatherTokenDispatcher"
+        assert found["dispatchers"] == [dispatcher], (rank, found)
+        assert found["expert_tp"] == (2 if "etp2" in layout else 1), (rank, found)
 
 
 @needs_training
@@ -127,36 +137,43 @@ def test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan(tmp_path,
     assert sorted(losses(out)) == [3] and len(replans(out)) == 1
 
 
-# TE grouped experts over the TE double on two processes, expert TP 1: TP=2 with sequence
+# TE grouped experts over the TE double, expert TP 1 on two processes: TP=2 with sequence
 # parallelism and EP=2 (each rank two experts; TE's norms take SP, the CPU's torch norms do not),
-# EP=2 over two data-parallel replicas, and PP=2.
-TE_LAYOUTS = {
-    "tp2_sp_ep2": ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-                   "--expert-tensor-parallel-size", "1"],
+# EP=2 over two data-parallel replicas, and PP=2; on four: TP=2 with sequence parallelism over two
+# replicas, the experts on expert TP 2 x EP=2 behind the alltoall dispatcher (each rank two experts'
+# halves; the dispatcher's all-to-all over EP, then its gather over expert TP of each rank's own
+# token count).
+TE_LAYOUTS = {  # name -> (flags, processes)
+    "tp2_sp_ep2": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+                    "--expert-tensor-parallel-size", "1"], 2),
     # two micro-batches per replica, so TE's cached FP8 weights are reused within a step (check_runtime)
-    "ep2": ["--expert-model-parallel-size", "2", "--global-batch-size", "8"],
-    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "ep2": (["--expert-model-parallel-size", "2", "--global-batch-size", "8"], 2),
+    "pp2": (["--pipeline-model-parallel-size", "2"], 2),
+    "tp2_sp_etp2_ep2_a2a": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", *A2A,
+                             "--global-batch-size", "8"], 4),
 }
 
 
 @needs_training
 @pytest.mark.parametrize("layout", sorted(TE_LAYOUTS))
 def test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double(tmp_path, layout):
-    """As the one-process TE grouped run, on two processes: every rank's planned TE linears (its
-    local experts' grouped linears included) run their planned recipe, switched by the re-plan at
-    step 1 from the measurement; the resumed run builds every rank's linears with the checkpoint's plan."""
+    """As the one-process TE grouped run, on two or four processes: every rank's planned TE linears
+    (its local experts' grouped linears included) run their planned recipe, switched by the re-plan
+    at step 1 from the measurement; the resumed run builds every rank's linears with the checkpoint's plan."""
     from tests.pretrain.test_te_runs import check_linears_follow_the_plan, check_runtime, probed, te_built, te_rows
 
     ckpt = tmp_path / "ckpt"
-    common = [*MOE, "--moe-grouped-gemm", *TE_LAYOUTS[layout], "--mock-data", "--vocab-size", "256",
+    flags, nproc = TE_LAYOUTS[layout]
+    common = [*MOE, "--moe-grouped-gemm", *flags, "--mock-data", "--vocab-size", "256",
               "--eval-interval", "100", "--snip", "--snip-warmup", "1", "--snip-interval", "2", "--snip-lag", "0",
               "--snip-fp8-budget", "0.5", "--save-interval", "2", "--save", str(ckpt), "--train-iters", "3"]
-    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "2", sm=90, nproc=2)
+    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "2", sm=90, nproc=nproc)
     assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2], snip_lines(out)
     assert all(2.0 < x < 7.0 for x in losses(out).values())
-    check_local_experts(tmp_path / "p", layout)
+    check_local_experts(tmp_path / "p", layout, nproc)
     experts = ("1.expert_fc1", "1.expert_fc2")
-    for rank in (0, 1):
+    for rank in range(nproc):
         rows = te_rows(tmp_path / "p", rank)
         assert [r["step"] for r in rows] == [1, 2]
         check_linears_follow_the_plan(rows)
@@ -167,10 +184,10 @@ def test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te
     assert any(te_rows(tmp_path / "p", 0)[0]["plan"][k] == "bf16" for k in experts)
     plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
     saved = {str(k): p.value for k, p in plan.items()}
-    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=90, nproc=2)
+    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=90, nproc=nproc)
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     assert sorted(losses(out)) == [3]
-    for rank in (0, 1):
+    for rank in range(nproc):
         built = te_built(tmp_path / "q", rank)
         assert built and all(saved[k] == p for k, p in built.items()), (rank, built, saved)
         rows = te_rows(tmp_path / "q", rank)

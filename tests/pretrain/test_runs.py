@@ -75,6 +75,7 @@ def corpus_of(tmp_path: Path, docs: int = 40, words_per_doc: int = 300) -> Path:
     return corpus
 
 
+@pytest.mark.launches
 @needs_training
 def test_snip_replans_saves_its_state_after_each_checkpoint_and_resumes_the_loaded_one(tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -140,6 +141,7 @@ def check_figures_in_tensorboard(folder: Path, plan_steps: list, measured_steps:
     assert last[0].startswith(header) and len(last) == 2 + linears
 
 
+@pytest.mark.launches
 @needs_training
 def test_megatrons_model_data_and_pipeline_flags_keep_their_effect(tmp_path):
     """Megatron builds the model (--qk-layernorm), the batch (masks, --reset-*, --eod-mask-loss)
@@ -168,6 +170,7 @@ def test_megatrons_model_data_and_pipeline_flags_keep_their_effect(tmp_path):
     assert any(line.startswith("[snip] step 1: plan") for line in lines), lines
 
 
+@pytest.mark.launches
 @needs_training
 def test_a_user_spec_and_precision_config_are_kept(tmp_path):
     config = tmp_path / "precision.yaml"
@@ -185,6 +188,7 @@ def test_a_user_spec_and_precision_config_are_kept(tmp_path):
     assert probe["plan_source"].startswith("pinned")
 
 
+@pytest.mark.launches
 @needs_training
 def test_real_text_tp2_pinned_plan(tmp_path):
     corpus = corpus_of(tmp_path)
@@ -231,6 +235,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.launches
 @needs_training
 def test_patched_megatron_lm_main_measures_and_applies(tmp_path):
     script = tmp_path / "pretrain_gpt.py"
@@ -260,6 +265,7 @@ def test_bad_snip_settings_fail_before_megatron_starts(capsys):
         assert err[-1].startswith("snip-pretrain-gpt: error: ") and message in err[-1], err
 
 
+@pytest.mark.launches
 @needs_training
 @pytest.mark.parametrize("argv, message", [
     (["--snip-fp4-budget", "1.5"], "--snip-fp4-budget must be a fraction in [0, 1], got 1.5"),
@@ -300,6 +306,7 @@ def test_help_shows_the_flags_generated_from_snipconfig(capsys):
         assert flag_of(f.name) in text and first_words in text, f.name
 
 
+@pytest.mark.compat
 def test_refuses_clearly_without_megatron_training(monkeypatch):
     from snip_megatron.errors import MissingDependency
     from snip_megatron.pretrain.entry import require_megatron_training
@@ -310,6 +317,8 @@ def test_refuses_clearly_without_megatron_training(monkeypatch):
         require_megatron_training()
 
 
+@pytest.mark.launches
+@pytest.mark.compat
 @pytest.mark.skipif(HAVE_TRAINING, reason="this lane has megatron.training: the real runs above cover it")
 def test_command_fails_with_the_reason_in_the_compat_lane():
     proc = subprocess.run([sys.executable, "-m", "snip_megatron.megatron.pretrain_gpt", "--snip"], cwd=ROOT,

@@ -42,6 +42,8 @@ from tests.distributed import ROOT, run_distributed
 from tests.pretrain.test_runs import MODEL, PATCHED_MAIN, losses, needs_training, snip_lines, state_of
 from tests.te.te_versions import double_pythonpath, te_version_folder
 
+pytestmark = pytest.mark.launches
+
 WORKER = ROOT / "tests" / "pretrain" / "pretrain_worker.py"
 TE = ["--transformer-impl", "transformer_engine"]
 # What the double runs for each planned precision: our recipe name.

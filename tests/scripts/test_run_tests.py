@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launches
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "run_tests.sh"
 
@@ -64,7 +66,7 @@ def test_every_lane_runs_its_own_paths_and_the_run_passes(fake_root):
     proc = run(fake_root, "prod", "compat", "bridge", "--", "-x")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "pytest of prod: tests --ignore=tests/bridge -x" in proc.stdout
-    assert "pytest of compat: tests --ignore=tests/bridge -x" in proc.stdout
+    assert "pytest of compat: tests --ignore=tests/bridge -m compat -x" in proc.stdout  # its marked tests
     assert "pytest of bridge: tests/bridge -x" in proc.stdout
     summary = proc.stdout.split("=== summary")[1]
     assert [line.split(":")[0] for line in summary.strip().splitlines()] == [
@@ -83,6 +85,16 @@ def test_shards_of_a_lane_split_its_paths_and_create_its_environment_one_at_a_ti
     summary = proc.stdout.split("=== summary")[1]
     assert [line.split(":")[0] + ":" + line.split(":")[1] for line in summary.strip().splitlines()] == [
         "=== lane prod:runs", "=== lane prod:units"]
+
+
+def test_compat_shards_run_the_compat_tests_and_join_a_marker_of_the_callers(fake_root):
+    proc = run(fake_root, "compat:runs", "compat:units", "prod", "--", "-m", "not launches", "-x")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ("pytest of compat: tests/te tests/pretrain tests/analyze tests/train -m compat and (not launches) -x"
+            in proc.stdout)
+    assert ("pytest of compat: tests --ignore=tests/bridge --ignore=tests/te --ignore=tests/pretrain "
+            "--ignore=tests/analyze --ignore=tests/train -m compat and (not launches) -x") in proc.stdout
+    assert "pytest of prod: tests --ignore=tests/bridge -m not launches -x" in proc.stdout
 
 
 @pytest.mark.parametrize("failing, code", [("compat", "1"), ("bridge", "5")])

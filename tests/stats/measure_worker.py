@@ -94,9 +94,24 @@ DEEPSEEK = dict(MOE, moe_layer_freq=[0, 1, 1, 1], mla=MLA, layers=4, **MTP)
 LAYOUTS.update({"ds_single": (1, 1, "global", DEEPSEEK, None),
                 "ds_pp2_vpp2": (1, 2, "global", dict(DEEPSEEK, vpp=2), None),
                 "ds_tp2_sp_ep2": (2, 1, "global", dict(DEEPSEEK, ep=2, etp=1, **SP), None)})
+# Megatron's all-to-all token dispatcher, and expert TP at TP=1 (the experts' ETP group spans
+# data-parallel replicas): ETP=2 on two processes, ETP=2 x EP=2 on four. There each expert gets
+# four replicas' rows in one forward, more than the quantization errors' row sample leaves whole
+# (MeasureConfig.error_token_stride): they are measured on every row ("error_stride": 1), as one
+# process measures its fewer rows per forward.
+A2A, EVERY_ROW = dict(moe_token_dispatcher_type="alltoall"), dict(error_stride=1)
+LAYOUTS.update({"moe_ep2_a2a": (1, 1, "global", dict(MOE, ep=2, **A2A), None),
+                "moe_etp2": (1, 1, "global", dict(MOE, etp=2), None),
+                "moe_etp2_ep2": (1, 1, "global", dict(MOE, ep=2, etp=2, **EVERY_ROW), None),
+                "moe_etp2_ep2_a2a": (1, 1, "global", dict(MOE, ep=2, etp=2, **A2A, **EVERY_ROW), None)})
+# layouts on Megatron's TE spec with grouped experts (TEGroupedMLP over the TE double: run with
+# tests/te_double on PYTHONPATH), on four processes: EP=2 x EDP=2 with either dispatcher, ETP=2 x
+# EP=2 at TP=1, and at TP=2 with sequence parallelism
+LAYOUTS.update({f"te{name}": (*LAYOUTS[name][:3], dict(LAYOUTS[name][3], te=True), None)
+                for name in ("moe_ep2", "moe_ep2_a2a", "moe_etp2_ep2", "moe_tp2_sp_etp2_ep2")})
 DP2_STEP = 4
-"""Micro-batches in the dp2 step, dealt as Megatron's sampler deals them (replica r: the step's
-micro-batches r, r + 2, ...)."""
+"""Micro-batches in the step of a layout with data-parallel replicas, dealt as Megatron's sampler
+deals them (replica r of D: the step's micro-batches r, r + D, ...)."""
 
 
 @contextlib.contextmanager
@@ -131,15 +146,25 @@ def cpu_current_device():
         torch.cuda.current_device = saved
 
 
-def build(tp=1, pp=1, seed=1234, reinit=True, ep=1, etp=None, vpp=None, layers=None, **overrides):
+def build(tp=1, pp=1, seed=1234, reinit=True, ep=1, etp=None, vpp=None, layers=None, te=False, **overrides):
+    """This rank's model chunks of a layout: Megatron's local spec, or with `te` its TE spec with
+    grouped experts (over the TE double)."""
     from snip_megatron.megatron.model import build_model_chunks
 
     runtime.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep, etp=etp)
     runtime.seed_all(seed)
     if ep > 1 or etp is not None:
         overrides.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
-    with sp_tolerant_norms() if overrides.get("sequence_parallel") else contextlib.nullcontext():
-        chunks = build_model_chunks(SHAPE.with_(num_layers=layers or SHAPE.num_layers), backend="local", **overrides)
+    if te:
+        from tests.pretrain.pretrain_worker import use_the_doubles_gpu
+        from tests.stats.te_moe_stats_worker import build_te_moe
+
+        if not use_the_doubles_gpu():
+            raise RuntimeError("a TE layout runs over tests/te_double (put it on PYTHONPATH)")
+        chunks = [build_te_moe(moe={}, **overrides)]
+    else:
+        with sp_tolerant_norms() if overrides.get("sequence_parallel") else contextlib.nullcontext():
+            chunks = build_model_chunks(SHAPE.with_(num_layers=layers or SHAPE.num_layers), backend="local", **overrides)
     if reinit == "global":
         draw_by_global_name(chunks)
         return chunks
@@ -172,7 +197,11 @@ def draw_by_global_name(chunks) -> None:
 
     def global_name(prefix, name):
         """A decoder layer's parameter under its layer number, an MTP layer's under its own path;
-        a local expert's under its global expert id."""
+        a local expert's under its global expert id; a TE grouped expert's
+        `experts.linear_fc1.weight<i>` as SequentialMLP's `experts.local_experts.<i>.linear_fc1.weight`."""
+        grouped = re.fullmatch(r"(.*\.experts\.)(linear_fc\d)\.weight(\d+)", name)
+        if grouped:
+            name = f"{grouped.group(1)}local_experts.{grouped.group(3)}.{grouped.group(2)}.weight"
         m = re.search(r"local_experts\.(\d+)\.", name)
         if m is None:
             return f"{prefix}{name}"
@@ -187,7 +216,7 @@ def draw_by_global_name(chunks) -> None:
         for name, local_name, p in named:
             if p.dim() != 2:
                 continue
-            expert = "experts.local_experts" in local_name
+            expert = "mlp.experts." in local_name
             sharded = getattr(p, "tensor_model_parallel", False)
             size = (ps.get_expert_tensor_parallel_world_size() if expert else
                     ps.get_tensor_model_parallel_world_size()) if sharded else 1
@@ -198,7 +227,7 @@ def draw_by_global_name(chunks) -> None:
             full[dim] *= size
             g = torch.Generator().manual_seed(sum(map(ord, name)) * 7919 + p.numel() * size)
             w = torch.randn(full, generator=g) * 0.05
-            halves = 2 if gated and local_name.endswith("linear_fc1.weight") else 1
+            halves = 2 if gated and re.search(r"linear_fc1\.weight\d*$", local_name) else 1
             w = torch.cat([h.chunk(size, dim)[rank] for h in w.chunk(halves, 0)], 0)
             with torch.no_grad():
                 p.copy_(w)
@@ -243,6 +272,8 @@ def main():
 
 def measure_layout(name: str):
     """Build the model of layout `name`, measure one step, tear the parallel state down."""
+    from megatron.core import parallel_state as ps
+
     from snip_megatron.megatron.batch import make_forward_step
     from snip_megatron.stats.config import MeasureConfig
     from snip_megatron.stats.measure import measure_chunks
@@ -251,24 +282,24 @@ def measure_layout(name: str):
     # "<layout>_lone": a step of one micro-batch of 4, whose noise pass runs its two halves
     base, lone = (name[:-5], True) if name.endswith("_lone") else (name, False)
     tp, pp, megatron_init, overrides, k = LAYOUTS[base]
+    overrides = dict(overrides)
+    stride = overrides.pop("error_stride", None)
+    strides = dict(error_token_stride=stride, grad_error_token_stride=stride) if stride else {}
     chunks = build(tp, pp, reinit="global" if megatron_init == "global" else not megatron_init, **overrides)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
-    replicas = ("dp2", "dp2_k2", "moe_ep2", "moe_tp2_sp_etp2_ep2")  # each data-parallel replica its share
-    if base in replicas + ("single4", "pair", "moe_single4"):
-        data = batches(num=DP2_STEP)
-        if base in replicas:
-            from megatron.core import parallel_state as ps
-
-            data = data[ps.get_data_parallel_rank()::ps.get_data_parallel_world_size()]
-        elif base == "pair":
+    replicas = ps.get_data_parallel_world_size()  # each data-parallel replica its share of DP2_STEP
+    if replicas > 1 or base in ("single4", "pair", "moe_single4"):
+        data = batches(num=DP2_STEP)[ps.get_data_parallel_rank()::replicas]
+        if base == "pair":
             data = data[2:]
     try:
         # (a recomputed MoE layer's router asks for the current device inside the backward too)
-        backward_device = overrides.get("sequence_parallel") or "ep" in overrides or \
+        backward_device = overrides.get("sequence_parallel") or "ep" in overrides or "etp" in overrides or \
             ("num_moe_experts" in overrides and "recompute_granularity" in overrides)
+        config = MeasureConfig(noise_frac=0.05, micro_batches=k, **strides)
         with cpu_current_device() if backward_device else contextlib.nullcontext():
             return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
-                                  micro_batch_size=mbs, config=MeasureConfig(noise_frac=0.05, micro_batches=k),
+                                  micro_batch_size=mbs, config=config,
                                   error_fn=padded_blockwise_error_fn() if "num_moe_experts" in overrides
                                   else blockwise_error_fn())
     finally:

@@ -30,12 +30,12 @@ from tests.te.te_worker import SHAPE, build_te_gpt, fixed_batches, reinit_by_glo
 
 def cp_batches(cp_group) -> list:
     """This rank's tokens of the step's two micro-batches (loss masks whole)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from snip_megatron.megatron.batch import on_this_cp_rank
 
     out = []
     for batch in fixed_batches():
         batch["loss_mask"] = torch.ones_like(batch["loss_mask"])
-        out.append(get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group))
+        out.append(on_this_cp_rank(batch, cp_group))
     return out
 
 

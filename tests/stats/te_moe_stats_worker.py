@@ -40,7 +40,8 @@ def grouped_to_local(name: str) -> str:
     return f"{head}mlp.experts.local_experts.{param.removeprefix('weight')}.{linear}.weight"
 
 
-def build_te_moe(**parallel):
+def build_te_moe(moe=MOE, **parallel):
+    """This rank's MoE GPT on Megatron's TE spec with grouped experts (`moe`: its MoE settings)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -48,7 +49,7 @@ def build_te_moe(**parallel):
 
     from megatron.core import parallel_state as ps
 
-    config = make_transformer_config(SHAPE, tp=ps.get_tensor_model_parallel_world_size(), **GPU_DEFAULTS, **MOE,
+    config = make_transformer_config(SHAPE, tp=ps.get_tensor_model_parallel_world_size(), **GPU_DEFAULTS, **moe,
                                      **parallel, moe_grouped_gemm=True)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=SHAPE.vocab_size,

@@ -17,6 +17,8 @@ from tests.distributed import run_distributed
 from tests.stats.test_measure_parallel import assert_same
 from tests.te.te_versions import double_pythonpath
 
+pytestmark = pytest.mark.launches
+
 pytest.importorskip("megatron.core.models.hybrid.hybrid_model",
                     reason="megatron-core 0.16.1 (compat lane) has MambaModel, not HybridModel (0.18+)")
 

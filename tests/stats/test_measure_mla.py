@@ -42,6 +42,7 @@ def tables(tmp_path_factory):
     return out
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("layout", DISTRIBUTED)
 def test_mla_statistics_equal_single_process(tables, layout):
     reference = tables[REFERENCE.get(layout, layout.split("_")[0] + "_single")]

@@ -15,6 +15,8 @@ from snip_megatron.stats.measure import measure_chunks
 from tests.stats.measure_worker import SHAPE, batches, build
 from tests.stats.test_untouched import _train_step
 
+pytestmark = pytest.mark.compat
+
 # layer 1 MoE (4 experts, top-2, a gated shared expert), layer 2 dense; expert bias, aux and z losses
 # on, so every piece of router state a measurement could touch is live
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0],

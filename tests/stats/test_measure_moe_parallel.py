@@ -7,8 +7,12 @@ the passes at every layout (the dispatcher's gathers see the clean pass's routin
 EP=2 at TP=1 spreads each expert's tokens over two data-parallel replicas: an expert's forward
 runs both replicas' micro-batches at once, so its statistics per forward (G_W, noise) are another
 sample than one process's; its token sums (norms, counts, per-token errors) are compared, in the
-dense rows' units (a replica's sums averaged, as a DP=2 run reports them). So are those of four
-processes, TP=2 with SP over two replicas and the experts on ETP=2 x EP=2."""
+dense rows' units (a replica's sums averaged, as a DP=2 run reports them). So are those of expert TP
+at TP=1 (ETP=2 on two processes, ETP=2 x EP=2 on four), of Megatron's alltoall dispatcher (made to
+run over gloo by the CPU shim), of four processes at TP=2 with SP over two replicas and the experts
+on ETP=2 x EP=2, and of TE's grouped experts (over the TE double) at those layouts; layouts that
+route the same rows in the same order are compared field by field: the alltoall dispatcher against
+the allgather one, TE's grouped experts against SequentialMLP, ETP=2 against EP=2."""
 
 from pathlib import Path
 
@@ -19,10 +23,15 @@ from snip_megatron.models import gpt
 from snip_megatron.stats.table import StatsTable
 from tests.distributed import run_distributed
 from tests.stats.test_measure_parallel import assert_same
+from tests.te.te_versions import double_pythonpath
+
+pytestmark = pytest.mark.launches
 
 WORKER = str(Path(__file__).with_name("measure_worker.py"))
-DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2", "moemtp_tp2_sp_ep2", "moemtp_pp2",
-               "ds_pp2_vpp2", "ds_tp2_sp_ep2"]
+DISTRIBUTED = ["moe_tp2_sp_ep2", "moe_tp2_sp_etp2", "moe_pp2", "moe_ep2", "moe_ep2_a2a", "moe_etp2",
+               "moemtp_tp2_sp_ep2", "moemtp_pp2", "ds_pp2_vpp2", "ds_tp2_sp_ep2"]
+FOUR = ["moe_tp2_sp_etp2_ep2", "moe_etp2_ep2", "moe_etp2_ep2_a2a"]
+FOUR_TE = ["temoe_ep2", "temoe_ep2_a2a", "temoe_etp2_ep2", "temoe_tp2_sp_etp2_ep2"]
 
 
 def _keys(layout: str):
@@ -41,7 +50,9 @@ def tables(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("moe_stats")
     run_distributed([WORKER, "--layouts", ",".join(DISTRIBUTED), "--out", str(d)], nproc=2, timeout=900)
-    run_distributed([WORKER, "--layouts", "moe_tp2_sp_etp2_ep2", "--out", str(d)], nproc=4, timeout=900)
+    run_distributed([WORKER, "--layouts", ",".join(FOUR), "--out", str(d)], nproc=4, timeout=900)
+    run_distributed([WORKER, "--layouts", ",".join(FOUR_TE), "--out", str(d)], nproc=4, timeout=900,
+                    env={"PYTHONPATH": double_pythonpath(apex=True), "TE_DOUBLE_COMPUTE_CAPABILITY": "9.0"})
     out = {p.stem: StatsTable.from_array(_keys(p.stem), np.load(p)) for p in d.glob("*.npy")}
     runtime.init_process_group()
     for name in ("moe_single", "moe_single4", "moe_full_recompute", "moe_selective_moe", "moemtp_single", "ds_single"):
@@ -90,19 +101,51 @@ TOKEN_SUMS = ("x_sq", "y_sq", "gy_sq", "gx_sq", "n", "egy_d.fp8", "egy_d.fp4")
 WEIGHTS = ("w_sq", "k", "m", "present", "ew.fp8", "ew.fp4", "ew_d.fp8", "ew_d.fp4", "noise_scale")
 
 
-@pytest.mark.parametrize("layout", ["moe_ep2", "moe_tp2_sp_etp2_ep2"])
-def test_ep2_over_data_parallel_replicas_reduces_experts_into_the_dense_units(tables, layout):
+def replicas(layout: str) -> int:
+    from tests.stats.measure_worker import LAYOUTS
+
+    tp, pp = LAYOUTS[layout][:2]
+    return (4 if layout in FOUR + FOUR_TE else 2) // (tp * pp)
+
+
+@pytest.mark.parametrize("layout", ["moe_ep2", "moe_tp2_sp_etp2_ep2", "moe_ep2_a2a", "moe_etp2", "moe_etp2_ep2",
+                                    "moe_etp2_ep2_a2a", *FOUR_TE])
+def test_experts_over_data_parallel_replicas_reduce_into_the_dense_units(tables, layout):
     one, ep2 = tables["moe_single4"], tables[layout]  # one process measures the step's 4 micro-batches
-    assert ep2.globals_["dp_size"] == 2 and ep2.nonfinite() == {}
+    assert ep2.globals_["dp_size"] == replicas(layout) > 1 and ep2.nonfinite() == {}
     dense = gpt.LayerKey(1, "shared_expert_fc1")  # the same tokens, on the dense groups
     for f in TOKEN_SUMS + WEIGHTS:
         unit = ep2.get(dense, f) / one.get(dense, f)  # a DP=2 run's units against one process's
         for name in ("expert_fc1", "expert_fc2"):
             key = gpt.LayerKey(1, name)
             assert ep2.get(key, f) == pytest.approx(unit * one.get(key, f), rel=1e-5), (name, f)
-    assert ep2.get(dense, "x_sq") == pytest.approx(one.get(dense, "x_sq") / 2, rel=1e-5)
+    assert ep2.get(dense, "x_sq") == pytest.approx(one.get(dense, "x_sq") / replicas(layout), rel=1e-5)
     for f in ("gw_sq", "fwd_z_sq", "bwd_dgw_sq", "bwd_eta_sq", "ex.fp4", "egy_w.fp4"):
         assert (ep2.column(f)[:-1] > 0).all(), f
+
+
+@pytest.mark.parametrize("reference, layout", [
+    ("moe_ep2", "moe_ep2_a2a"), ("temoe_ep2", "temoe_ep2_a2a"),  # the alltoall dispatcher, the allgather one
+    ("moe_etp2_ep2", "temoe_etp2_ep2"), ("moe_tp2_sp_etp2_ep2", "temoe_tp2_sp_etp2_ep2")])  # TE grouped, SequentialMLP
+def test_layouts_routing_the_same_rows_in_the_same_order_measure_alike(tables, reference, layout):
+    """Every field to 1e-5. Under expert TP a TE grouped fc1's rows are [gate | up] halves on every
+    rank, as SequentialMLP's (Megatron marks TE's weights stride 1): its noise and stochastic
+    rounding fall on the same features of the whole GEMM (megatron/gemm_view.py)."""
+    assert_same(tables[reference], tables[layout])
+
+
+# Each expert-TP shard of an expert draws its noise from its own replica's micro-batch stream (at
+# EP=2 a whole expert draws from its host's): the noise projections are other, equally valid draws.
+NOISE_DRAWS = ("fwd_zg_clean", "fwd_zg_noisy", "bwd_dgw_sq")
+
+
+def test_expert_tp_over_two_replicas_measures_as_expert_parallelism_over_them(tables):
+    """ETP=2 at TP=1 against EP=2 over the same two replicas (both route each expert both replicas'
+    rows in rank order): expert TP reduces every other field of every row to EP=2's, to 1e-5."""
+    assert_same(tables["moe_ep2"], tables["moe_etp2"], skip=NOISE_DRAWS)
+    differ = [f for f in NOISE_DRAWS
+              if not np.allclose(tables["moe_ep2"].column(f), tables["moe_etp2"].column(f), rtol=1e-5)]
+    assert differ, "the noise projections should be other draws (else NOISE_DRAWS says too much)"
 
 
 def test_a_measurement_leaves_ep2_training_bit_identical(tmp_path):

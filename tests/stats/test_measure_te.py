@@ -17,6 +17,8 @@ from tests.distributed import ROOT, run_distributed
 from tests.stats.test_measure_parallel import assert_same
 from tests.te.te_versions import double_pythonpath
 
+pytestmark = pytest.mark.launches
+
 WORKER = str(ROOT / "tests" / "stats" / "te_stats_worker.py")
 
 

@@ -8,11 +8,14 @@ process's (tests/stats/test_measure_te.py)."""
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from snip_megatron.plan import all_keys
 from snip_megatron.stats.reduce import ADAM_FIELDS
 from snip_megatron.stats.table import StatsTable
 from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.launches
 
 WORKER = str(Path(__file__).with_name("cp_worker.py"))
 OWN_TOKENS = {"x_sq", "n", "y_sq", "gy_sq", "gx_sq", "gx_ex", "fwd_zg_clean", "fwd_zg_noisy", "fwd_z_sq",

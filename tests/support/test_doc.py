@@ -1,4 +1,5 @@
-"""docs/support.md is the matrix as generated now, and every test a tested cell names exists."""
+"""docs/support.md is the matrix as generated now, docs/troubleshooting.md lists every rule as the entries
+print it now, and every test a tested cell names exists."""
 
 import ast
 import re
@@ -17,6 +18,34 @@ def test_the_support_page_is_current():
     from snip_megatron.support.doc import DOC, document
 
     assert DOC.read_text() == document(), "docs/support.md is stale: run python -m snip_megatron.support --write"
+
+
+def test_the_troubleshooting_refusals_are_current():
+    pytest.importorskip("megatron.training.arguments",
+                        reason="Megatron-LM's flags (named on the page) come from megatron.training (prod lane)")
+    from snip_megatron.support.doc import TROUBLESHOOTING, with_refusals
+
+    text = TROUBLESHOOTING.read_text()
+    assert with_refusals(text) == text, ("docs/troubleshooting.md's start-up refusals are stale: run "
+                                         "python -m snip_megatron.support --write")
+
+
+def test_every_rule_is_under_a_subject_heading():
+    """The refusals are grouped by the rules module that defines them: a new module needs its heading."""
+    from snip_megatron.support.doc import SUBJECTS
+    from snip_megatron.support.rules import RULES
+
+    assert {rule.when.__module__.rpartition(".")[2] for rule in RULES} <= set(SUBJECTS)
+
+
+def test_the_generated_part_replaces_only_what_lies_between_the_markers(monkeypatch):
+    from snip_megatron.support import doc
+
+    monkeypatch.setattr(doc, "troubleshooting_refusals", lambda: f"{doc.BEGIN}\nnew\n{doc.END}")
+    page = f"head\n{doc.BEGIN}\nold\n{doc.END}\ntail"
+    assert doc.with_refusals(page) == f"head\n{doc.BEGIN}\nnew\n{doc.END}\ntail"
+    with pytest.raises(ValueError, match="markers"):
+        doc.with_refusals("no markers here")
 
 
 def _defined(path: Path) -> set:

@@ -53,6 +53,15 @@ SERVED = {  # runs SNIP serves, and the entries that serve them: no rule holds (
         "run.backend": "te", "run.te_installed": True, "model.tensor_model_parallel_size": 2,
         "model.sequence_parallel": True, "model.expert_model_parallel_size": 2,
         "model.expert_tensor_parallel_size": 1, "run.world_size": 2}, ("megatron-lm",)),
+    "MoE local at expert TP 2 x EP=2 behind the alltoall dispatcher": ({
+        "model.num_moe_experts": 4, "model.expert_model_parallel_size": 2, "model.expert_tensor_parallel_size": 2,
+        "model.moe_token_dispatcher_type": "alltoall", "run.world_size": 4}, ("megatron-lm",)),
+    "MoE on TE grouped experts at TP=2 + SP, expert TP 2 x EP=2, alltoall": ({
+        "model.num_moe_experts": 4, "model.moe_grouped_gemm": True, "model.transformer_impl": "transformer_engine",
+        "run.backend": "te", "run.te_installed": True, "model.tensor_model_parallel_size": 2,
+        "model.sequence_parallel": True, "model.expert_model_parallel_size": 2,
+        "model.expert_tensor_parallel_size": 2, "model.moe_token_dispatcher_type": "alltoall",
+        "run.world_size": 4}, ("megatron-lm",)),
     "hybrid '*-*-' on TE": ({"run.family": "hybrid", "run.hybrid_pattern": "*-*-", "run.backend": "te",
                              "run.te_installed": True, "model.transformer_impl": "transformer_engine"},
                             ("megatron-lm", "bridge")),

@@ -58,11 +58,10 @@ def run(module, q, k, v, d_out):
 
 def on_this_rank(tensors, fmt: str, group):
     """Megatron's split of [b, s, ...] tensors (sbhd goes through it transposed)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from snip_megatron.megatron.batch import on_this_cp_rank
 
     to_bs = (lambda t: t.transpose(0, 1)) if fmt == "sbhd" else (lambda t: t)
-    batch = get_batch_on_this_cp_rank({str(i): to_bs(t) for i, t in enumerate(tensors)}, is_hybrid_cp=False,
-                                      cp_group=group)
+    batch = on_this_cp_rank({str(i): to_bs(t) for i, t in enumerate(tensors)}, group)
     return [to_bs(batch[str(i)]).contiguous() for i in range(len(tensors))]
 
 

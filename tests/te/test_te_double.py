@@ -173,11 +173,14 @@ def test_te_version_folder_holds_only_the_version_metadata(tmp_path):
     assert parts == [str(ROOT), str(folder), str(ROOT / "tests" / "apex_double"), str(DOUBLE)]
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("name", DOUBLE_CHECKS)
 def test_double_alone(double_results, name):
     assert double_results.get(name) == "ok", double_results.get(name, "check did not run")
 
 
+@pytest.mark.launches
+@pytest.mark.compat
 @pytest.mark.parametrize("name", MEGATRON_CHECKS)
 def test_megatron_te_wrappers(megatron_results, name):
     assert megatron_results.get(name) == "ok", megatron_results.get(name, "check did not run")
@@ -195,6 +198,7 @@ def _refused(report: dict, sm: int) -> set:
     return {k.split(" ", 1)[1] for k, v in report.items() if k.startswith(f"SM{sm} ") and v.startswith("refused")}
 
 
+@pytest.mark.launches
 def test_te_dicts_and_measured_formats_agree_and_refusals_are_the_ones_te_needs(megatron_results,
                                                                               fp32_scales_results):
     """TE's default environment, then NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: what each generation
@@ -217,11 +221,13 @@ def test_te_dicts_and_measured_formats_agree_and_refusals_are_the_ones_te_needs(
     assert "requires using power of two scaling factors" in fp32["SM100 defaults"]
 
 
+@pytest.mark.launches
 def test_every_check_is_listed(double_results, megatron_results):
     assert [k for k in double_results if not k.endswith(".data")] == DOUBLE_CHECKS
     assert [k for k in megatron_results if not k.endswith(".data")] == MEGATRON_CHECKS
 
 
+@pytest.mark.launches
 def test_tp2_trains_like_tp1(tp2, megatron_results):
     tp1 = megatron_results["check_trains_at_tp1.data"]["megatron_init"]
     for rank in tp2:
@@ -239,6 +245,7 @@ def _every_step_moved_every_weight_from_its_own(run: dict) -> None:
         assert step["unmoved"] == [] and step["zero_main_grad"] == [] and step["stale"] == [], (i, step)
 
 
+@pytest.mark.launches
 def test_tp2_plan_runs_each_planned_format(tp2):
     for rank in tp2:
         run = rank["plan"]
@@ -248,6 +255,7 @@ def test_tp2_plan_runs_each_planned_format(tp2):
         _every_step_moved_every_weight_from_its_own(rank["megatron_init"])
 
 
+@pytest.mark.launches
 def test_tp2_sequence_parallel_collectives(tp2):
     for rank in tp2:
         diffs = rank["sp_pair"]
@@ -255,6 +263,7 @@ def test_tp2_sequence_parallel_collectives(tp2):
         assert all(d < REL_TOL for d in diffs.values()), diffs
 
 
+@pytest.mark.launches
 def test_pp2_trains_like_tp1(pp2, megatron_results):
     tp1 = megatron_results["check_trains_at_tp1.data"]["name_init"]
     first, last = pp2
@@ -262,6 +271,7 @@ def test_pp2_trains_like_tp1(pp2, megatron_results):
     assert {k: first["name_init"]["classes"][k] for k in TE_CLASSES} == TE_CLASSES
 
 
+@pytest.mark.launches
 def test_pp2_plan_reaches_each_stage_by_global_layer(pp2):
     first, last = pp2
     assert {k: list(v) for k, v in first["plan"]["runs"].items()} == \

@@ -28,6 +28,7 @@ def test_bad_fields_raise_naming_the_field(field, value, match):
         TrainConfig(**{field: value})
 
 
+@pytest.mark.compat
 def test_multi_latent_attention_needs_one_tensor_parallel_rank():
     """Megatron's MLA needs sequence parallelism at TP > 1 (snip_megatron/megatron/mla.py), which the
     compact loop does not run: refused with the way out. (On megatron-core < 0.17 without TE MLA

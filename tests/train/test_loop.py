@@ -141,6 +141,7 @@ def replan_save_and_resume(config, tmp_path):
     return trainer
 
 
+@pytest.mark.compat
 def test_multi_latent_attention_measures_replans_and_resumes(tiny_config, tmp_path):
     """The attention of the llama_tiny_mla preset (TrainConfig.mla) on the tiny model: SNIP's controller
     measures every MLA linear (the down-projections duplicated over TP, as Megatron's TE spec builds
@@ -177,6 +178,7 @@ def test_multi_latent_attention_measures_replans_and_resumes(tiny_config, tmp_pa
     assert len(downs) == 4  # q and kv down-projections of both layers
 
 
+@pytest.mark.compat
 def test_moe_measures_replans_and_resumes(tiny_config, tmp_path):
     """The experts of the llama_tiny_moe preset (TrainConfig.moe) on the tiny model, layer 1 MoE and
     layer 2 dense: SNIP's controller measures the routed-expert units (routing frozen across its

@@ -4,9 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.distributed import ROOT
 
 
+@pytest.mark.launches
 def test_compact_loop_with_snip_replans_and_logs(tmp_path):
     cmd = [sys.executable, "-m", "snip_megatron.train", "--model", "llama_tiny", "--steps", "6",
            "--micro-batch-size", "2", "--eval-interval", "0", "--no-progress", "--max-bytes", "300000",
@@ -43,8 +46,6 @@ def check_tensorboard(folder):
 def test_the_compact_loop_takes_the_emulated_formats_and_refuses_te(monkeypatch, capsys):
     """The emulated backend runs the recipes' own variants, FP4 included; the TE backend is refused
     at start-up (support rule compact-te: snip-pretrain-gpt runs TE linears)."""
-    import pytest
-
     from snip_megatron.formats.precision import Formats
     from snip_megatron.te import installed
     from snip_megatron.train.__main__ import parse_args

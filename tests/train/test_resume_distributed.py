@@ -7,6 +7,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from distributed import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.launches
+
 SCRIPT = str(Path(__file__).with_name("resume_script.py"))
 
 
@@ -15,7 +17,8 @@ def test_resume_matches_uninterrupted_run_with_tp2_and_dp2(data_config, tmp_path
     the controller's re-plan at step 3 is saved with the checkpoint and the resumed run continues
     on it, step 4's loss the same."""
     # One launch for both layouts: process start-up and Megatron's import dominate the cost.
-    run_distributed([SCRIPT, "--data-cache", data_config.cache_dir, "--work", str(tmp_path)],
+    run_distributed([SCRIPT, "--data-cache", data_config.cache_dir, "--work", str(tmp_path),
+                     "--layouts", "tp2,dp2-distopt,snip-dp2-distopt,snip-mla-pp2,snip-mla-dp2-distopt"],
                     nproc=2, timeout=900)
     results = json.loads((tmp_path / "result.json").read_text())
     assert (results["tp2"]["tp"], results["tp2"]["dp"]) == (2, 1)

@@ -68,18 +68,19 @@ class CountingController(SnipController):
             self._counting = False
 
 
-def inject_failures(ctrl, measure_rank, apply_rank):
-    """Make one rank's first measurement (a statistics hook of its first one) or its first plan
-    change raise."""
+def inject_failures(ctrl, measure_rank, apply_rank, measure_times=1):
+    """Make one rank's first `measure_times` measurements (a statistics hook of each) or its first
+    plan change raise."""
     from snip_megatron.stats import tokens
 
     apply = ctrl._apply
-    state = {"measured": False, "applied": 0}
+    state = {"failed_steps": set(), "applied": 0}
     sum_sq = tokens.sum_sq
 
-    def failing_sum_sq(t):
-        if dist.get_rank() == measure_rank and not state["measured"]:
-            state["measured"] = True
+    def failing_sum_sq(t):  # once per measurement, in the first `measure_times` of them
+        failed = state["failed_steps"]
+        if dist.get_rank() == measure_rank and ctrl._step not in failed and len(failed) < measure_times:
+            failed.add(ctrl._step)
             raise RuntimeError("injected statistics failure")
         return sum_sq(t)
 
@@ -114,6 +115,8 @@ def main():
     p.add_argument("--fp8-recipe", default="blockwise", help="SnipConfig.fp8_recipe")
     p.add_argument("--fail-measure-rank", type=int, default=None,
                    help="this rank's first measurement raises (a failure injected for the test)")
+    p.add_argument("--fail-measure-times", type=int, default=1,
+                   help="how many of that rank's measurements raise, from its first")
     p.add_argument("--fail-apply-rank", type=int, default=None,
                    help="this rank's first plan change after the initial plan raises")
     args = p.parse_args()
@@ -134,7 +137,7 @@ def main():
                           fp8_recipe=args.fp8_recipe)
         ctrl = CountingController(snip, SHAPE, total_steps=args.steps, log=print,
                                   tokens_per_step=train.seq_len * 4)
-        inject_failures(ctrl, args.fail_measure_rank, args.fail_apply_rank)
+        inject_failures(ctrl, args.fail_measure_rank, args.fail_apply_rank, args.fail_measure_times)
         hooks.append(ctrl)
     trainer = Trainer(train, hooks=hooks)
     history = trainer.fit()

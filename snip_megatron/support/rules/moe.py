@@ -1,8 +1,8 @@
-"""Rules on mixture-of-experts runs. SNIP plans, measures and re-plans MoE GPTs on Megatron's local
-spec (SequentialMLP experts with SNIP's emulated linears) at one process and at expert, pipeline and
-data parallelism, and on the TE spec with grouped experts (TEGroupedMLP) at one process, TP=2 with
-sequence parallelism and EP=2, EP over DP, and PP, at expert TP 1 (docs/moe.md); these rules refuse
-the rest, each with its reason."""
+"""Rules on mixture-of-experts runs. SNIP plans, measures and re-plans MoE models on Megatron's local
+spec (SequentialMLP experts with SNIP's emulated linears) and on the TE spec with grouped experts
+(TEGroupedMLP), with either the allgather or the alltoall dispatcher, at the layouts docs/support.md
+lists (expert, tensor, expert-tensor, pipeline with virtual stages, data parallelism, recompute;
+docs/moe.md); these rules refuse the rest, each with its reason."""
 
 from __future__ import annotations
 
@@ -46,15 +46,6 @@ RULES = (
          "add {set[model.moe_grouped_gemm]:True}",
          example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
                   "model.moe_grouped_gemm": False}, entries=("megatron-lm", "bridge")),
-    Rule("moe-te-expert-tp", ("model.expert_tensor_parallel_size",),
-         lambda s: moe(s) and _te(s) and s.run.world_size > 1 and s.num("model.tensor_model_parallel_size") > 1
-         and _etp(s) > 1,
-         "{nv[model.expert_tensor_parallel_size]} with Transformer Engine "
-         "experts on more than one process: TE grouped experts are tested at expert TP 1 only (TP=2 with sequence "
-         "parallelism, EP over DP, PP)", "use {set[model.expert_tensor_parallel_size]:1}",
-         example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
-                  "model.moe_grouped_gemm": True, "model.tensor_model_parallel_size": 2,
-                  "model.sequence_parallel": True, "model.expert_tensor_parallel_size": 2, "run.world_size": 2}),
     Rule("moe-local-tp", ("model.tensor_model_parallel_size", "model.num_moe_experts"),
          lambda s: moe(s) and not _te(s) and s.num("model.tensor_model_parallel_size") > 1,
          "{n[model.tensor_model_parallel_size]} > 1 with {n[model.num_moe_experts]} on {n[model.transformer_impl]} "
@@ -65,24 +56,27 @@ RULES = (
          example={**MOE, "model.tensor_model_parallel_size": 2, "model.sequence_parallel": True, "run.world_size": 2},
          entries=("megatron-lm", "bridge")),
     Rule("moe-expert-tp", ("model.expert_tensor_parallel_size", "model.num_moe_experts"),
-         lambda s: moe(s) and s.num("model.tensor_model_parallel_size") == 1 and _etp(s) > 1,
-         "{n[model.expert_tensor_parallel_size]} > 1 with {n[model.num_moe_experts]}: SNIP measures expert TP "
-         "(tested at ETP = TP = 2), but no run at expert TP is tested yet",
-         "run MoE at {set[model.expert_tensor_parallel_size]:1}",
-         example={**MOE, "model.expert_tensor_parallel_size": 2}, entries=("megatron-lm", "bridge")),
+         lambda s: moe(s) and 1 < s.num("model.tensor_model_parallel_size") < _etp(s),
+         "{nv[model.expert_tensor_parallel_size]} over {nv[model.tensor_model_parallel_size]}: SNIP measures and "
+         "re-plans experts at expert TP 2 over TP 1 and at expert TP = TP; expert TP wider than a TP > 1 is untested",
+         "use {set[model.expert_tensor_parallel_size]:2} at {set[model.tensor_model_parallel_size]:1}, or expert TP "
+         "<= TP", example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
+                           "model.moe_grouped_gemm": True, "model.tensor_model_parallel_size": 2,
+                           "model.sequence_parallel": True, "model.expert_tensor_parallel_size": 4,
+                           "run.world_size": 4}, entries=("megatron-lm", "bridge")),
     Rule("moe-cp", ("model.context_parallel_size", "model.num_moe_experts"),
          lambda s: moe(s) and s.num("model.context_parallel_size") > 1,
          "{n[model.context_parallel_size]} > 1 with {n[model.num_moe_experts]}: SNIP does not measure experts "
          "over context parallelism yet (untested)", "run MoE at {set[model.context_parallel_size]:1}",
          example={**MOE, "model.context_parallel_size": 2, "run.world_size": 2}, entries=("megatron-lm", "bridge")),
-    Rule("moe-dispatcher-cpu", ("model.moe_token_dispatcher_type",),
-         lambda s: moe(s) and not s.run.cuda and s.get("model.moe_token_dispatcher_type", "allgather") != "allgather"
-         and s.num("model.expert_model_parallel_size") * _etp(s) > 1,
-         "{nv[model.moe_token_dispatcher_type]} on CPU: Megatron's "
-         "{v[model.moe_token_dispatcher_type]} dispatcher hands gloo its all-to-all split sizes as tensors (it turns "
-         "them into lists only off a GPU copy)", "use {set[model.moe_token_dispatcher_type]:allgather}",
-         example={**MOE, "model.expert_model_parallel_size": 2, "model.moe_token_dispatcher_type": "alltoall",
-                  "run.world_size": 2, "run.cuda": False}, entries=("megatron-lm", "bridge")),
+    Rule("moe-flex-dispatcher", ("model.moe_token_dispatcher_type",),
+         lambda s: moe(s) and s.get("model.moe_token_dispatcher_type") == "flex",
+         "{nv[model.moe_token_dispatcher_type]}: Megatron's flex dispatcher moves tokens through DeepEP's or "
+         "HybridEP's CUDA kernels (deep_ep.Buffer, HybridEPBuffer: transformer/moe/fused_a2a.py) or Transformer "
+         "Engine's NCCL EP, which no CPU runs; SNIP has not measured experts behind any of them",
+         "use {set[model.moe_token_dispatcher_type]:alltoall} (or allgather)",
+         example={**MOE, "model.expert_model_parallel_size": 2, "model.moe_token_dispatcher_type": "flex",
+                  "run.world_size": 2}, entries=("megatron-lm", "bridge")),
     Rule("moe-router-fusion", ("model.moe_router_fusion",), lambda s: moe(s) and s.get("model.moe_router_fusion"),
          "{n[model.moe_router_fusion]}: the fused top-k bypasses Megatron's router-replay hook, which SNIP uses to "
          "keep routing fixed across its measurement passes", "{drop[model.moe_router_fusion]}",
