@@ -169,7 +169,7 @@ def te_reads(version: "str | None", name: str) -> bool:
     """Whether Transformer Engine `version` reads switch `name` (False without a TE)."""
     if version is None:
         return False
-    from snip_megatron.te.installed import version_tuple
+    from snip_megatron.te.version import version_tuple
 
     return version_tuple(version) >= BY_NAME[name].since
 

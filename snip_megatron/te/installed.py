@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from snip_megatron.te.version import version_tuple
+
 MIN_TE_VERSION = (2, 9)
 """The oldest TE SNIP's TE backend runs on: the first with `pytorch.is_*_available(return_reason)`."""
 NEWEST_READ_TE_VERSION = (2, 18)
@@ -58,17 +60,6 @@ class TESupport:
     def runnable(self, recipes) -> list[str]:
         """Those of `recipes` TE runs here."""
         return [r for r in recipes if self.recipe_unavailable(r) is None]
-
-
-def version_tuple(version: str) -> tuple[int, int]:
-    """(major, minor) of a TE version string; ValueError if it is not one."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        release = Version(str(version)).release
-    except InvalidVersion:
-        raise ValueError(f"Transformer Engine reports version {version!r}, which is not a version number") from None
-    return (release + (0,))[:2]
 
 
 def version_problem(version: str) -> "str | None":
