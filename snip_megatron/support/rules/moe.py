@@ -42,16 +42,6 @@ def _cp_wide_experts(s):
     return next(({"lead": path} for path, size in sizes.items() if size > 1), None)
 
 
-def _grouped_fp4_sizes(s) -> bool:
-    """TE's NVFP4 grouped quantize needs the expert GEMMs' inner dims to be multiples of 128."""
-    if s.run.backend != "te" or not s.get("model.moe_grouped_gemm") or not moe(s):
-        return False
-    if "fp4" not in [str(getattr(p, "value", p)) for p in (s.snip.precisions or [])]:
-        return False
-    ffn = s.get("model.moe_ffn_hidden_size") or s.get("model.ffn_hidden_size")
-    return bool(s.get("model.hidden_size") % 128 or ffn % 128)
-
-
 RULES = (
     Rule("moe-grouped-needs-te", ("model.moe_grouped_gemm", "model.transformer_impl"),
          lambda s: moe(s) and s.get("model.moe_grouped_gemm") and not _te(s),
@@ -124,14 +114,6 @@ RULES = (
          "megatron/core/transformer/moe/moe_layer.py)", "use {set[model.transformer_impl]:transformer_engine} "
          "{set[model.moe_grouped_gemm]:True}, or {drop[model.moe_latent_size]}",
          example={**MOE, "model.moe_latent_size": 32}, entries=("megatron-lm", "bridge")),
-    Rule("moe-grouped-fp4-sizes", ("model.moe_grouped_gemm", "snip.precisions"), _grouped_fp4_sizes,
-         "{n[model.moe_grouped_gemm]} with FP4 candidates: TE's NVFP4 grouped GEMM needs {n[model.hidden_size]} "
-         "({v[model.hidden_size]}) and {n[model.moe_ffn_hidden_size]} ({v[model.moe_ffn_hidden_size]}) to be multiples of 128 (TE 2.14 csrc/extensions/cast.cpp split_quantize; SNIP pads token splits, "
-         "not features)", "plan BF16/FP8 only ({set[snip.precisions]:bf16,fp8}) or use multiples of 128",
-         example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
-                  "model.moe_grouped_gemm": True, "model.moe_ffn_hidden_size": 32,
-                  "snip.precisions": ("bf16", "fp8", "fp4")},
-         entries=("megatron-lm",), after_resolve=True),  # Bridge refuses TE grouped experts (moe-te-bridge)
     Rule("moe-te-bridge", ("model.moe_grouped_gemm",), lambda s: moe(s) and s.get("model.moe_grouped_gemm") and _te(s),
          "{n[model.moe_grouped_gemm]} with {n[model.transformer_impl]} transformer_engine: SNIP pads grouped "
          "experts' token splits in snip-pretrain-gpt only so far",

@@ -78,9 +78,13 @@ What it models (the contract Megatron's wrappers rely on):
   (FP8 for every recipe, NVFP4 SM100+), the default recipe, `is_*_available(return_reason=...)`
   with TE's reasons, and two kernel checks at a module's forward (NVFP4 kernels need SM100+; on
   SM100+ blockwise FP8 runs through MXFP8 and needs power-of-two scales);
-- the version: `__version__` and the `custom_recipes` layout (quantization_nvfp4 below 2.16,
-  quantization_ref_nvfp4 for 2.16-2.18, reference_nvfp4 after) follow the dist-info first on
-  sys.path; behaviour stays TE 2.14's (a CustomRecipe is refused on >= 2.16);
+- the version: `__version__`, the `custom_recipes` layout (quantization_nvfp4 below 2.16,
+  quantization_ref_nvfp4 for 2.16-2.18, reference_nvfp4 after) and the recipes' environment
+  switches (`common/recipe`: NVTE_BACKWARD_OVERRIDE from 2.15 on every recipe class,
+  NVTE_NVFP4_ROW_SCALED_ACTIVATION from 2.16, NVTE_NVFP4_4OVER6* from 2.17, each cited per version
+  at v2.14, v2.16, v2.18 and main) follow the dist-info first on sys.path; the linears' behaviour
+  stays TE 2.14's (a CustomRecipe is refused on >= 2.16, and so is a recipe whose 2.15+ fields
+  leave TE's default);
 - `CudaRNGStatesTracker` (CPU generator states stand in for CUDA ones).
 
 Deliberate differences from TE: stochastic rounding draws from a CPU generator per module
