@@ -2,40 +2,21 @@
 
 A pass is the forward and backward of every measured micro-batch, in one of four modes:
   clean      norms of X, W, Y, G_Y, G_X, G_W, quantization errors per precision and role, the
-             first-order inner products, the output error dY of the quantized forward GEMM and its
-             per-token projection on G_Y, and <z, G_Y> for the curvature (on the micro-batches
-             that will get forward noise);
+             first-order products, dY of the quantized forward GEMM and its per-token projection
+             on G_Y, and <z, G_Y> for the curvature (on micro-batches that get forward noise);
   fwd_noise  s_l * z_l added to every layer output at once; <z, G~_Y>;
   bwd_noise  t_l * eta_l added to every layer's input gradient at once, with a zero loss
              gradient, so every G_Y is exactly the propagated noise; ||G_Y^T X||^2 and ||eta||^2;
-  noise      both noise passes in one: fwd_noise on even micro-batches, bwd_noise on odd ones
-             (micro-batches are independent, so one pass does the work of two on half the data).
-Parameters never get gradients here: measure.py freezes them and makes the decoder input require
-grad, so every layer input carries a gradient.
+  noise      fwd_noise on even micro-batches, bwd_noise on odd ones (independent micro-batches:
+             one pass does the work of two on half the data).
+Parameters get no gradients (measure.py freezes them; the decoder input requires grad instead).
 
-What it costs at scale (docs/method.md, "The measurement at scale"):
-- Nothing is kept from a micro-batch's forward to its backward but the layer input X, which a
-  training step saves for its wgrad anyway: everything that needs X and G_Y together (the X-side
-  errors, dY, G_W) is computed in the backward hook on the token sample, and the noise is
-  regenerated from its seed where it is needed. So the buffers per linear do not grow with the
-  micro-batches in flight.
-- Weight errors are computed a block of rows at a time (stats/weights.py), consumed and freed.
-- G_W is formed on the sampled tokens only; ||G_W||^2 adds the exact per-chunk terms of every
-  token (stats/tokens.py).
-- Every statistic is a 0-dim device tensor added into the pass's Accumulator: no host sync.
-- Activation recompute: the first (no-grad) forward of a checkpointed layer only injects the
-  forward noise (so the saved activations carry it); the recompute registers the hooks. A
-  linear's micro-batch index comes from its own forward count, so a recomputed forward gets the
-  index of the oldest micro-batch still waiting for its backward (Megatron's schedules run
-  backwards in forward order).
-- Sequence parallelism: a token-sharded operand (a column-parallel X, a row-parallel G_Y) is
-  gathered over TP in the backward hook before the token sample is taken, so errors, dY and G_W
-  see every token as one process does; norms of the local shard are summed over TP (reduce.py).
-- Context parallelism: X and G_Y are gathered over CP too and put in the micro-batch's token order
-  (token_layout.py), so the statistics of the gathered tokens equal one process's on every CP rank;
-  norms of this rank's tokens are summed over CP (reduce.py). A routed expert's rows are the CP
-  rank's own tokens routed to it: gathered over CP into the micro-batch's rows of the expert, in
-  token order, by the counts its router's hook gathered (expert_rows.py).
+At scale (docs/method.md section 10): only X waits for the backward (G_Y's hook does the rest on the
+token sample; noise regenerated from its seed); weight errors a block of rows at a time; no host sync.
+- Activation recompute: the no-grad first forward only injects the forward noise; the recompute
+  registers the hooks, with the index of the oldest micro-batch waiting for its backward.
+- SP / CP: token-sharded operands are gathered over TP and CP in token order before the sample
+  (token_layout.py), local norms summed (reduce.py); an expert under CP by its router's counts.
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ def _probe(version: str, tmp_path: Path, environ: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_switches_snip_reads_per_version_are_the_ones_the_double_reads(version, tmp_path):
     """With every switch set away from its default, the double of TE `version` moves exactly the

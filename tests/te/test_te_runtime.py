@@ -41,6 +41,7 @@ def _run(tmp: Path, phase: str, *, version: "str | None" = None, environ: "dict 
     return json.loads(out.read_text())
 
 
+@pytest.mark.launches
 def test_the_re_arm_is_probed_and_without_it_every_te_linear_loses_its_cache(tmp_path):
     from snip_megatron.megatron.apply import megatron_core_version
 
@@ -60,6 +61,7 @@ def test_the_re_arm_is_probed_and_without_it_every_te_linear_loses_its_cache(tmp
             assert run["user_runs"] == ["none", "none"], run
 
 
+@pytest.mark.launches
 @pytest.mark.parametrize("version", ["2.14.0", "2.18.0"])
 def test_a_resume_under_another_te_environment_runs_what_snip_measures(version, tmp_path):
     """Saved with NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1 (gradients rounded to nearest), resumed
