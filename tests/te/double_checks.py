@@ -794,8 +794,8 @@ def check_grouped_linear_runs_each_split_as_a_linear_and_refuses_unaligned_split
     is_first_microbatch) runs split i as a Linear of weight<i> under the module's one recipe (each
     GEMM quantized on its own: our emulation per split), caches a workspace per GEMM ("weight<i>"),
     routes each wgrad into weight<i>.main_grad under fusion (an empty split: zeros, no quantizer),
-    and refuses splits TE's kernels cannot take: FP8 rows % 16, MXFP8 % 32, NVFP4 % 32 (and the
-    inner dim % 128), a CustomRecipe at all."""
+    and refuses splits TE's kernels cannot take: FP8 rows % 16, MXFP8 % 32, NVFP4 % 32, a
+    CustomRecipe at all; NVFP4 on an inner dim not a multiple of 128 runs with TE's warning."""
     import transformer_engine.pytorch as te
     from transformer_engine.common.recipe import CustomRecipe, Float8BlockScaling
     from transformer_engine.pytorch.custom_recipes import quantization_nvfp4
@@ -854,16 +854,24 @@ def check_grouped_linear_runs_each_split_as_a_linear_and_refuses_unaligned_split
         else:
             raise AssertionError(f"{fmt} took splits {bad}")
         _step(te.GroupedLinear(2, k, m, bias=False), x2, gy2, recipes[fmt], m_splits=[32, 32])
+    # NVFP4 on an inner dim not a multiple of 128: TE warns and quantizes each split on its own
+    # (csrc/extensions/cast.cpp:1425-1437): each split computes as a linear of its own
     narrow = te.GroupedLinear(2, 64, m, bias=False)
-    for recipe, text in ((recipes["nvfp4"], "inner dim to be multiple of 128"),
-                         (CustomRecipe(qfactory=quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory),
-                          "Unexpected type for quantizer")):
-        try:
-            _step(narrow, x2[:, :64], gy2, recipe, m_splits=[32, 32])
-        except RuntimeError as error:
-            assert text in str(error), error
-        else:
-            raise AssertionError(f"{type(recipe).__name__} was not refused")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y, _ = _step(narrow, x2[:, :64], gy2, recipes["nvfp4"], m_splits=[32, 32])
+    assert any("Unfused NVFP4 quantization fallback" in str(w.message) for w in caught), caught
+    assert narrow.last_run.formats == "nvfp4"
+    want = [_emulated(xi, getattr(narrow, f"weight{i}").detach(), gi, "nvfp4")[0]
+            for i, (xi, gi) in enumerate(zip(x2[:, :64].split([32, 32]), gy2.split([32, 32])))]
+    assert agree(y, torch.cat(want), "nvfp4")  # TE's NVFP4 arithmetic order (snip_vs_double)
+    try:
+        _step(narrow, x2[:, :64], gy2, CustomRecipe(qfactory=quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory),
+              m_splits=[32, 32])
+    except RuntimeError as error:
+        assert "Unexpected type for quantizer" in str(error), error
+    else:
+        raise AssertionError("CustomRecipe was not refused")
     _step(layer, x2, gy2, None, m_splits=[8, 56])  # high precision: any split
     # extra state: empty unless it ran quantized, then the recipe (Megatron splits it per expert)
     assert te.GroupedLinear(2, 8, 8).get_extra_state().numel() == 0
@@ -951,12 +959,13 @@ def check_reference_workspace_is_emptied_until_its_backward():
 def check_shape_and_bias_refusals():
     """TE's refusals of shapes and biases in a quantized linear: its FP8 shape assert on the input
     and the weight (utils.py:479-489, ValueError), MXFP8's and NVFP4's quantizer dims
-    (csrc/quantizer.cpp, RuntimeError), and the reference NVFP4 GEMM's bias and K % 32 rules and
+    (csrc/quantizer.cpp, RuntimeError), the reference NVFP4 GEMM's bias and K % 32 rules and
     its Hadamard transform's token count (ValueError; fprop checks in forward, dgrad / wgrad in
-    backward). High precision takes every shape."""
+    backward), and cuBLAS's FP8 GEMMs' K % 16 (RuntimeError in backward). High precision takes
+    every shape."""
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import (CustomRecipe, Float8BlockScaling, MXFP8BlockScaling,
-                                                  NVFP4BlockScaling)
+    from transformer_engine.common.recipe import (CustomRecipe, Float8BlockScaling, Float8CurrentScaling,
+                                                  MXFP8BlockScaling, NVFP4BlockScaling)
     from transformer_engine.pytorch.custom_recipes.quantization_nvfp4 import nvfp4_ref_rht_2d_quantizer_factory
 
     g = torch.Generator().manual_seed(16)
@@ -995,6 +1004,21 @@ def check_shape_and_bias_refusals():
                 y = layer(x)  # the forward passes
             _expect(ValueError, lambda: y.backward(torch.randn(tokens, m, generator=g)),
                     "K dimension must be divisible by 32, got K=48")
+    # cuBLAS's FP8 GEMMs: K % 16 (common/gemm/cublaslt_gemm.cu:158-162, 207-214, 250-254, 293-300).
+    # 24 tokens and 40 out-features pass TE's assert (% 8) and the forward; wgrad (K = tokens) and
+    # dgrad (K = out-features) stop in the backward.
+    for recipe, words in ((Float8BlockScaling(), "Leading dimension requirement on NVTE_BLOCK_SCALING GEMM"),
+                          (Float8CurrentScaling(), "Leading dimension requirement on A for FP8 GEMM")):
+        for tokens, m, k_value in ((24, 96, 24), (64, 40, 40)):
+            layer, _ = attempt(recipe, tokens, 64, m)
+            x = torch.randn(tokens, 64, generator=g, requires_grad=True)
+            with te_autocast(recipe):
+                y = layer(x)
+            _expect(RuntimeError, lambda: y.backward(torch.randn(tokens, m, generator=g)),
+                    f"{words}. Caller must pad. (K={k_value}")
+        layer, _ = attempt(recipe, 24, 64, 96)
+        with torch.no_grad(), te_autocast(recipe):
+            layer(torch.randn(24, 64, generator=g))  # no backward: fprop's K is in_features
 
 
 def check_cuda_and_cublas_gates():

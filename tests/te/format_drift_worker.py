@@ -87,8 +87,12 @@ def nvfp4_weight_tiles_1x16():
 @contextlib.contextmanager
 def fp32_encode_scale_replaced(replacement):
     """SNIP's FP32 / pow2 scale rule (formats/scales.py, which the eager casts call; quantize.py
-    holds its own name for it) replaced by `replacement(amax, elem_max)`."""
-    from snip_megatron.formats import quantize, scales
+    holds its own name for it) replaced by `replacement(amax, elem_max)`. The module is taken from
+    sys.modules: the package re-exports a function of the same name, `formats.quantize`."""
+    import importlib
+
+    quantize = importlib.import_module("snip_megatron.formats.quantize")
+    scales = importlib.import_module("snip_megatron.formats.scales")
 
     with patched(scales, "fp32_encode_scale", replacement), \
             patched(quantize, "fp32_encode_scale", replacement):

@@ -316,7 +316,7 @@ def check_megatron_alone_leaves_te_weights_stale_before_0_19():
     fp8/fp4, so there step 2 on reuses the quantized weights of step 1. (With SNIP's apply_plan,
     as every loop runs it, no step is stale: check_mixed_plan_trains_and_each_module_keeps_its_format.)"""
     from snip_megatron.megatron import runtime
-    from snip_megatron.megatron.apply import MEGATRON_REARMS_QUANT_RECIPE, megatron_core_version
+    from snip_megatron.megatron.apply import megatron_core_version, megatron_rearms_te_cache
 
     runtime.seed_all(worker.SEED)
     model = worker.build_te_gpt(the_plan=worker.plan())
@@ -326,7 +326,7 @@ def check_megatron_alone_leaves_te_weights_stale_before_0_19():
     quantized = sorted(k for k, p in {f"{a}.{b}": v for (a, b), v in worker.PLAN_TABLE.items()}.items()
                        if p != "bf16")
     assert stale[0] == [], stale  # step 1 builds the cache from its own weights
-    if megatron_core_version() >= MEGATRON_REARMS_QUANT_RECIPE:
+    if megatron_rearms_te_cache(model.config):  # 0.19.2 (prod lane); not 0.16.1 (compat)
         assert stale[1:] == [[], []], stale
         assert {r["workspaces"][quantized[0]] for r in records[1:]} == {"reused"}  # refreshed, then reused
     else:

@@ -102,6 +102,7 @@ print("RESULT", sorted(set(ran)), loaded)
 """
 
 
+@pytest.mark.launches
 def test_the_double_computes_without_importing_snip():
     """Every modelled recipe (FP8 blockwise, current scaling, MXFP8, NVFP4 with and without
     stochastic rounding, TE's reference NVFP4 CustomRecipe on Hopper), forward and backward, in a
@@ -249,6 +250,7 @@ def _agreeing(report: dict) -> dict:
     return {key: [name for name in ("y", "dx", "dw") if row[name]] for key, row in report.items()}
 
 
+@pytest.mark.launches
 def test_snip_as_it_is_computes_what_the_double_computes(drift):
     """Megatron's TE wrappers over the double and SNIP's emulation of the plan's formats agree on
     Y, dX and dW: blockwise FP8 bit for bit, NVFP4 (stochastic gradients, shared draws) within a
@@ -260,6 +262,7 @@ def test_snip_as_it_is_computes_what_the_double_computes(drift):
     assert _agreeing(drift["tensorwise_as_is"]) == {"1.linear_qkv": ["y", "dx", "dw"]}
 
 
+@pytest.mark.launches
 def test_a_snip_rule_changed_in_snip_only_is_caught(drift):
     """Each rule changed in SNIP only moves exactly the outputs whose GEMMs read it."""
     # FP4 weight tiles: fprop and dgrad read the weight; wgrad does not.
