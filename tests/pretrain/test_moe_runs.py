@@ -158,7 +158,7 @@ def test_te_grouped_experts_at_tp2_sp_etp2_ep2_alltoall_train_on_hopper_and_resu
     """As the one-process TE grouped run, on four processes: every rank's planned TE linears (its
     local experts' grouped linear halves included) run their planned recipe, switched by the re-plan
     at step 1 from the measurement (SM90: BF16/FP8); the resumed run, on SM100, builds every rank's
-    linears with the checkpoint's plan and re-plans under an FP4 budget."""
+    linears with the checkpoint's plan and re-plans under an FP4 budget at its step."""
     from tests.pretrain.test_te_runs import check_linears_follow_the_plan, check_runtime, probed, te_built, te_rows
 
     ckpt = tmp_path / "ckpt"
@@ -188,7 +188,6 @@ def test_te_grouped_experts_at_tp2_sp_etp2_ep2_alltoall_train_on_hopper_and_resu
     for rank in range(4):
         built = te_built(tmp_path / "q", rank)
         assert built and all(saved[k] == p for k, p in built.items()), (rank, built, saved)
-        rows = te_rows(tmp_path / "q", rank)
-        assert rows[0]["plan"] == saved  # the checkpoint's plan at step 3, then the SM100 re-plan
+        rows = te_rows(tmp_path / "q", rank)  # step 3 runs the SM100 re-plan of its measurement (lag 0)
         check_linears_follow_the_plan(rows)
         check_runtime(rows)
