@@ -122,13 +122,14 @@ def moe_layers(model_chunks) -> list:
 
 def expert_linears(layer) -> dict:
     """id(expert linear) -> its local expert index (None: a grouped linear, one GEMM per expert)."""
-    experts, out = layer.experts, {}
-    if hasattr(experts, "local_experts"):  # SequentialMLP
-        for i, e in enumerate(experts.local_experts):
-            out[id(e.linear_fc1)] = out[id(e.linear_fc2)] = i
-    else:  # TEGroupedMLP
-        out[id(experts.linear_fc1)] = out[id(experts.linear_fc2)] = None
-    return out
+    from snip_megatron.models import gpt
+
+    experts = layer.experts
+    grouped = gpt.grouped_expert_linears(experts)
+    if grouped is not None:  # TEGroupedMLP
+        return {id(m): None for m in grouped}
+    leaves = [s.suffix.rpartition(".")[2] for s in gpt.EXPERT_LINEARS]  # SequentialMLP: each local expert's
+    return {id(getattr(e, leaf)): i for i, e in enumerate(experts.local_experts) for leaf in leaves}
 
 
 @contextlib.contextmanager

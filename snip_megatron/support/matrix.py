@@ -102,8 +102,7 @@ TESTED: tuple[Run, ...] = (
            ("ep", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[ep2_a2a]"),
            ("etp", PRETRAIN + "test_moe_runs.py::test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan[etp2]")),
     *_runs("megatron-lm", "moe_te_grouped", "te_hopper",
-           ("one", PRETRAIN + "test_moe_runs.py::test_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double"),
-           ("tp+ep+etp", PRETRAIN + "test_moe_runs.py::test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double[tp2_sp_etp2_ep2_a2a]")),
+           ("one", PRETRAIN + "test_moe_runs.py::test_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double")),
     *_runs("megatron-lm", "hybrid", "te_hopper",
            ("one", PRETRAIN + "test_hybrid_runs.py::test_one_process_hybrid_measures_replans_saves_and_resumes_and_mamba_is_refused_on_cpu"),
            ("pp", PRETRAIN + "test_hybrid_runs.py::test_patched_pretrain_hybrid_at_pp2_plans_each_segment_by_its_hybrid_layers_and_resumes")),
@@ -123,7 +122,7 @@ TESTED: tuple[Run, ...] = (
                        ("tp+pp+vpp", LAYOUT + f"test_te_chain_across_layouts_and_generations[{model}]"),
                        ("dp+recompute", LAYOUT + "test_te_data_parallel_with_the_distributed_optimizer_and_recompute"
                                                  f"[{model}-{sm}]"))),
-    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid"),
+    *(run for model, models in (("dense", "dense"), ("mla_mtp", "mla+mtp"), ("hybrid", "hybrid+hybrid_moe"),
                                 ("moe", "moe_te_grouped"))
       for backend, _ in GENERATIONS for run in _runs(
         "megatron-lm", models, backend,
@@ -136,6 +135,9 @@ TESTED: tuple[Run, ...] = (
                        ("pp+vpp", MOE_LAYOUT + f"test_te_grouped_experts_chain_across_layouts_and_generations[{model}]"),
                        ("dp+ep+recompute", MOE_LAYOUT + "test_te_grouped_experts_with_the_distributed_optimizer_and_"
                                                         f"recompute[{model}-{sm}]"))),
+    *(run for model, models in (("gpt", "moe_te_grouped"), ("hybrid", "hybrid_moe")) for backend, _ in GENERATIONS
+      for run in _runs("megatron-lm", models, backend, ("tp+ep+etp", PRETRAIN + "test_moe_runs.py::test_te_grouped_"
+                                                         f"experts_at_tp2_sp_etp2_ep2_alltoall_train_on_hopper_and_resume_on_blackwell[{model}]"))),
     *_runs("megatron-lm", "moe_local", "emulated",
            ("dp+ep+recompute", MOE_LAYOUT + "test_local_experts_with_the_distributed_optimizer_and_recompute")),
     *_runs("megatron-lm", "mla+mtp+moe_local", "emulated",
