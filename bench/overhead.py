@@ -28,13 +28,14 @@ import numpy as np
 
 def synthetic_stats(shape, tokens: int, seed: int = 0):
     """A statistics table with the 70B layout and plausible, layer-varying magnitudes."""
+    from snip_megatron.models import gpt
     from snip_megatron.plan import all_keys
     from snip_megatron.stats.table import CANDIDATES, StatsTable, precision_field
 
     rng = np.random.default_rng(seed)
     keys = all_keys(shape.num_layers)
     t = StatsTable(keys=keys, globals_={"loss": 2.5, "num_microbatches": 1, "dp_size": 1})
-    dims = shape.linear_shapes()
+    dims = gpt.linear_shapes(shape)
     for i, k in enumerate(keys):
         m, kk = dims[k.name]
         lognorm = lambda s=1.0: float(np.exp(rng.normal(0, s)))  # noqa: E731

@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import quality  # noqa: E402
 
+from snip_megatron.models import gpt  # noqa: E402
+
 NARROW = ["--hidden", "64", "--ffn", "176", "--heads", "2", "--groups", "1"]
 """A quarter of the default width's linear parameters: more tokens per parameter at a step's cost."""
 METHODS = "uniform_fp4,last_fraction,snip_periodic"
@@ -82,7 +84,7 @@ def regime_row(regime: Regime, args, results: list[dict], fmt: str) -> dict:
     snip, recipe = g.get(("snip_periodic", 0.75), {}), g.get((RECIPE, 0.75), {})
     diff = [snip[s] - recipe[s] for s in snip if s in recipe]
     shape = ModelShape(**quality.common_settings(args)["model"])
-    params = sum(o * i for o, i in shape.linear_shapes().values()) * shape.num_layers
+    params = sum(o * i for o, i in gpt.linear_shapes(shape).values()) * shape.num_layers
     tokens = args.steps * args.micro_batch_size * args.seq
     minutes = sum(r["seconds"] for r in results if r["spec"]["fp4_recipe"] == fmt
                   or r["spec"]["method"] == "bf16") / 60

@@ -52,13 +52,6 @@ class ModelShape:
     def head_dim(self) -> int:
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
 
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of each planned linear of a dense GPT layer, unsharded (the
-        dense-GPT adapter's table; `models.gpt.inventory(shape)` has the whole model's)."""
-        from snip_megatron.models import gpt  # the adapter imports this module
-
-        return gpt.linear_shapes(self)
-
     def with_(self, **changes) -> "ModelShape":
         return replace(self, **changes)
 

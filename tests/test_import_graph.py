@@ -41,18 +41,7 @@ the controller, the measurement or the CLI; planner and estimate never import ea
 TOOLS = {"analyze"}
 """Tools on top of the loops (snip-analyze): no other part imports them."""
 
-CIRCLES_LEFT = {
-    # Each is a circle between files that its owners still have to break (by moving the code both
-    # files need to the one that owns it); listed so that no new circle can join them unseen.
-    frozenset({"snip_megatron.bridge.checkpoint", "snip_megatron.bridge.run"}),
-    frozenset({"snip_megatron.models.gpt", "snip_megatron.shapes"}),
-}
 MAX_LINES = 500
-LONG_FILES_LEFT = {
-    # Files over MAX_LINES today (522 and 649 lines), each to be split by the job of its parts;
-    # no other file may join them.
-    "models/gpt.py",
-}
 
 
 def _module_name(path: Path) -> str:
@@ -166,11 +155,8 @@ def test_a_lazy_or_relative_import_is_seen(tmp_path):
 
 
 def test_no_import_circle_between_files():
-    circles = set(import_circles(package_graph()))
-    new = [sorted(c) for c in circles - CIRCLES_LEFT]
-    assert not new, f"import circles between files (move what both need to its owner): {new}"
-    # A circle broken for good leaves the allow-list too.
-    assert not CIRCLES_LEFT - circles, f"no longer circles, drop them from CIRCLES_LEFT: {CIRCLES_LEFT - circles}"
+    circles = [sorted(c) for c in import_circles(package_graph())]
+    assert not circles, f"import circles between files (move what both need to its owner): {circles}"
 
 
 def test_circles_are_found_with_lazy_imports_and_packages(tmp_path):
@@ -185,7 +171,5 @@ def test_circles_are_found_with_lazy_imports_and_packages(tmp_path):
 
 def test_no_file_over_max_lines():
     lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    over = {f: n for f, n in lengths.items() if n > MAX_LINES and f not in LONG_FILES_LEFT}
+    over = {f: n for f, n in lengths.items() if n > MAX_LINES}
     assert not over, f"files over {MAX_LINES} lines (split them by the job of their parts): {over}"
-    shrunk = {f for f in LONG_FILES_LEFT if lengths.get(f, 0) <= MAX_LINES}
-    assert not shrunk, f"now within {MAX_LINES} lines, drop them from LONG_FILES_LEFT: {shrunk}"

@@ -143,7 +143,7 @@ def tp_linear_shapes(shape: ModelShape, tp: int) -> dict[str, tuple[int, int]]:
     if shape.num_query_groups % tp:
         raise ValueError(f"num_query_groups={shape.num_query_groups} is not divisible by tp={tp}")
     out = {}
-    for name, (n_out, n_in) in shape.linear_shapes().items():
+    for name, (n_out, n_in) in gpt.linear_shapes(shape).items():
         split = n_out if name in COLUMN_PARALLEL else n_in
         if split % tp:
             raise ValueError(f"{name}: {split} features are not divisible by tp={tp}")

@@ -96,7 +96,12 @@ def check_same_model(args, folder: Path) -> None:
 
 def _model_value(args, name: str):
     """The value of a model argument as the model reads it: without --group-query-attention every
-    head is its own group (Megatron-LM's FLOP count writes that into the saved arguments)."""
+    head is its own group (Megatron-LM's FLOP count writes that into the saved arguments); a hybrid
+    pattern's '|' cuts are the pipeline layout, not the model (its layers are compared)."""
+    if name == "hybrid_layer_pattern" and getattr(args, name, None):
+        from snip_megatron.models import hybrid
+
+        return hybrid.layer_symbols(args.hybrid_layer_pattern)
     if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
         return args.num_attention_heads
     return getattr(args, name)

@@ -9,8 +9,8 @@ manager (Bridge's DefaultCheckpointManager, or the user's own class) does, plus:
   solver), and written beside the checkpoint, as `<save>/iter_<N>/snip_state.json` on rank 0,
   once Bridge says the checkpoint is final: its `on_checkpoint_save` event, which Bridge fires
   after a synchronous save and as a finalize step of an asynchronous one, oldest save first;
-- load: the model is built before Bridge loads anything, so `expected_resume` reads the state of
-  the checkpoint Bridge will load (`checkpoint.ckpt_step`, else its tracker) before the model is
+- load: the model is built before Bridge loads anything, so `bridge.state.expected_resume` reads the
+  state of the checkpoint Bridge will load (`checkpoint.ckpt_step`, else its tracker) before the model is
   built; after the load the manager checks the iteration Bridge actually loaded, and if it is
   another one the run takes that checkpoint's state (`BridgeRun.after_load`).
 
@@ -21,44 +21,9 @@ The file format is the Megatron-LM loop's (snip_megatron.pretrain.state): Bridge
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
-from typing import Optional
-
-from snip_megatron.pretrain.state import STATE_FILE, iteration_folder, loaded_iteration_of, read_state_file
 
 MANAGER = f"{__name__}.SnipCheckpointManager"
 """The value enable_snip gives `checkpoint.custom_manager_class`."""
-
-
-def _is_iteration_dir(path) -> bool:
-    from megatron.bridge.training.utils.checkpoint_utils import is_checkpoint_iteration_directory
-
-    return bool(path) and is_checkpoint_iteration_directory(str(path))
-
-
-def read_state_at(load: "str | None", iteration: int) -> Optional[dict]:
-    """The SNIP state of checkpoint `iteration` under `load` (or of `load` itself when it is an
-    iteration folder), None where that checkpoint was written without SNIP."""
-    if not load:
-        return None
-    folder = Path(load) if _is_iteration_dir(load) else iteration_folder(load, iteration)
-    return read_state_file(folder / STATE_FILE)
-
-
-def expected_resume(checkpoint) -> "tuple[Optional[int], Optional[dict]]":
-    """(iteration, SNIP state) of the checkpoint Bridge will load from `checkpoint.load`, before
-    the model exists; (None, None) for a fresh run (nothing to load, or `finetune`, which restarts
-    the run from the weights). The state is None for a checkpoint written without SNIP."""
-    load = getattr(checkpoint, "load", None)
-    if not load or getattr(checkpoint, "finetune", False):
-        return None, None
-    if _is_iteration_dir(load):  # Bridge loads such a folder as it is
-        state = read_state_file(Path(load) / STATE_FILE)
-        return (int(state["iteration"]), state) if state is not None else (None, None)
-    iteration = loaded_iteration_of(load, getattr(checkpoint, "ckpt_step", None))
-    if not isinstance(iteration, int):  # nothing yet, or a release (converted) checkpoint
-        return None, None
-    return iteration, read_state_at(load, iteration)
 
 
 def _manager_class(name: "str | None"):

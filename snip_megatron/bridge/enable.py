@@ -43,10 +43,11 @@ def enable_snip(cfg, snip: SnipConfig) -> list:
 
 def prepare_run(cfg, snip: SnipConfig):
     """The BridgeRun of `cfg`, after every check; changes nothing (ValueError listing what to change)."""
-    from snip_megatron.bridge.checkpoint import MANAGER, expected_resume
+    from snip_megatron.bridge.checkpoint import MANAGER
     from snip_megatron.bridge.model import SnipHybridStackSpec, SnipLayerSpec, spec_for_backend
     from snip_megatron.bridge.run import BridgeRun
     from snip_megatron.bridge.settings import backend_of, check, is_hybrid
+    from snip_megatron.bridge.state import expected_resume
     from snip_megatron.controller import initial_plan
     from snip_megatron.plan import Plan
     from snip_megatron.pretrain.model import check_user_recipe

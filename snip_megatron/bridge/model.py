@@ -90,11 +90,11 @@ def check_emulated_spec(spec, backend: str) -> None:
     """The emulated backend replaces the planned linears of a local spec; a Transformer Engine
     spec fuses the attention norm into the layer's first linear (TELayerNormColumnParallelLinear),
     so replacing it would drop that norm: refused."""
-    from snip_megatron.models import gpt
+    from snip_megatron.models import gpt_spec
 
     if not hasattr(getattr(spec, "submodules", None), "self_attention"):
         return
-    first = gpt.spec_linear_class(spec, gpt.first_linear_suffix())
+    first = gpt_spec.spec_linear_class(spec, gpt_spec.first_linear_suffix())
     if backend == "emulated" and "transformer_engine" in getattr(first, "__module__", ""):
         raise ValueError(f"model.transformer_impl='local' (SNIP's emulated linears) with a Transformer "
                          f"Engine layer spec ({first.__name__}): set model.transformer_layer_spec="

@@ -129,7 +129,7 @@ class BridgeRun:
         one loaded: the controller is rebuilt with it and its plan applied before the first step."""
         if iteration == self.resumed_iteration:
             return
-        from snip_megatron.bridge.checkpoint import read_state_at
+        from snip_megatron.bridge.state import read_state_at
 
         state = read_state_at(self.cfg.checkpoint.load, iteration) if iteration is not None else None
         _print_rank_0(f"[snip] Bridge loaded iteration {iteration}, not {self.resumed_iteration} as "

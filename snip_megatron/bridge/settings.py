@@ -58,7 +58,7 @@ def settings_of(cfg, snip, backend: "str | None" = None):
 
     from snip_megatron.support.names import BridgeNames
     from snip_megatron.support.settings import RunFacts, Settings
-    from snip_megatron.te.installed import te_installed
+    from snip_megatron.te.installed import te_facts
 
     model, ddp, optimizer = (copy.copy(getattr(cfg, name, None)) for name in ("model", "ddp", "optimizer"))
     mp = mixed_precision_of(cfg)
@@ -68,7 +68,8 @@ def settings_of(cfg, snip, backend: "str | None" = None):
         recipe = cfg.mixed_precision if isinstance(cfg.mixed_precision, str) else "MixedPrecisionConfig"
         names = BridgeNames(recipe, frozenset(f.name for f in dataclasses.fields(mp)))
     comm = getattr(cfg, "comm_overlap", None)
-    facts = RunFacts(entry="bridge", family=family_of(model), backend=backend or backend_of(model),
+    backend = backend or backend_of(model)
+    facts = RunFacts(entry="bridge", family=family_of(model), backend=backend,
                      world_size=int(os.environ.get("WORLD_SIZE", "1")),
                      hybrid_pattern=(getattr(model, "hybrid_layer_pattern", None)
                                      or getattr(model, "hybrid_override_pattern", None)),
@@ -76,7 +77,7 @@ def settings_of(cfg, snip, backend: "str | None" = None):
                      peft=getattr(cfg, "peft", None) is not None,
                      full_te_layer=bool(getattr(model, "use_transformer_engine_full_layer_spec", False)),
                      comm_overlap_tp=bool(getattr(comm, "tp_comm_overlap", False)),
-                     te_installed=te_installed(), cuda=torch.cuda.is_available())
+                     cuda=torch.cuda.is_available(), **te_facts(backend))
     settings = Settings(model=model, snip=snip, run=facts, ddp=ddp, optimizer=optimizer,
                         checkpoint=getattr(cfg, "checkpoint", None), dist=getattr(cfg, "dist", None))
     return settings, names

@@ -22,6 +22,11 @@ F32_MIN_NORMAL = torch.finfo(torch.float32).tiny  # 2**-126
 # the whole E4M3 range.
 NVFP4_GLOBAL_DIVISOR = E4M3_MAX * E2M1_MAX  # 2688.0
 
-# Fixed seed of the random sign vector of the 16-point Hadamard transform (any fixed value works;
-# it must be the same on every rank and every run so both wgrad operands see the same transform).
+# The random sign vector of the 16-point Hadamard transform: Transformer Engine's hard-coded one
+# (TE v2.14 pytorch/tensor/nvfp4_tensor.py:49-60 `get_wgrad_sign_vector`, the same in
+# custom_recipes/quantization_nvfp4.py:334-339 and at TE 2.18), so that SNIP's NVFP4 wgrad
+# operands are the ones TE's kernels quantize. It must be the same on every rank and in every run
+# so both wgrad operands see the same transform.
+HADAMARD_SIGNS_16 = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+# Other sizes (TE has none): a random sign vector from this fixed seed.
 HADAMARD_SIGN_SEED = 0x5EED

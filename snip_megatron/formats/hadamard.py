@@ -1,7 +1,8 @@
 """The random Hadamard transform (RHT) applied to both wgrad operands along the token dimension.
 
 M = H_h diag(s) / sqrt(h), with H_h the Sylvester Hadamard matrix and s a fixed random sign
-vector, is orthogonal (M^T M = I), so transforming both operands of G_W = G_Y^T X in the same
+vector (for h = 16, Transformer Engine's: TE multiplies x @ diag(s) H / 4, the same M since H is
+symmetric), is orthogonal (M^T M = I), so transforming both operands of G_W = G_Y^T X in the same
 h-token chunks leaves the product unchanged while spreading outliers across each chunk.
 
 `hadamard_last_dim` computes M v in a fixed order, so that its float32 result does not depend on
@@ -20,7 +21,7 @@ import struct
 
 import torch
 
-from snip_megatron.formats.constants import HADAMARD_SIGN_SEED
+from snip_megatron.formats.constants import HADAMARD_SIGN_SEED, HADAMARD_SIGNS_16
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,9 +31,11 @@ def _matrix_cpu(size: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < size:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    # Fixed seed: the same sign vector on every rank and in every run.
-    gen = torch.Generator().manual_seed(HADAMARD_SIGN_SEED)
-    signs = torch.randint(0, 2, (size,), generator=gen, dtype=torch.int64).to(torch.float64) * 2 - 1
+    if size == 16:  # Transformer Engine's signs (constants.HADAMARD_SIGNS_16)
+        signs = torch.tensor(HADAMARD_SIGNS_16, dtype=torch.float64)
+    else:  # fixed seed: the same sign vector on every rank and in every run
+        gen = torch.Generator().manual_seed(HADAMARD_SIGN_SEED)
+        signs = torch.randint(0, 2, (size,), generator=gen, dtype=torch.int64).to(torch.float64) * 2 - 1
     return h * signs / math.sqrt(size)
 
 

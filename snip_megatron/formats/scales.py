@@ -31,7 +31,10 @@ def reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
 
 def fp32_encode_scale(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
     # max / amax, 1 for all-zero groups, capped at the largest float32 (TE's compute_scale).
-    scale = elem_max / amax
+    # Divided as TE divides (TE v2.14 recipe/recipe_common.cuh:28-31, __fdiv_rn(max_fp8, amax)): a
+    # tensor over a tensor. `elem_max / amax` would be amax.reciprocal() * elem_max (PyTorch's
+    # Tensor.__rtruediv__), an ulp off TE's scale for about a third of the amaxes.
+    scale = torch.full_like(amax, elem_max) / amax
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     return scale.clamp(max=F32_MAX)
 

@@ -20,6 +20,8 @@ from snip_megatron.models.inventory import Inventory, InventoryEntry
 from snip_megatron.models.registry import adapter, family_of
 from snip_megatron.plan import LayerKey, Plan, PlanChange, forward_order
 from snip_megatron.te.options import TEOptions
+from snip_megatron.te.restored import notice as restored_notice
+from snip_megatron.te.restored import requantize_restored
 from snip_megatron.te.translate import precision_of_te_params
 
 
@@ -101,12 +103,6 @@ def precision_of(module) -> "Precision | None":
     return None
 
 
-# compat: megatron-core 0.19 re-arms TE's weight cache for a quant_recipe, 0.16-0.18 do not.
-MEGATRON_REARMS_QUANT_RECIPE = (0, 19)
-"""megatron-core from which `MegatronModule.set_is_first_microbatch` re-arms TE's weight cache for a
-`quant_recipe` too (transformer/module.py); before, only under a global fp8/fp4 or kitchen."""
-
-
 def megatron_core_version() -> tuple[int, int]:
     """(major, minor) of the installed megatron-core."""
     from packaging.version import Version
@@ -116,39 +112,85 @@ def megatron_core_version() -> tuple[int, int]:
     return Version(package_info.__version__).release[:2]
 
 
+class _ProbeRecipe:
+    """Stands for a per-module recipe (a RecipeConfig) in the re-arm probe's config."""
+
+
+def megatron_rearms_te_cache(config=None) -> bool:
+    """Whether the installed Megatron's `MegatronModule.set_is_first_microbatch`, which its schedule
+    calls on every model chunk at each step's first micro-batch (pipeline_parallel/schedules.py),
+    re-arms `is_first_microbatch` on the TE modules of a model built from `config` (its fp8, fp4,
+    use_kitchen and quant_recipe; default: a per-module recipe and nothing else, as SNIP builds).
+
+    Found by behaviour, not by version: a probe module holding that config and one child with the
+    attribute Megatron looks for (`is_first_microbatch = False`) calls the method; the flag must
+    flip. megatron-core 0.19 re-arms for a `quant_recipe` (Megatron-LM 5389d147, #5642, 2026-07-11);
+    0.16-0.18 only under a global fp8/fp4 or kitchen, and builds of main between 2026-06-03 and that
+    fix already report 0.19.0."""
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+
+    if config is None:
+        fields = SimpleNamespace(fp8=None, fp4=None, use_kitchen=False, quant_recipe=_ProbeRecipe())
+    else:
+        fields = SimpleNamespace(fp8=getattr(config, "fp8", None), fp4=getattr(config, "fp4", None),
+                                 use_kitchen=getattr(config, "use_kitchen", False),
+                                 quant_recipe=getattr(config, "quant_recipe", None))
+    probe = MegatronModule(fields)
+    probe.te_module = torch.nn.Module()
+    probe.te_module.is_first_microbatch = False
+    probe.set_is_first_microbatch()
+    # compat: megatron-core 0.16-0.18 leave the probe's flag False (SNIP turns the cache off), 0.19 flips it
+    return probe.te_module.is_first_microbatch is True
+
+
 def megatron_refreshes_te_weights(config) -> bool:
     """Whether Megatron's schedule re-arms `is_first_microbatch` on the TE linears of a model built
-    from `config` at each step's first micro-batch, so TE re-quantizes each one's cached weight once
-    per step (TE 2.14 `module/base.py` get_weight_workspace: refreshed only when that flag is None or
-    True). Without it the cached FP8/FP4 weight of each module's first quantized forward would be
-    used for every later step."""
-    if getattr(config, "fp8", None) or getattr(config, "fp4", None) or getattr(config, "use_kitchen", False):
-        return True
-    # compat: re-armed by Megatron from 0.19 (MEGATRON_REARMS_QUANT_RECIPE), by SNIP before it.
-    return (megatron_core_version() >= MEGATRON_REARMS_QUANT_RECIPE
-            and getattr(config, "quant_recipe", None) is not None)
+    from `config` at each step's first micro-batch (`megatron_rearms_te_cache`), so TE re-quantizes
+    each one's cached weight once per step (TE 2.14 `module/base.py` get_weight_workspace: refreshed
+    only when that flag is None or True). Without it the cached FP8/FP4 weight of each module's first
+    quantized forward would be used for every later step."""
+    return megatron_rearms_te_cache(config)
 
 
 def weight_cache_notice() -> "str | None":
-    """The start-up line of a TE run on a megatron-core that does not re-arm TE's weight cache for a
-    per-module recipe (None on one that does)."""
-    # compat: 0.16-0.18 get the notice (SNIP turns the cache off), 0.19 none.
-    version = megatron_core_version()
-    if version >= MEGATRON_REARMS_QUANT_RECIPE:
+    """The start-up line of a TE run on a Megatron whose schedule does not re-arm TE's weight cache
+    for a per-module recipe (probed, `megatron_rearms_te_cache`); None on one that does."""
+    if megatron_rearms_te_cache():
         return None
-    return (f"megatron-core {version[0]}.{version[1]} re-arms TE's cached FP8/FP4 weights only under a global "
-            "--fp8-format/--fp4-format: SNIP turns the cache off on its planned TE linears (each weight is "
-            "quantized at every micro-batch; megatron-core >= 0.19 keeps it per step)")
+    from megatron.core import package_info
+
+    return (f"megatron-core {package_info.__version__} does not re-arm TE's cached FP8/FP4 weights for a "
+            "per-module recipe (probed: MegatronModule.set_is_first_microbatch left a probe module's "
+            "is_first_microbatch False): SNIP turns the cache off on every TE linear of the model, the "
+            "--te-precision-config-file ones too (each weight is quantized at every micro-batch)")
 
 
 def keep_te_weights_fresh(module) -> bool:
-    """Turn off TE's per-module weight cache on a planned TE linear whose model Megatron does not
-    re-arm (Megatron's own switch, `disable_parameter_transpose_cache`: TE then quantizes the weight
-    at every micro-batch). True when it was turned off."""
+    """Turn off TE's per-module weight cache on a TE linear whose model Megatron does not re-arm
+    (Megatron's own switch, `disable_parameter_transpose_cache`: TE then quantizes the weight at
+    every micro-batch). True when it was turned off."""
     if megatron_refreshes_te_weights(getattr(module, "config", None)):
         return False
     module.disable_parameter_transpose_cache = True
     return True
+
+
+def _say(line: str) -> None:
+    import torch
+
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+
+
+def te_cached_modules(model) -> list:
+    """Every module of this rank's chunk(s) whose weight cache Megatron's schedule re-arms and its
+    `disable_parameter_transpose_cache` turns off (Megatron's TE linears and grouped linears):
+    the planned ones and any a user's precision config quantizes."""
+    return [m for chunk in _chunks(model) for m in chunk.modules()
+            if hasattr(m, "is_first_microbatch") and hasattr(m, "disable_parameter_transpose_cache")]
 
 
 def current_plan(model) -> Plan:
@@ -184,7 +226,8 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
     must be plannable and have a precision the backend can run), so a bad plan is refused with
     ValueError before any module changes. Emulated linears switch through `set_precision`, TE
     linears through `finish_init` with the TEQuantizationParams of `formats` on `sm` (default:
-    this GPU), their weight cache kept fresh (`keep_te_weights_fresh`).
+    this GPU); every TE linear of the chunks keeps a fresh weight cache (`keep_te_weights_fresh`), and
+    one holding a checkpoint's recipe builds its quantizers from the run's (`te.restored`).
     Parameters are untouched: optimizer state and checkpoints carry over.
     """
     if not isinstance(plan, Plan):
@@ -216,10 +259,13 @@ def apply_plan(model, plan: Plan, *, sm: "int | None" = None, te_options: "TEOpt
                              f"cannot switch precision; build with the SNIP or TE layer spec")
         todo.append((pl, new, config))
 
+    for module in te_cached_modules(model):  # planned or not: Megatron re-arms them all, or none
+        keep_te_weights_fresh(module)
+    restored = restored_notice(requantize_restored(m for chunk in _chunks(model) for m in chunk.modules()))
+    if restored is not None:  # a resume under another TE environment (on TE 2.14-2.17.0)
+        _say(f"[snip] {restored}")
     changes: list[AppliedChange] = []
     for pl, new, config in todo:
-        if is_te_linear(pl.module):
-            keep_te_weights_fresh(pl.module)
         old = precision_of(pl.module)
         if old is new:
             continue

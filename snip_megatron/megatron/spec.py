@@ -2,12 +2,12 @@
 
 The planned linears go in through the spec, as Megatron intends, rather than by patching modules
 after construction; which spec fields hold them is the model family's adapter's knowledge
-(`models.gpt.replace_planned_linears`, re-exported here).
+(`models.gpt_spec.replace_planned_linears`, re-exported here).
 """
 
 from __future__ import annotations
 
-from snip_megatron.models.gpt import replace_duplicated_linears, replace_mtp_planned_linears, replace_planned_linears
+from snip_megatron.models.gpt_spec import replace_duplicated_linears, replace_mtp_planned_linears, replace_planned_linears
 
 __all__ = ["BACKENDS", "get_layer_spec", "get_local_layer_spec", "get_moe_block_spec", "get_mtp_block_spec",
            "get_snip_layer_spec", "get_te_layer_spec", "replace_planned_linears", "with_emulated_linears",
@@ -33,14 +33,14 @@ def with_local_mla(spec):
     """A local GPT layer spec (or each layer of a block spec) whose MLA, if it has one, builds on
     the local spec: down-projections duplicated over TP and SNIP's core attention."""
     from snip_megatron.megatron.mla import DuplicatedDownProjection
-    from snip_megatron.models import gpt
+    from snip_megatron.models import gpt_spec
 
     def one(layer_spec):
-        if not gpt.is_mla_spec(layer_spec):
+        if not gpt_spec.is_mla_spec(layer_spec):
             return layer_spec
         return with_local_mla_core(replace_duplicated_linears(layer_spec, DuplicatedDownProjection))
 
-    return gpt.map_layer_specs(spec, one)
+    return gpt_spec.map_layer_specs(spec, one)
 
 
 def with_local_mla_core(spec):
@@ -49,9 +49,9 @@ def with_local_mla_core(spec):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from snip_megatron.megatron.mla import LocalMLACore
-    from snip_megatron.models import gpt
+    from snip_megatron.models import gpt_spec
 
-    if gpt.is_mla_spec(spec) and spec.submodules.self_attention.submodules.core_attention is DotProductAttention:
+    if gpt_spec.is_mla_spec(spec) and spec.submodules.self_attention.submodules.core_attention is DotProductAttention:
         spec.submodules.self_attention.submodules.core_attention = LocalMLACore
     return spec
 
@@ -61,16 +61,16 @@ def with_emulated_linears(spec):
     of a block spec, with SNIP's emulated linears as its planned linears."""
     from snip_megatron.emulation.parallel_linear import (QuantColumnParallelLinear,
                                                          QuantRowParallelLinear)
-    from snip_megatron.models import gpt
+    from snip_megatron.models import gpt_spec
 
     def one(layer_spec):
         down = None
-        if gpt.is_mla_spec(layer_spec):
+        if gpt_spec.is_mla_spec(layer_spec):
             from snip_megatron.megatron.mla import QuantDownProjection as down
         return with_local_mla_core(replace_planned_linears(layer_spec, QuantColumnParallelLinear,
                                                            QuantRowParallelLinear, down))
 
-    return gpt.map_layer_specs(spec, one)
+    return gpt_spec.map_layer_specs(spec, one)
 
 
 def get_snip_layer_spec(normalization: str = "RMSNorm", multi_latent_attention: bool = False):

@@ -33,13 +33,17 @@ def resolve_for_te(snip: SnipConfig, *, sm: Optional[int] = None) -> TERun:
 
 def startup_lines(run: TERun) -> list[str]:
     """What each planned precision runs on this GPU and the plan budget; the TE version (and what
-    SNIP makes of it); what SNIP does about a megatron-core that does not refresh TE's weight cache."""
+    SNIP makes of it), each recipe switch set that this TE does not read yet; what SNIP does about a
+    megatron-core that does not refresh TE's weight cache."""
     from snip_megatron.megatron.apply import weight_cache_notice
     from snip_megatron.te.installed import version_notice
+
+    from snip_megatron.te.environment import nvte_environ, unread_notices
 
     lines = [f"[snip] {run.config.what_runs(run.sm)}"]
     notice = version_notice(run.support.version)
     lines.append(f"[snip] Transformer Engine {run.support.version}" + (f": {notice}" if notice else ""))
+    lines += [f"[snip] {line}" for line in unread_notices(nvte_environ(), run.support.version)]
     cache = weight_cache_notice()
     if cache:
         lines.append(f"[snip] {cache}")

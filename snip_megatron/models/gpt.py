@@ -5,15 +5,12 @@ routed experts and shared experts; `--moe-layer-freq` mixes dense and MoE layers
 The only place that names them. Keys are (global `TransformerLayer.layer_number`, linear name);
 module paths inside a chunk use the layer index local to the pipeline stage / virtual chunk, so a
 chunk's layer offset (Megatron's `get_transformer_layer_offset`) turns one into the other.
-Megatron is never imported here (the layer-spec helpers and `discover` work on objects Megatron
-built), so the pure parts of SNIP can use the rest.
+Megatron is never imported here (`discover` works on what Megatron built; the layer-spec helpers
+are `models.gpt_spec`), so the pure parts of SNIP can use the rest.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,13 +30,12 @@ class LinearSlot(NamedTuple):
     kind: ParallelKind
 
 
-LINEARS = (
+LINEARS = (  # the planned linears of one layer, in forward order
     LinearSlot("linear_qkv", "self_attention.linear_qkv", ParallelKind.COLUMN),
     LinearSlot("linear_proj", "self_attention.linear_proj", ParallelKind.ROW),
     LinearSlot("linear_fc1", "mlp.linear_fc1", ParallelKind.COLUMN),
     LinearSlot("linear_fc2", "mlp.linear_fc2", ParallelKind.ROW),
 )
-"""The planned linears of one layer, in forward order."""
 LINEAR_NAMES = tuple(s.name for s in LINEARS)
 
 MLA_LINEARS = (
@@ -49,22 +45,17 @@ MLA_LINEARS = (
     LinearSlot("linear_q_up_proj", "self_attention.linear_q_up_proj", ParallelKind.COLUMN),
     LinearSlot("linear_kv_up_proj", "self_attention.linear_kv_up_proj", ParallelKind.COLUMN),
 )
-"""Multi-latent attention's projections before its core (MLASelfAttention, in forward order: the
-down-projections, then the up-projections; linear_q_proj without q_lora_rank). The TE spec builds
-the down-projections as TELinear(parallel_mode="duplicated"): weights replicated over TP, input
-token-sharded under SP. Megatron's local spec builds them as ColumnParallelLinear (gather_output
-False, the output gathered by MLA; SNIP's local and emulated specs duplicate them as TE does), so a
-built model's kind comes from its module (`module_kind`)."""
+"""Multi-latent attention's projections before its core, in forward order (linear_q_proj without
+q_lora_rank). The TE spec builds the down-projections as TELinear(parallel_mode="duplicated"); the
+local spec as ColumnParallelLinear (SNIP's specs duplicate them as TE does): `module_kind` reads it."""
 MLA_DOWN = tuple(s.name for s in MLA_LINEARS if s.kind is ParallelKind.DUPLICATED)
 
 EXPERT_LINEARS = (
     LinearSlot("expert_fc1", "mlp.experts.linear_fc1", ParallelKind.COLUMN),
     LinearSlot("expert_fc2", "mlp.experts.linear_fc2", ParallelKind.ROW),
 )
-"""An MoE layer's routed experts: one planned unit per linear and layer, all its experts together.
-TE's grouped GEMM runs them as one module under one recipe; on the SequentialMLP path (the local
-spec) the local experts' `mlp.experts.local_experts.<i>.linear_fc1/2` form the same unit, so both
-paths plan alike."""
+"""An MoE layer's routed experts: one planned unit per linear and layer, all its experts together
+(TE's grouped module, or SequentialMLP's `mlp.experts.local_experts.<i>.linear_fc1/2`)."""
 SHARED_EXPERT_LINEARS = (
     LinearSlot("shared_expert_fc1", "mlp.shared_experts.linear_fc1", ParallelKind.COLUMN),
     LinearSlot("shared_expert_fc2", "mlp.shared_experts.linear_fc2", ParallelKind.ROW),
@@ -74,22 +65,19 @@ LATENT_LINEARS = (
     LinearSlot("fc1_latent_proj", "mlp.fc1_latent_proj", ParallelKind.DUPLICATED),
     LinearSlot("fc2_latent_proj", "mlp.fc2_latent_proj", ParallelKind.DUPLICATED),
 )
-"""An MoE layer's latent projections (`--moe-latent-size`): TE linears duplicated over TP that take
-every token to the experts' latent width and back (megatron/core/transformer/moe/moe_layer.py,
-0.19.2: lines 265-296; the experts then work in the latent width)."""
+"""An MoE layer's latent projections (`--moe-latent-size`): TE linears duplicated over TP, to the
+experts' latent width and back (megatron/core/transformer/moe/moe_layer.py, 0.19.2: 265-296)."""
 MOE_LINEARS = EXPERT_LINEARS + SHARED_EXPERT_LINEARS + LATENT_LINEARS
 NAMES = ("linear_qkv",) + tuple(s.name for s in MLA_LINEARS) + LINEAR_NAMES[1:] + tuple(
     s.name for s in (LATENT_LINEARS[0], *EXPERT_LINEARS, LATENT_LINEARS[1], *SHARED_EXPERT_LINEARS))
 """Every linear name a GPT layer can have, in forward order (a layer has a dense MLP or an MoE layer)."""
 MTP = "mtp."
-"""Multi-token prediction: the prefix of its linears' names. Its layers are numbered 1..D again
-(Megatron's MTP layer_number), so a key (depth k, "mtp.<name>") names linear <name> of MTP layer k:
-no decoder layer's name starts with it, and MTP keys sort after every decoder key (models.order)."""
+"""Multi-token prediction's prefix: key (depth k, "mtp.<name>") names linear <name> of MTP layer k
+(Megatron numbers them 1..D again); MTP keys sort after every decoder key (models.order)."""
 MTP_EH_PROJ = LinearSlot(MTP + "eh_proj", "eh_proj", ParallelKind.COLUMN)
 """An MTP layer's projection of [embedding; hidden] (2h -> h) before its inner layer."""
 MTP_INNER = ("mtp_model_layer", "transformer_layer")
-"""The inner transformer layer's module name: mtp_model_layer in megatron-core >= 0.17,
-transformer_layer in 0.16."""
+"""The inner transformer layer's module name: mtp_model_layer (megatron-core >= 0.17), transformer_layer (0.16)."""
 
 
 def mtp_slots(mla: "MLADims | None" = None, moe: "MoEDims | None" = None) -> tuple[LinearSlot, ...]:
@@ -240,9 +228,8 @@ class MoEDims:
 
 PRESET_MOE = {"llama_tiny_moe": MoEDims(num_experts=4, topk=2, ffn_hidden_size=176, layer_freq=2),
               "llama_tiny_moe8": MoEDims(num_experts=8, topk=2, ffn_hidden_size=176, layer_freq=1)}
-"""The experts of the model presets that have them (snip_megatron.shapes.PRESETS): llama_tiny_moe's layers
-1, 3, 5 MoE; every layer of llama_tiny_moe8 (its two routed experts per token cost what the dense FFN of
-llama_tiny does)."""
+"""The experts of the model presets that have them (snip_megatron.shapes.PRESETS): layers 1, 3, 5 of
+llama_tiny_moe, every layer of llama_tiny_moe8."""
 
 
 def layer_slots(mla: "MLADims | None" = None, moe: "MoEDims | None" = None) -> tuple[LinearSlot, ...]:
@@ -511,157 +498,3 @@ def discover(model_chunks) -> Inventory:
     found = sorted(found.values(), key=lambda e: (is_mtp(e.key), e.layer, order[e.key.name.removeprefix(MTP)]
                                                   if e.key.name != MTP_EH_PROJ.name else -1))
     return Inventory(FAMILY, found, unplanned)
-
-
-# -- layer specs: which spec fields hold the planned linears ---------------------------------------
-
-
-def is_mla_spec(layer_spec) -> bool:
-    """Whether a GPT layer spec builds multi-latent attention (its attention has MLA's fields)."""
-    attention = _submodules(getattr(getattr(layer_spec, "submodules", None), "self_attention", None))
-    return hasattr(attention, "linear_kv_down_proj")
-
-
-def is_moe_spec(layer_spec) -> bool:
-    """Whether a GPT layer spec builds an MoE layer (its MLP has experts)."""
-    return hasattr(_submodules(getattr(getattr(layer_spec, "submodules", None), "mlp", None)), "experts")
-
-
-def _spec_fields(column_cls, row_cls, duplicated_cls=None, mla: bool = False,
-                 moe: bool = False) -> dict[str, dict[str, object]]:
-    """{submodule path below the layer: {spec field: class}}, each planned linear's class by its
-    parallel kind (an MoE layer's: its experts' and shared experts' MLP fields; its latent
-    projections are TE linears MoELayer builds itself, no spec field)."""
-    by_kind = {ParallelKind.COLUMN: column_cls, ParallelKind.ROW: row_cls,
-               ParallelKind.DUPLICATED: column_cls if duplicated_cls is None else duplicated_cls}
-    out: dict[str, dict[str, object]] = {}
-    attention = (MLA_LINEARS + LINEARS[1:2]) if mla else LINEARS[:2]
-    for s in attention + (EXPERT_LINEARS + SHARED_EXPERT_LINEARS if moe else LINEARS[2:]):
-        parent, leaf = s.suffix.rsplit(".", 1)
-        out.setdefault(parent, {})[leaf] = by_kind[s.kind]
-    return out
-
-
-def _submodules(module_spec):
-    if isinstance(module_spec, functools.partial):  # megatron-core >= 0.17 builds the MLP as a partial
-        return module_spec.keywords.get("submodules")
-    return getattr(module_spec, "submodules", None)
-
-
-def _spec_at(layer_spec, parent: str):
-    """The submodules of the spec at `parent` ("mlp", "mlp.experts") below a layer spec (None if none)."""
-    subs = getattr(layer_spec, "submodules", None)
-    for part in parent.split("."):
-        subs = _submodules(getattr(subs, part, None))
-    return subs
-
-
-def _with_fields(module_spec, fields: dict):
-    """A copy of a ModuleSpec, or a functools.partial taking `submodules=` (megatron-core >= 0.17
-    builds MLPs, MoE layers and experts so), whose submodules have `fields` set."""
-    subs = _submodules(module_spec)
-    if dataclasses.is_dataclass(subs):
-        new = dataclasses.replace(subs, **fields)
-    else:
-        new = copy.copy(subs)
-        for name, value in fields.items():
-            setattr(new, name, value)
-    if isinstance(module_spec, functools.partial):
-        return functools.partial(module_spec.func, *module_spec.args, **{**module_spec.keywords, "submodules": new})
-    module_spec = copy.copy(module_spec)
-    module_spec.submodules = new
-    return module_spec
-
-
-def _replaced_at(module_spec, parts: list, fields: dict):
-    if not parts:
-        return _with_fields(module_spec, fields)
-    child = getattr(_submodules(module_spec), parts[0])
-    return _with_fields(module_spec, {parts[0]: _replaced_at(child, parts[1:], fields)})
-
-
-def layer_specs(spec) -> "list | None":
-    """The per-layer specs of a decoder block spec (TransformerBlockSubmodules, or a ModuleSpec
-    holding them: Megatron-LM's spec with --num-experts), else None (one layer spec for every layer)."""
-    specs = getattr(spec, "layer_specs", None)
-    if specs is None:
-        specs = getattr(getattr(spec, "submodules", None), "layer_specs", None)
-    return None if specs is None else list(specs)
-
-
-def map_layer_specs(spec, fn):
-    """`fn(layer spec)` of a layer spec, or a copy of a block spec with `fn` of each of its layers."""
-    specs = layer_specs(spec)
-    if specs is None:
-        return fn(spec)
-    new = [fn(s) for s in specs]
-    holder = spec if hasattr(spec, "layer_specs") else spec.submodules
-    holder = dataclasses.replace(holder, layer_specs=new) if dataclasses.is_dataclass(holder) else holder
-    if hasattr(spec, "layer_specs"):
-        return holder
-    spec = copy.copy(spec)
-    spec.submodules = holder
-    return spec
-
-
-def spec_lacks(layer_spec) -> list[str]:
-    """The planned linears (module suffixes) a GPT layer spec (or each layer of a block spec) has no
-    field for (another attention, another MLP): SNIP cannot plan such a spec."""
-    specs = layer_specs(layer_spec)
-    if specs is not None:
-        return list(dict.fromkeys(x for s in specs for x in spec_lacks(s)))
-    lacking = []
-    for parent, fields in _spec_fields(None, None, mla=is_mla_spec(layer_spec), moe=is_moe_spec(layer_spec)).items():
-        subs = _spec_at(layer_spec, parent)
-        lacking += [f"{parent}.{leaf}" for leaf in fields if not hasattr(subs, leaf)]
-    return lacking
-
-
-def spec_linear_class(layer_spec, suffix: str):
-    """The class a GPT layer spec builds for the planned linear at `suffix` (None if it has none)."""
-    parent, leaf = suffix.rsplit(".", 1)
-    return getattr(_spec_at(layer_spec, parent), leaf, None)
-
-
-def first_linear_suffix() -> str:
-    """The suffix of a layer's first planned linear (the one a TE spec fuses the input norm into)."""
-    return LINEARS[0].suffix
-
-
-def replace_duplicated_linears(layer_spec, cls):
-    """A copy of an MLA layer spec whose down-projections (duplicated over TP in the TE spec) are
-    `cls`; the other linears stay as they are."""
-    spec = copy.deepcopy(layer_spec)
-    attention = _submodules(spec.submodules.self_attention)
-    for s in MLA_LINEARS:
-        if s.kind is ParallelKind.DUPLICATED:
-            setattr(attention, s.suffix.split(".")[1], cls)
-    return spec
-
-
-def replace_mtp_planned_linears(block_spec, eh_proj_cls, layer_spec_fn):
-    """A copy of a multi-token-prediction block spec (MultiTokenPredictionBlockSubmodules, or a
-    ModuleSpec holding them) whose layers' eh_proj is `eh_proj_cls` (None keeps it) and inner layer
-    spec `layer_spec_fn(spec)`."""
-    spec = copy.deepcopy(block_spec)
-    for layer in getattr(spec, "submodules", spec).layer_specs:
-        if eh_proj_cls is not None:
-            layer.submodules.eh_proj = eh_proj_cls
-        inner = next(name for name in MTP_INNER if hasattr(layer.submodules, name))  # by release
-        setattr(layer.submodules, inner, layer_spec_fn(getattr(layer.submodules, inner)))
-    return spec
-
-
-def replace_planned_linears(layer_spec, column_cls, row_cls, duplicated_cls=None):
-    """A copy of a GPT layer spec (or of each layer of a block spec) whose column-parallel planned
-    linears are `column_cls`, row-parallel ones `row_cls` and MLA's down-projections
-    `duplicated_cls` (default `column_cls`, as Megatron's local spec has them); an MoE layer's
-    experts' and shared experts' linears alike. megatron-core 0.16 builds the MLP as `ModuleSpec(MLP,
-    submodules=MLPSubmodules)`, 0.17+ as `functools.partial(MLP.as_mlp_submodule, submodules=...)`."""
-    if layer_specs(layer_spec) is not None:
-        return map_layer_specs(layer_spec, lambda s: replace_planned_linears(s, column_cls, row_cls, duplicated_cls))
-    spec = copy.deepcopy(layer_spec)
-    fields = _spec_fields(column_cls, row_cls, duplicated_cls, mla=is_mla_spec(layer_spec), moe=is_moe_spec(layer_spec))
-    for parent, leaves in fields.items():
-        spec = _replaced_at(spec, parent.split("."), leaves)
-    return spec

@@ -35,9 +35,9 @@ def with_planned_linears(spec, backend: str):
     """The spec with SNIP's emulated linears for the emulated backend; the TE backend keeps
     Megatron's TE linears (they read the plan through quant_recipe). A spec whose planned linears
     SNIP cannot find (a block spec, another attention) is refused."""
-    from snip_megatron.models import gpt
+    from snip_megatron.models import gpt_spec
 
-    lacking = gpt.spec_lacks(spec)
+    lacking = gpt_spec.spec_lacks(spec)
     if lacking:
         raise ValueError(f"the layer spec ({type(spec).__name__}) has no {' / '.join(lacking)}: SNIP plans "
                          "the GPT layer's attention and dense MLP linears only")
@@ -55,9 +55,9 @@ def with_planned_mtp_linears(block_spec, backend: str):
     if block_spec is None or backend != "emulated":
         return block_spec
     from snip_megatron.emulation.parallel_linear import QuantColumnParallelLinear
-    from snip_megatron.models import gpt
+    from snip_megatron.models import gpt, gpt_spec
 
-    return gpt.replace_mtp_planned_linears(block_spec, QuantColumnParallelLinear,
+    return gpt_spec.replace_mtp_planned_linears(block_spec, QuantColumnParallelLinear,
                                            lambda spec: with_planned_linears(spec, backend))
 
 

@@ -21,13 +21,13 @@ def _config_from_args(cls, args):
 def run_facts(args, family: str, backend: str, entry: str = "megatron-lm") -> RunFacts:
     import torch
 
-    from snip_megatron.te.installed import te_installed
+    from snip_megatron.te.installed import te_facts
 
     return RunFacts(entry=entry, family=family, backend=backend, world_size=int(getattr(args, "world_size", 1)),
                     hybrid_pattern=getattr(args, "hybrid_layer_pattern", None),
                     dataloader_type=getattr(args, "dataloader_type", None),
                     freeze_all_layers=bool(getattr(args, "freeze_all_layers", False)),
-                    te_installed=te_installed(), cuda=torch.cuda.is_available())
+                    cuda=torch.cuda.is_available(), **te_facts(backend))
 
 
 def settings_of(args, snip, backend: str, family: str = "gpt", transformer_config=None,

@@ -399,10 +399,13 @@ def start(args, model_cfg, *, controller=None) -> Optional[SnipRun]:
                   f"{getattr(run.controller, 'plan_source', '?')} {plan.counts()}")
     if backend == "te":
         from snip_megatron.megatron.te_run import startup_lines
-        from snip_megatron.te.shapes import describe_exclusions
+        from snip_megatron.te.shapes import describe_exclusions, unfused_grouped_nvfp4
 
         for line in startup_lines(checked.te) + [f"[snip] {d}" for d in describe_exclusions(excluded)]:
             _print_rank_0(line)
+        unfused = unfused_grouped_nvfp4(inventory, snip.uses, snip.fp4_recipe)
+        if unfused is not None:
+            _print_rank_0(f"[snip] {unfused}")
     notice = moe_notice(inventory)
     if notice is not None:
         _print_rank_0(notice)

@@ -2,38 +2,21 @@
 
 A pass is the forward and backward of every measured micro-batch, in one of four modes:
   clean      norms of X, W, Y, G_Y, G_X, G_W, quantization errors per precision and role, the
-             first-order inner products, the output error dY of the quantized forward GEMM and its
-             per-token projection on G_Y, and <z, G_Y> for the curvature (on the micro-batches
-             that will get forward noise);
+             first-order products, dY of the quantized forward GEMM and its per-token projection
+             on G_Y, and <z, G_Y> for the curvature (on micro-batches that get forward noise);
   fwd_noise  s_l * z_l added to every layer output at once; <z, G~_Y>;
   bwd_noise  t_l * eta_l added to every layer's input gradient at once, with a zero loss
              gradient, so every G_Y is exactly the propagated noise; ||G_Y^T X||^2 and ||eta||^2;
-  noise      both noise passes in one: fwd_noise on even micro-batches, bwd_noise on odd ones
-             (micro-batches are independent, so one pass does the work of two on half the data).
-Parameters never get gradients here: measure.py freezes them and makes the decoder input require
-grad, so every layer input carries a gradient.
+  noise      fwd_noise on even micro-batches, bwd_noise on odd ones (independent micro-batches:
+             one pass does the work of two on half the data).
+Parameters get no gradients (measure.py freezes them; the decoder input requires grad instead).
 
-What it costs at scale (docs/method.md, "The measurement at scale"):
-- Nothing is kept from a micro-batch's forward to its backward but the layer input X, which a
-  training step saves for its wgrad anyway: everything that needs X and G_Y together (the X-side
-  errors, dY, G_W) is computed in the backward hook on the token sample, and the noise is
-  regenerated from its seed where it is needed. So the buffers per linear do not grow with the
-  micro-batches in flight.
-- Weight errors are computed a block of rows at a time (stats/weights.py), consumed and freed.
-- G_W is formed on the sampled tokens only; ||G_W||^2 adds the exact per-chunk terms of every
-  token (stats/tokens.py).
-- Every statistic is a 0-dim device tensor added into the pass's Accumulator: no host sync.
-- Activation recompute: the first (no-grad) forward of a checkpointed layer only injects the
-  forward noise (so the saved activations carry it); the recompute registers the hooks. A
-  linear's micro-batch index comes from its own forward count, so a recomputed forward gets the
-  index of the oldest micro-batch still waiting for its backward (Megatron's schedules run
-  backwards in forward order).
-- Sequence parallelism: a token-sharded operand (a column-parallel X, a row-parallel G_Y) is
-  gathered over TP in the backward hook before the token sample is taken, so errors, dY and G_W
-  see every token as one process does; norms of the local shard are summed over TP (reduce.py).
-- Context parallelism: X and G_Y are gathered over CP too and put in the micro-batch's token order
-  (token_layout.py), so the statistics of the gathered tokens equal one process's on every CP rank;
-  norms of this rank's tokens are summed over CP (reduce.py).
+At scale (docs/method.md section 10): only X waits for the backward (G_Y's hook does the rest on the
+token sample; noise regenerated from its seed); weight errors a block of rows at a time; no host sync.
+- Activation recompute: the no-grad first forward only injects the forward noise; the recompute
+  registers the hooks, with the index of the oldest micro-batch waiting for its backward.
+- SP / CP: token-sharded operands are gathered over TP and CP in token order before the sample
+  (token_layout.py), local norms summed (reduce.py); an expert under CP by its router's counts.
 """
 
 from __future__ import annotations
@@ -74,12 +57,19 @@ class LinearProbe:
         self.row = kind is ParallelKind.ROW
         # the group sharding its features: TP, or for a routed expert the expert-TP group. An
         # expert's rows are the tokens routed to it, whole on every expert-TP rank (Megatron's
-        # dispatcher gathers them), so neither sequence nor context parallelism splits them; its
-        # row-parallel output is a partial sum (the dispatcher's combine reduces it).
+        # dispatcher gathers them), so sequence parallelism does not split them; its row-parallel
+        # output is a partial sum (the dispatcher's combine reduces it).
         g = collector.expert_group if expert else collector.dense_group
         self.tp_rank, self.tp_size, self.tp_group = g.rank, g.size, g.group
         self.cp_rank, self.cp_size, self.cp_group = (0, 1, None) if expert else \
             (collector.cp_rank, collector.cp_size, collector.cp_group)
+        # ... but under context parallelism each CP rank's experts run its own tokens: the rows of
+        # this forward (stats/expert_rows.py) say where they lie among the micro-batch's
+        self.rows_of = None
+        if expert and collector.cp_size > 1:
+            if id(module) not in collector.expert_rows:
+                raise ValueError(f"{key}: an expert under context parallelism without its router's rows")
+            self.rows_of = collector.expert_rows[id(module)]
         self.partial_y = expert and self.row and self.tp_size > 1
         # ... and its column-parallel input gradient too (the dispatcher's backward reduces it)
         self.partial_gx = expert and self.column and self.tp_size > 1
@@ -105,6 +95,7 @@ class LinearProbe:
     def reset(self) -> None:
         self.ids = MicrobatchIds()
         self.current = (0, True)
+        self.rows = None  # this forward's ExpertRows (an expert under CP)
         self.weights_done = False
         self.pending_ex = None  # (sample, {p: E_X}) of the clean micro-batch between its G_Y and G_X hooks
 
@@ -129,15 +120,19 @@ class LinearProbe:
         # the whole G_Y's noise at them)
         return self.c.error_fn(t, p, role, group=self.tp_group, shard=(self.tp_rank, self.tp_size, self.stride))
 
-    def _field(self, shape, mb: int, stream: int, side: str, device) -> noise.NoiseField:
-        """The noise of this rank's part of the layer's X (side "x") or Y (side "y")."""
+    def _field(self, shape, mb: int, stream: int, side: str, device, rows=None) -> noise.NoiseField:
+        """The noise of this rank's part of the layer's X (side "x") or Y (side "y"); `rows`: an
+        expert's ExpertRows under CP (its rows' places among the micro-batch's)."""
         c = self.c
         features = self.column if side == "y" else self.row  # column: Y's features sharded; row: X's
         local = self.x_local if side == "x" else self.y_local
-        positions = noise.token_positions(shape[0], sp_rank=self.tp_rank if local else 0,
-                                          sp_size=self.tp_size if local else 1, cp_rank=self.cp_rank,
-                                          cp_size=self.cp_size, device=device)
-        full_len = shape[0] * (self.tp_size if local else 1) * self.cp_size
+        if rows is not None:
+            positions, full_len = rows.positions(device), rows.whole
+        else:
+            positions = noise.token_positions(shape[0], sp_rank=self.tp_rank if local else 0,
+                                              sp_size=self.tp_size if local else 1, cp_rank=self.cp_rank,
+                                              cp_size=self.cp_size, device=device)
+            full_len = shape[0] * (self.tp_size if local else 1) * self.cp_size
         return noise.NoiseField(seed=c.seed, key=self.noise_key, microbatch=mb, stream=stream,
                                 local_shape=tuple(int(d) for d in shape), tp_rank=self.tp_rank,
                                 tp_size=self.tp_size, sharded=features,
@@ -184,6 +179,9 @@ class LinearProbe:
             return None
         local, grad = self.ids.forward()
         self.current = mb, grad = c.step_microbatch(local), grad
+        if self.rows_of is not None:  # its router has just run this forward
+            layer_rows, expert = self.rows_of
+            self.rows = layer_rows.rows(expert)
         if not grad:  # first forward of a checkpointed layer: statistics come from its recompute
             return None
         x = args[0]
@@ -195,12 +193,12 @@ class LinearProbe:
         if mode == "clean":
             self._add("x_sq", tokens.sum_sq(x.detach()))
             self._add("n", float(_rows(x).shape[0]))
-            x.register_hook(self._hook(functools.partial(self._on_gx_clean, mb)))
+            x.register_hook(self._hook(functools.partial(self._on_gx_clean, mb, self.rows)))
         elif mode == "bwd_noise":
             t = c.scales[c.acc.row(self.key), 1]
             self._add("bwd_eta_sq", t * t * float(x.numel()))  # +-1 entries: ||t eta||^2 = t^2 numel
             if not (self.partial_gx and self.tp_rank > 0):  # partial sums: the noise goes in once
-                field = self._field(x.shape, mb, noise.BACKWARD, "x", x.device)
+                field = self._field(x.shape, mb, noise.BACKWARD, "x", x.device, self.rows)
                 x.register_hook(self._hook(lambda g: self._plus_noise(g, field, t)))
         return (x,) + tuple(args[1:])
 
@@ -214,7 +212,7 @@ class LinearProbe:
         if mode == "fwd_noise":  # in both forwards of a checkpointed layer, so the recompute matches
             if self.partial_y and self.tp_rank > 0:  # a partial sum: the noise goes in once, on rank 0
                 return None
-            field = self._field(y.shape, mb, noise.FORWARD, "y", y.device)
+            field = self._field(y.shape, mb, noise.FORWARD, "y", y.device, self.rows)
             y = self._plus_noise(y, field, c.scales[c.acc.row(self.key), 0])
             if grad:
                 self._add("fwd_z_sq", float(y.numel()))
@@ -225,9 +223,9 @@ class LinearProbe:
         x = args[0]
         if mode == "clean":
             self._add("y_sq", tokens.sum_sq(self._full_output(y.detach())))
-            y.register_hook(self._hook(functools.partial(self._on_gy_clean, mb, x)))
+            y.register_hook(self._hook(functools.partial(self._on_gy_clean, mb, x, self.rows)))
         else:  # bwd_noise: G_Y is the propagated noise only (zero loss gradient)
-            y.register_hook(self._hook(functools.partial(self._on_gy_bwd_noise, x)))
+            y.register_hook(self._hook(functools.partial(self._on_gy_bwd_noise, x, self.rows)))
         return None
 
     def _full_output(self, y: torch.Tensor) -> torch.Tensor:
@@ -240,19 +238,23 @@ class LinearProbe:
         return y
 
     # -- backward: the clean pass --------------------------------------------------------------
-    def _full_tokens(self, x, g):
-        """X and G_Y as [tokens, features] rows over every token of the micro-batch, in its order."""
+    def _full_tokens(self, x, g, rows=None):
+        """X and G_Y as [tokens, features] rows over every token of the micro-batch, in its order
+        (an expert under CP: the micro-batch's rows of the expert, gathered by its `rows`)."""
         x2, g2 = _rows(x.detach()), _rows(g)
+        if rows is not None:
+            return rows.gather(x2), rows.gather(g2)
         x2, g2 = (self._gather(x2) if self.x_local else x2), (self._gather(g2) if self.y_local else g2)
         return tuple(token_layout.gather_cp_rows(t, self.cp_size, self.cp_group) for t in (x2, g2))
 
-    def _on_gy_clean(self, mb: int, x: torch.Tensor, g: torch.Tensor) -> None:
+    def _on_gy_clean(self, mb: int, x: torch.Tensor, rows, g: torch.Tensor) -> None:
         c = self.c
         self._add("gy_sq", tokens.sum_sq(g))
         if c.gets_forward_noise(mb):
             gz, zmb = c.forward_noise_part(g, mb)
-            self._add("fwd_zg_clean", self._noise_dot(self._field(gz.shape, zmb, noise.FORWARD, "y", g.device), gz))
-        x2, g2 = self._full_tokens(x, g)
+            self._add("fwd_zg_clean", self._noise_dot(self._field(gz.shape, zmb, noise.FORWARD, "y", g.device, rows),
+                                                      gz))
+        x2, g2 = self._full_tokens(x, g, rows)
         n, dev = x2.shape[0], x2.device
         if n == 0:  # an MoE expert routed no tokens: no GEMM, nothing to add (weights: weight_stats)
             self.pending_ex = None
@@ -319,7 +321,7 @@ class LinearProbe:
                                                    group=self._weight_group()):
             self._weight_norms(w_blk, errs)
 
-    def _on_gx_clean(self, mb: int, g: torch.Tensor) -> None:
+    def _on_gx_clean(self, mb: int, rows, g: torch.Tensor) -> None:
         if self.partial_gx:  # an expert's partial input gradient: the whole one
             g = g.clone()
             dist.all_reduce(g, group=self.tp_group)
@@ -331,8 +333,10 @@ class LinearProbe:
         g2 = _rows(g)
         sp = (self.tp_rank, self.tp_size) if self.x_local else (0, 1)
         # this rank's tokens are rows of the micro-batch's sample (whose errors E_X were taken)
-        for seg in token_layout.row_segments(g2.shape[0], sp_rank=sp[0], sp_size=sp[1], cp_rank=self.cp_rank,
-                                             cp_size=self.cp_size):
+        segments = rows.segments() if rows is not None else \
+            token_layout.row_segments(g2.shape[0], sp_rank=sp[0], sp_size=sp[1], cp_rank=self.cp_rank,
+                                      cp_size=self.cp_size)
+        for seg in segments:
             j0, j1 = sample.count_below(seg.whole), sample.count_below(seg.whole + seg.rows)
             part = g2[seg.local:seg.local + seg.rows] if sample.rows is None else \
                 g2.index_select(0, sample.rows[j0:j1] - seg.whole + seg.local)
@@ -341,8 +345,8 @@ class LinearProbe:
                 self._add("gx_ex", sample.scale * tokens.dot(gs, e[j0:j1]), p)
 
     # -- backward: the backward-noise pass -----------------------------------------------------
-    def _on_gy_bwd_noise(self, x: torch.Tensor, g: torch.Tensor) -> None:
-        x2, g2 = self._full_tokens(x, g)
+    def _on_gy_bwd_noise(self, x: torch.Tensor, rows, g: torch.Tensor) -> None:
+        x2, g2 = self._full_tokens(x, g, rows)
         n, dev = x2.shape[0], x2.device
         if n == 0:  # an MoE expert routed no tokens
             return
@@ -375,7 +379,7 @@ class Collector:
                  sequence_parallel: bool = False, cp_rank: int = 0, cp_size: int = 1, cp_group=None,
                  device=None,
                  step_positions: "list[int] | None" = None, expert_keys=(),
-                 expert_group: "ShardGroup | None" = None, ep_rank: int = 0):
+                 expert_group: "ShardGroup | None" = None, ep_rank: int = 0, expert_rows=None):
         from snip_megatron.stats.table import CANDIDATES
 
         self.precisions = tuple(Precision.parse(p) for p in (precisions or CANDIDATES))
@@ -390,6 +394,8 @@ class Collector:
         self.expert_group = expert_group or ShardGroup(0, 1, None)
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.cp_rank, self.cp_size, self.cp_group = cp_rank, cp_size, cp_group
+        # under CP: {id(expert module): (its layer's LayerRows, local expert index)} (stats/expert_rows.py)
+        self.expert_rows = dict(expert_rows or {})
         self.token_stride, self.grad_token_stride = token_stride, grad_token_stride
         self.interleaved = interleave_noise  # the noise passes run as one "noise" pass
         # ... on micro-batches cut in two along the batch dim (the clean pass keeps them whole)

@@ -29,6 +29,7 @@ import torch
 
 from snip_megatron.formats.precision import Precision
 from snip_megatron.stats import adam, routing
+from snip_megatron.stats.expert_rows import attached as expert_rows_over_cp
 from snip_megatron.stats.accumulator import to_table
 from snip_megatron.stats.collector import Collector
 from snip_megatron.stats.config import MeasureConfig
@@ -253,15 +254,35 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             sp = bool(getattr(mconfig, "sequence_parallel", False)) and tp > 1
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
             cp = ps.get_context_parallel_world_size()
+            keys = gpt.of_config(mconfig).keys() if keys is None else keys
+            experts = [k for k in keys if gpt.is_expert(k)]  # routed experts: the expert grid's groups
+            # under CP each rank's experts run its own tokens: their rows are gathered over CP
+            # (stats/expert_rows.py), where the dispatcher moves no token between ranks
+            rows_of = {}
+            if experts and cp > 1:
+                wide = {"TP": tp, "EP": ps.get_expert_model_parallel_world_size(),
+                        "expert TP": ps.get_expert_tensor_parallel_world_size()}
+                if any(v > 1 for v in wide.values()):
+                    raise ValueError("SNIP measures routed experts under context parallelism at TP = EP = expert TP "
+                                     f"= 1 only (support rule moe-cp), got {wide}")
+                rows_of = views.enter_context(expert_rows_over_cp(chunks, ps.get_context_parallel_rank(), cp,
+                                                                  ps.get_context_parallel_group()))
             # TE linears run unfused and unquantized while measured (megatron/gemm_view.py)
             planned = list_planned_linears(chunks)
             kinds = {pl.key: pl.entry.kind for pl in planned}
-            linears = []
+            linears, expert_linear_rows = [], {}
             for pl in planned:
+                layer_rows, index = rows_of.get(id(pl.module), (None, None))
                 if is_grouped_linear(pl.module):  # one view per expert GEMM, as SequentialMLP's experts
                     column = kinds[pl.key] is ParallelKind.COLUMN
-                    linears += [(pl.key, v) for v in views.enter_context(unfused_grouped(pl.module, column))]
-                elif is_te_linear(pl.module):
+                    grouped = views.enter_context(unfused_grouped(pl.module, column))
+                    linears += [(pl.key, v) for v in grouped]
+                    if layer_rows is not None:  # view i: local expert i
+                        expert_linear_rows.update({id(v): (layer_rows, i) for i, v in enumerate(grouped)})
+                    continue
+                if layer_rows is not None:
+                    expert_linear_rows[id(pl.module)] = (layer_rows, index)
+                if is_te_linear(pl.module):
                     linears.append((pl.key, views.enter_context(unfused(
                         pl.module, column=kinds[pl.key] is ParallelKind.COLUMN,
                         duplicated=kinds[pl.key] is ParallelKind.DUPLICATED))))
@@ -271,8 +292,6 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
             # the interleaved schedule (virtual pipeline) runs micro-batches in groups of at least PP
             group = (getattr(mconfig, "microbatch_group_size_per_vp_stage", None) or ps.get_pipeline_model_parallel_world_size()) \
                 if len(chunks) > 1 else 1
-            keys = gpt.of_config(mconfig).keys() if keys is None else keys
-            experts = [k for k in keys if gpt.is_expert(k)]  # routed experts: the expert grid's groups
             # an expert group wider than TP (EP over data-parallel replicas) runs every replica's
             # tokens through each expert in one forward: every replica measures alike (the same
             # number of micro-batches, the same pass at a time)
@@ -314,7 +333,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                                   noise_on_halves=halves, sequence_parallel=sp,
                                   cp_rank=ps.get_context_parallel_rank(), cp_size=cp,
                                   cp_group=ps.get_context_parallel_group(), device=device,
-                                  step_positions=positions)
+                                  step_positions=positions, expert_rows=expert_linear_rows)
         except Exception as exc:  # noqa: BLE001 - agreed on below, so no rank is left waiting
             setup_error = f"{type(exc).__name__}: {exc}"
         agree_on_failure(setup_error, "setting up the measurement")
@@ -343,7 +362,7 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                 return dense
             experts_t = reduce_experts_tensor(t, expert_rows, etp_mask, summed, adam_cols, etp_group=etp_group,
                                               ep_group=ep_group, edp_group=edp_group, dense_dp=dp,
-                                              adam_dp_sharded=adam_dp_sharded)
+                                              adam_dp_sharded=adam_dp_sharded, cp=cp, cp_mask=cp_mask)
             rows = torch.tensor(expert_rows, device=t.device)
             return dense.index_copy(0, rows, experts_t.index_select(0, rows))
 

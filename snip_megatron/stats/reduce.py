@@ -22,7 +22,11 @@
   presence counted once), and the expert-data-parallel group (EDP) sums the tokens of its
   replicas; sums over tokens are then divided by the dense DP size, so an expert row is in the
   dense rows' units (a replica's sums, averaged). Weight and optimizer fields are averaged
-  over EDP (summed when the distributed optimizer shards them over it).
+  over EDP (summed when the distributed optimizer shards them over it). Under context parallelism
+  (at TP = EP = ETP = 1) the EDP group holds the CP ranks, each of whose experts ran its own
+  tokens: their sums over its own rows add over EDP as above, while what the hooks computed on
+  the rows gathered over CP (expert_rows.py: errors, dY, G_W) is the same on every CP rank and
+  is counted once (divided by CP as well).
 - PP: every stage fills its own rows; a sum over the PP group gathers them on the first stage
   (or on every stage with `pp_to_all`). Global rank 0 then holds the whole table.
 
@@ -146,10 +150,13 @@ def expert_groups():
 
 def reduce_experts_tensor(t: torch.Tensor, rows: list, etp_mask: torch.Tensor, summed: torch.Tensor,
                           adam_cols: list, *, etp_group, ep_group, edp_group, dense_dp: int,
-                          adam_dp_sharded: bool = False) -> torch.Tensor:
+                          adam_dp_sharded: bool = False, cp: int = 1,
+                          cp_mask: "torch.Tensor | None" = None) -> torch.Tensor:
     """The expert rows `rows` of a table tensor `t` (local sums, before any reduction) reduced over
     ETP, EP and EDP (module docstring); the other rows come back as they are. `etp_mask`: the
-    TP-sharded fields, `summed`: the fields that are sums over tokens, both masks over `t`."""
+    TP-sharded fields, `summed`: the fields that are sums over tokens, both masks over `t`; with
+    `cp` > 1, `cp_mask`: the fields summed over this CP rank's own rows (the other sums were taken
+    on rows gathered over CP)."""
     out = t.clone()
     if not rows:
         return out
@@ -171,6 +178,8 @@ def reduce_experts_tensor(t: torch.Tensor, rows: list, etp_mask: torch.Tensor, s
         dist.all_reduce(e, group=edp_group)
     scale = torch.full((e.shape[1],), 1.0 / edp, dtype=e.dtype, device=e.device)
     scale[summed.index_select(0, idx)[0]] = 1.0 / dense_dp  # tokens of every replica: the dense units
+    if cp > 1:  # sums over rows gathered over CP: every CP rank's alike
+        scale[summed.index_select(0, idx)[0] & ~cp_mask.index_select(0, idx)[0]] = 1.0 / (dense_dp * cp)
     if adam_dp_sharded:
         scale[adam_cols] = 1.0  # the optimizer's shards over EDP add up
     out[idx] = e * scale

@@ -38,8 +38,9 @@ _CONFIG_CLASS = {"model": "TransformerConfig", "ddp": "DistributedDataParallelCo
                  "checkpoint": "CheckpointConfig", "dist": "DistributedInitConfig"}
 
 
-FACTS = ("run.world_size", "run.cuda", "run.te_installed")
-"""Facts of the machine and the launch, which no entry's settings set."""
+FACTS = ("run.world_size", "run.cuda", "run.te_installed", "run.te_version", "run.te_environ")
+"""Facts of the machine and the launch, which no entry's settings set (TE's environment switches are
+the launch's environment variables)."""
 
 
 class Names:

@@ -46,6 +46,11 @@ class RunFacts:
     """Bridge: comm_overlap.tp_comm_overlap (userbuffers), set apart from the model's field."""
     te_installed: bool = False
     """Transformer Engine imports here."""
+    te_version: str | None = None
+    """The installed Transformer Engine's version, on the TE backend (None elsewhere)."""
+    te_environ: tuple[tuple[str, str], ...] = ()
+    """The NVTE_* variables of the run's environment, (name, value) sorted: the switches TE reads
+    (snip_megatron.te.environment)."""
     cuda: bool = False
     """A CUDA device is visible."""
 

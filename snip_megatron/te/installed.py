@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from snip_megatron.te.version import version_tuple
+
 MIN_TE_VERSION = (2, 9)
 """The oldest TE SNIP's TE backend runs on: the first with `pytorch.is_*_available(return_reason)`."""
 NEWEST_READ_TE_VERSION = (2, 18)
@@ -58,17 +60,6 @@ class TESupport:
     def runnable(self, recipes) -> list[str]:
         """Those of `recipes` TE runs here."""
         return [r for r in recipes if self.recipe_unavailable(r) is None]
-
-
-def version_tuple(version: str) -> tuple[int, int]:
-    """(major, minor) of a TE version string; ValueError if it is not one."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        release = Version(str(version)).release
-    except InvalidVersion:
-        raise ValueError(f"Transformer Engine reports version {version!r}, which is not a version number") from None
-    return (release + (0,))[:2]
 
 
 def version_problem(version: str) -> "str | None":
@@ -116,6 +107,34 @@ def read_te_support() -> TESupport:
     if problem:
         raise ValueError(problem)
     return support_from(te_pytorch, version)
+
+
+def installed_version() -> "str | None":
+    """The installed Transformer Engine's version (`transformer_engine.__version__`, else its
+    distribution's), None where it cannot be imported."""
+    try:
+        import transformer_engine
+    except Exception:  # absent, or a broken install
+        return None
+    version = getattr(transformer_engine, "__version__", None)
+    if version is None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("transformer-engine")
+        except metadata.PackageNotFoundError:
+            return None
+    return str(version)
+
+
+def te_facts(backend: str) -> dict:
+    """The RunFacts fields of the installed TE for a run on `backend`: whether TE imports, its
+    version (TE backend only) and the environment's NVTE_* switches."""
+    from snip_megatron.te.environment import nvte_environ
+
+    found = te_installed()
+    return {"te_installed": found, "te_version": installed_version() if found and backend == "te" else None,
+            "te_environ": nvte_environ()}
 
 
 def te_installed() -> bool:

@@ -83,3 +83,16 @@ def test_a_bridge_checkpoint_needs_recipe_and_megatron_bridge(capsys, tmp_path, 
         f"--load {megatron_ckpt} is not a Megatron-Bridge checkpoint (no run_config.yaml); drop --recipe and "
         "give the run's own flags")
     assert not out.exists() and "megatron.bridge" not in sys.modules
+
+
+def test_a_hybrid_checkpoint_saved_at_another_pipeline_layout_is_the_same_model():
+    """The '|' cuts of --hybrid-layer-pattern place layers on pipeline stages; the layers are the model."""
+    from types import SimpleNamespace
+
+    from snip_megatron.analyze.megatron_lm import _model_value
+
+    def pattern(p):
+        return _model_value(SimpleNamespace(hybrid_layer_pattern=p), "hybrid_layer_pattern")
+
+    assert pattern("*-|*-|*-|*-") == pattern("*-*-|*-*-") == pattern("*-*-*-*-")
+    assert pattern("*-|*-") != pattern("*E|*-")

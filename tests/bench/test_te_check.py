@@ -78,12 +78,14 @@ def test_recipe_flags_are_the_cpu_checks(te_check):
 
 
 def test_the_gemms_of_a_70b_layer_at_tp8(te_check):
+    from snip_megatron.models import gpt
+
     shape = te_check.PRESETS["llama_70b"]
     # Llama-70B: hidden 8192, ffn 28672 (SwiGLU: fc1 gives 2x), 64 heads of 128, 8 KV groups.
     assert te_check.tp_linear_shapes(shape, 8) == {
         "linear_qkv": ((64 + 2 * 8) * 128 // 8, 8192), "linear_proj": (8192, 64 * 128 // 8),
         "linear_fc1": (2 * 28672 // 8, 8192), "linear_fc2": (8192, 28672 // 8)}
-    assert te_check.tp_linear_shapes(shape, 1) == shape.linear_shapes()
+    assert te_check.tp_linear_shapes(shape, 1) == gpt.linear_shapes(shape)
     gemms = te_check.gemm_problems(shape, 8, 8192)
     assert len(gemms) == 12
     fc1 = {g.gemm: (g.m, g.n, g.k) for g in gemms if g.linear == "linear_fc1"}

@@ -30,7 +30,7 @@ def checkpoint(root, iteration, plan=None):
 def test_the_state_read_before_the_model_is_built_is_the_one_bridge_will_load(tmp_path):
     from types import SimpleNamespace
 
-    from snip_megatron.bridge.checkpoint import expected_resume
+    from snip_megatron.bridge.state import expected_resume
 
     def ckpt(load, **kw):
         return SimpleNamespace(load=str(load) if load else None, ckpt_step=kw.get("ckpt_step"),

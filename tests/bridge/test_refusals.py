@@ -38,6 +38,15 @@ def bridge_input(example: dict, monkeypatch):
     snip = {"enabled": True}
     monkeypatch.setattr(installed, "te_installed", lambda: example.get("run.te_installed",
                                                                        example.get("run.backend") == "te" or hybrid))
+    if "run.te_version" in example:  # the GPU machine's TE, asked at start-up (rules on its switches)
+        from snip_megatron.te import gpu
+
+        ok = installed.Availability(True)
+        version = example["run.te_version"]
+        monkeypatch.setattr(installed, "installed_version", lambda: version)
+        monkeypatch.setattr(installed, "read_te_support", lambda: installed.TESupport(
+            version=version, fp8=ok, fp8_block_scaling=ok, mxfp8=ok, nvfp4=ok))
+        monkeypatch.setattr(gpu, "current_sm", lambda: 100)
     for path, value in example.items():
         section, _, name = path.partition(".")
         if path == "run.family" and not hybrid:  # another provider than GPT's or the HybridModel's
@@ -46,6 +55,9 @@ def bridge_input(example: dict, monkeypatch):
             cfg.model = type(value, (TransformerConfig,), {})(**kinds)
         elif path == "run.world_size":
             monkeypatch.setenv("WORLD_SIZE", str(value))
+        elif path == "run.te_environ":
+            for name, setting in value:
+                monkeypatch.setenv(name, setting)
         elif path == "run.peft":
             cfg.peft = object()
         elif path in RUN_FIELDS:

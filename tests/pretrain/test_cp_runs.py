@@ -6,15 +6,18 @@ each rank's queries over the whole sequence's keys and values, with Megatron's l
 and a save, resumed on a B200's (SM100: FP8/FP4 plans) with the checkpoint's plan and re-planned
 again. Every TE linear of both ranks runs its plan after every step with that step's weights and
 gradients (tests/pretrain/test_te_runs.py's checks), and every core attention attended its 16 of
-the 32 tokens against all 32 keys. Models: the dense GPT (GQA), MLA with an MTP layer, and a
-HybridModel '*-*-'. (The statistics at CP=2
-equal one process's: tests/stats/test_measure_te.py.)"""
+the 32 tokens against all 32 keys. Models: the dense GPT (GQA), MLA with an MTP layer, a
+HybridModel '*E*-' (attention, MoE, attention, MLP), and an MoE GPT on TE grouped experts (4 experts, top-2, every layer; each CP
+rank's experts run its own tokens, gathered over CP while measured: stats/expert_rows.py). (The
+statistics at CP=2 equal one process's: tests/stats/test_measure_te.py, and with grouped experts
+tests/stats/test_measure_moe_parallel.py.)"""
 
 import pytest
 
 from snip_megatron.plan import Plan
 from tests.distributed import run_distributed
 from tests.pretrain import test_mla_runs
+from tests.pretrain.test_moe_layouts import EXPERTS
 from tests.pretrain.test_runs import MODEL, losses, needs_training, snip_lines, state_of
 from tests.pretrain.test_te_runs import (BLACKWELL_SNIP, DATA, HOPPER_SNIP, TE, WORKER, check_linears_follow_the_plan,
                                          check_runtime, te_env, te_rows)
@@ -23,7 +26,7 @@ pytestmark = pytest.mark.launches
 
 CP = ["--context-parallel-size", "2"]
 MODELS = {"dense": MODEL, "mla_mtp": [*test_mla_runs.MODEL, *test_mla_runs.MLA, "--mtp-num-layers", "1"],
-          "hybrid": [*MODEL, "--hybrid-layer-pattern", "*-*-"]}
+          "hybrid": [*MODEL, *EXPERTS, "--hybrid-layer-pattern", "*E*-"], "moe": [*MODEL, *EXPERTS]}
 ENV = {"hybrid": {"PROBE_FAMILY": "hybrid"}}
 """The worker runs snip-pretrain-hybrid for a HybridModel."""
 SCHEDULE = [*DATA, "--train-iters", "6", "--save-interval", "3"]
@@ -72,6 +75,9 @@ def test_cp2_measures_replans_on_hopper_and_resumes_on_blackwell(tmp_path, model
     assert plan.counts()["bf16"] > 0 and plan.counts()["fp4"] == 0  # the Hopper re-plan (from all FP8)
     rows = check_ranks(tmp_path / "p", [1, 2, 3])
     assert rows[-1]["plan"] == {str(k): p.value for k, p in plan.items()}
+    # the grouped experts (both GPT layers', the hybrid's E layer's): planned units, measured and run as planned
+    experts = {"moe": (1, 2), "hybrid": (2,)}.get(model, ())
+    assert {f"{i}.expert_fc{j}" for i in experts for j in (1, 2)} <= rows[-1]["linears"].keys(), rows[-1]
     out = launch(tmp_path / "q", model, *common, *BLACKWELL_SNIP, "--load", str(ckpt), sm=100)
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     check_trained(out, [4, 5, 6])

@@ -155,6 +155,9 @@ def test_te_chain_across_layouts_and_generations(tmp_path, model):
         out = run_te(tmp_path, [str(WORKER), str(probe)], *argv, sm=sm, nproc=nproc, timeout=900, model=base, **env)
         check_launch(out, steps, plan)
         rows = check_ranks(probe, nproc, steps)
+        if model == "dense" and nproc == 4:  # Megatron's interleaved chunks, keyed by global layer
+            assert {rank: {int(k.split(".")[0]) for k in te_rows(probe, rank)[-1]["linears"]}
+                    for rank in range(4)} == {0: {1, 3}, 1: {1, 3}, 2: {2, 4}, 3: {2, 4}}
         if plan is not None:
             assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}
         plan = Plan.from_dict(state_of(ckpt, steps[-1])["plan"])

@@ -138,31 +138,3 @@ def test_pp2_with_mtp_measures_replans_per_stage_and_resumes(tmp_path):
     assert sorted(losses(out)) == [3] and len(replans(out)) == 1  # measured at step 3
 
 
-@needs_training
-def test_mtp_at_tp2_measures_replans_and_resumes(tmp_path):
-    """Megatron's TE spec over the TE double: the MTP block is built from the decoder's TE spec, so
-    its eh_proj and inner layer's linears are TE linears; the resumed run builds every rank's TE
-    linears, the MTP ones included, with the checkpoint's plan."""
-    from tests.pretrain.test_te_runs import DATA, TE, WORKER, te_built, te_env
-
-    ckpt = tmp_path / "ckpt"
-    common = [*test_runs.MODEL, *TE, *DATA, *SNIP[5:], "--mtp-num-layers", "1", "--tensor-model-parallel-size", "2",
-              "--train-iters", "3", "--save", str(ckpt), "--save-interval", "2"]
-    out = run_distributed([str(WORKER), str(tmp_path / "p"), *common, "--exit-interval", "2"],
-                          nproc=2, timeout=600, env=te_env(100)).stdout
-    assert "[snip] 5 multi-token-prediction linears planned in BF16/FP8, never FP4" in out
-    planned = json.loads((tmp_path / "p" / "rank0.json").read_text())["planned"]
-    assert all(cls.startswith("TE") for cls in planned.values()), planned  # the MTP linears too
-    assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2]  # measured at step 1
-    assert sorted(mtp_losses(out)) == [1, 2] and all(2.0 < x < 7.0 for x in mtp_losses(out).values())
-    plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
-    assert sorted(k.name for k in plan.keys() if k.layer == 1 and k.name.startswith("mtp.")) == \
-        sorted(["mtp.eh_proj", "mtp.linear_qkv", "mtp.linear_proj", "mtp.linear_fc1", "mtp.linear_fc2"])
-    assert sorted(planned) == sorted(str(k) for k in plan.keys())
-    assert plan.counts()["fp4"] > 0 and {p.value for k, p in plan.items() if k.name.startswith("mtp.")} <= {"bf16", "fp8"}
-    out = run_distributed([str(WORKER), str(tmp_path / "q"), *common, "--load", str(ckpt)],
-                          nproc=2, timeout=600, env=te_env(100)).stdout
-    assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
-    for rank in (0, 1):
-        assert te_built(tmp_path / "q", rank) == {str(k): p.value for k, p in plan.items()}
-    assert sorted(losses(out)) == [3] and sorted(mtp_losses(out)) == [3] and len(replans(out)) == 1  # measured at 3

@@ -1,6 +1,6 @@
 """MoE models at the layout classes of the support matrix through Megatron-LM's loop on CPU (prod
 lane): TE grouped experts (over the TE double) in a DeepSeek-style GPT (MLA + MoE + an MoE MTP layer)
-and in a HybridModel ('*E*E'), chained across
+and in a HybridModel ('*EE*'), chained across
 layouts and GPU generations as tests/pretrain/test_layouts.py chains the dense models (SM90: BF16/FP8
 plans; SM100: FP8/FP4 plans, grouped NVFP4 GEMMs at widths in multiples of 128), and DP=2 with the
 distributed optimizer and full recompute on each backend (not resumed: Megatron's distributed
@@ -39,8 +39,9 @@ BASE = {"deepseek": test_mla_runs.MODEL, "hybrid": None}
 MODELS = {  # name: (flags at one process, at TP=2+SP x EP=2, at PP=2 x VPP=2, the worker's environment)
     "deepseek": ([*GPT], [*GPT, *TP_EP],
             [*GPT, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], {}),
-    "hybrid": (["--hybrid-layer-pattern", "*E*E"], ["--hybrid-layer-pattern", "*E*E", *TP_EP],
-               ["--hybrid-layer-pattern", "*|E|*|E", "--pipeline-model-parallel-size", "2"],  # a chunk per layer
+    # a chunk per layer at PP=2 x VPP=2, each stage with an MoE layer (rule hybrid-moe-stage-without-experts)
+    "hybrid": (["--hybrid-layer-pattern", "*EE*"], ["--hybrid-layer-pattern", "*EE*", *TP_EP],
+               ["--hybrid-layer-pattern", "*|E|E|*", "--pipeline-model-parallel-size", "2"],
                {"PROBE_FAMILY": "hybrid"}),
 }
 

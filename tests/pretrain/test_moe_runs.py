@@ -15,8 +15,8 @@ pytestmark = pytest.mark.launches
 
 PROBED = ROOT / "tests" / "pretrain" / "pretrain_worker.py"
 
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,0]",
-       "--moe-aux-loss-coeff", "1e-2"]
+ROUTED = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2"]
+MOE = [*ROUTED, "--moe-layer-freq", "[1,0]"]
 SNIP = ["--mock-data", "--vocab-size", "256", "--eval-interval", "100", "--snip", "--snip-warmup", "1",
         "--snip-interval", "2", "--snip-lag", "0", "--snip-fp4-budget", "0.5"]
 
@@ -137,59 +137,57 @@ def test_parallel_moe_measures_replans_and_resumes_the_checkpoint_plan(tmp_path,
     assert sorted(losses(out)) == [3] and len(replans(out)) == 1
 
 
-# TE grouped experts over the TE double, expert TP 1 on two processes: TP=2 with sequence
-# parallelism and EP=2 (each rank two experts; TE's norms take SP, the CPU's torch norms do not),
-# EP=2 over two data-parallel replicas, and PP=2; on four: TP=2 with sequence parallelism over two
+# TE grouped experts over the TE double on four processes: TP=2 with sequence parallelism over two
 # replicas, the experts on expert TP 2 x EP=2 behind the alltoall dispatcher (each rank two experts'
 # halves; the dispatcher's all-to-all over EP, then its gather over expert TP of each rank's own
-# token count).
-TE_LAYOUTS = {  # name -> (flags, processes)
-    "tp2_sp_ep2": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-                    "--expert-tensor-parallel-size", "1"], 2),
-    # two micro-batches per replica, so TE's cached FP8 weights are reused within a step (check_runtime)
-    "ep2": (["--expert-model-parallel-size", "2", "--global-batch-size", "8"], 2),
-    "pp2": (["--pipeline-model-parallel-size", "2"], 2),
-    "tp2_sp_etp2_ep2_a2a": (["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", *A2A,
-                             "--global-batch-size", "8"], 4),
+# token count), in the GPT (layer 1 MoE) and in a HybridModel '*E' (snip-pretrain-hybrid). TP=2+SP x
+# EP=2 and PP=2 x VPP=2 (expert TP 1) are tests/pretrain/test_moe_layouts.py's chains; EP=2 over two
+# replicas its DP=2 runs.
+WIDE = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+        "--expert-tensor-parallel-size", "2", *A2A, "--global-batch-size", "8"]
+TE_MODELS = {  # name -> (the model's flags, the worker's environment, its routed experts' keys)
+    "gpt": ([*MOE, "--moe-grouped-gemm"], {}, ("1.expert_fc1", "1.expert_fc2")),
+    "hybrid": (["--hybrid-layer-pattern", "*E", *ROUTED, "--moe-grouped-gemm"], {"PROBE_FAMILY": "hybrid"},
+               ("2.expert_fc1", "2.expert_fc2")),
 }
 
 
 @needs_training
-@pytest.mark.parametrize("layout", sorted(TE_LAYOUTS))
-def test_parallel_te_grouped_moe_trains_measures_replans_and_resumes_over_the_te_double(tmp_path, layout):
-    """As the one-process TE grouped run, on two or four processes: every rank's planned TE linears
-    (its local experts' grouped linears included) run their planned recipe, switched by the re-plan
-    at step 1 from the measurement; the resumed run builds every rank's linears with the checkpoint's plan."""
+@pytest.mark.parametrize("model", sorted(TE_MODELS))
+def test_te_grouped_experts_at_tp2_sp_etp2_ep2_alltoall_train_on_hopper_and_resume_on_blackwell(tmp_path, model):
+    """As the one-process TE grouped run, on four processes: every rank's planned TE linears (its
+    local experts' grouped linear halves included) run their planned recipe, switched by the re-plan
+    at step 1 from the measurement (SM90: BF16/FP8); the resumed run, on SM100, builds every rank's
+    linears with the checkpoint's plan and re-plans under an FP4 budget at its step."""
     from tests.pretrain.test_te_runs import check_linears_follow_the_plan, check_runtime, probed, te_built, te_rows
 
     ckpt = tmp_path / "ckpt"
-    flags, nproc = TE_LAYOUTS[layout]
-    common = [*MOE, "--moe-grouped-gemm", *flags, "--mock-data", "--vocab-size", "256",
-              "--eval-interval", "100", "--snip", "--snip-warmup", "1", "--snip-interval", "2", "--snip-lag", "0",
-              "--snip-fp8-budget", "0.5", "--save-interval", "2", "--save", str(ckpt), "--train-iters", "3"]
-    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "2", sm=90, nproc=nproc)
+    flags, env, experts = TE_MODELS[model]
+    common = [*flags, *WIDE, "--mock-data", "--vocab-size", "256", "--eval-interval", "100", "--snip",
+              "--snip-warmup", "1", "--snip-interval", "2", "--snip-lag", "0", "--save-interval", "2",
+              "--save", str(ckpt), "--train-iters", "3"]
+    out = probed(tmp_path, tmp_path / "p", *common, "--snip-fp8-budget", "0.5", "--exit-interval", "2", sm=90,
+                 nproc=4, **env)
     assert len(replans(out)) == 1 and sorted(losses(out)) == [1, 2], snip_lines(out)
     assert all(2.0 < x < 7.0 for x in losses(out).values())
-    check_local_experts(tmp_path / "p", layout, nproc)
-    experts = ("1.expert_fc1", "1.expert_fc2")
-    for rank in range(nproc):
+    check_local_experts(tmp_path / "p", "ep2_a2a_etp2", 4)
+    for rank in range(4):
         rows = te_rows(tmp_path / "p", rank)
         assert [r["step"] for r in rows] == [1, 2]
         check_linears_follow_the_plan(rows)
         check_runtime(rows)
-        if layout != "pp2" or rank == 0:  # the MoE layer is on the first stage
-            assert set(experts) <= rows[0]["linears"].keys(), rows[0]["linears"]
+        assert set(experts) <= rows[0]["linears"].keys(), rows[0]["linears"]
     # the measured re-plan at step 1 put a grouped expert linear in BF16 (the initial plan is all FP8)
     assert any(te_rows(tmp_path / "p", 0)[0]["plan"][k] == "bf16" for k in experts)
     plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
     saved = {str(k): p.value for k, p in plan.items()}
-    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=90, nproc=nproc)
+    out = probed(tmp_path, tmp_path / "q", *common, "--snip-fp4-budget", "0.5", "--load", str(ckpt), sm=100,
+                 nproc=4, **env)
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
-    assert sorted(losses(out)) == [3]
-    for rank in range(nproc):
+    assert sorted(losses(out)) == [3] and len(replans(out)) == 1
+    for rank in range(4):
         built = te_built(tmp_path / "q", rank)
         assert built and all(saved[k] == p for k, p in built.items()), (rank, built, saved)
-        rows = te_rows(tmp_path / "q", rank)
+        rows = te_rows(tmp_path / "q", rank)  # step 3 runs the SM100 re-plan of its measurement (lag 0)
         check_linears_follow_the_plan(rows)
         check_runtime(rows)

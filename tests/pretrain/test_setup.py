@@ -101,21 +101,34 @@ def test_what_the_gpu_cannot_run_is_refused_with_the_flag_and_fix(te_gpu, monkey
         check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *argv))
 
 
-def test_te_grouped_experts_are_taken_and_fp4_needs_their_sizes_in_multiples_of_128(te_gpu):
-    """TE grouped experts run with SNIP (split padding, grouped_padding.py); TE's NVFP4 grouped
-    quantize needs the hidden and expert FFN sizes in multiples of 128, so a Blackwell run that may
-    plan FP4 is refused on smaller ones (SNIP pads token splits, not features)."""
+def test_te_grouped_experts_are_taken_and_fp4_on_sizes_te_runs_unfused_is_said(te_gpu):
+    """TE grouped experts run with SNIP (split padding, grouped_padding.py). TE's fused NVFP4 split
+    quantize wants the hidden and expert FFN sizes in multiples of 128; on other sizes TE 2.14-2.18
+    quantizes each expert's split on its unfused path, as a dense linear (csrc/extensions/cast.cpp):
+    what SNIP measures, so a Blackwell run that may plan FP4 there starts, with a start-up line."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from snip_megatron.models import gpt
+    from snip_megatron.te.shapes import unfused_grouped_nvfp4
+
     moe = ["--num-experts", "4", "--moe-grouped-gemm", "--hidden-size", "64", "--moe-ffn-hidden-size", "32"]
     te_gpu(90)
-    assert check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe)).sm == 90
+    hopper = check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe))
+    assert hopper.sm == 90
     te_gpu(100)
-    with pytest.raises(ValueError, match=r"--moe-grouped-gemm with FP4 candidates: TE's NVFP4 grouped GEMM needs "
-                                         r"--hidden-size \(64\) and --moe-ffn-hidden-size \(32\) to be multiples"):
-        check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe))
-    assert check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe[:3],
-                                   "--hidden-size", "128", "--moe-ffn-hidden-size", "256")).sm == 100
-    assert check_run(megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe,
-                                   "--snip-precisions", "bf16,fp8")).sm == 100
+    args = megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe)
+    blackwell = check_run(args)
+    assert blackwell.sm == 100 and "fp4" in blackwell.config.uses_names
+    inventory = gpt.of_config(core_transformer_config_from_args(args))
+    assert unfused_grouped_nvfp4(inventory, blackwell.config.uses, blackwell.config.fp4_recipe) == (
+        "MoE: the grouped experts' NVFP4 inputs and gradients of inner size 32, 64 (not multiples of 128) are "
+        "quantized on TE's unfused path, one expert at a time as a dense linear's are (TE warns 'Unfused NVFP4 "
+        "quantization fallback'): slower than the fused kernel, the same arithmetic SNIP measures")
+    assert unfused_grouped_nvfp4(inventory, hopper.config.uses, hopper.config.fp4_recipe) is None  # no FP4
+    wide = megatron_args("--transformer-impl", "transformer_engine", "--snip", *moe[:3],
+                         "--hidden-size", "128", "--moe-ffn-hidden-size", "256")
+    assert unfused_grouped_nvfp4(gpt.of_config(core_transformer_config_from_args(wide)), blackwell.config.uses,
+                                 "nvfp4") is None
 
 
 def test_what_each_generation_runs_by_default(te_gpu):

@@ -16,10 +16,8 @@ cache at all); `check_runtime` asserts them every step, per layer.
 The double stands in for an H100 (SM90: BF16/FP8 plans on TE's FP8 kernels, `--snip` alone under
 an FP8 share of the linear FLOPs) or a B200 (SM100: FP8/FP4 plans on TE's NVFP4 kernels); SNIP reads
 that generation from the double (pretrain_worker.py). Subprocesses only: this process keeps TE
-absent. Runs: one process with a save and a resume (the resumed model built without a recipe gets
-the plan at step 1 and its TE weight cache turned off), TP=2 and PP=2 with virtual pipelining,
-each with a save and a resume, the
-patched Megatron-LM main, TE 2.16, a linear TE cannot quantize for its shape; start-up refusals
+absent (TP=2+SP x PP=2 x VPP=2 on each generation: tests/pretrain/test_layouts.py's chains). Runs: one process with a save and a resume (the resumed model built without a recipe gets
+the plan at step 1 and its TE weight cache turned off), the patched Megatron-LM main, TE 2.16, a linear TE cannot quantize for its shape; start-up refusals
 (each a process that exits at start-up, run beside a training run or each other to keep the file
 short on two cores).
 
@@ -127,30 +125,6 @@ def te_built(probe: Path, rank: int) -> dict[str, str]:
     return {k: v[0] for k, v in built.items()}
 
 
-def check_resumed_ranks(probe: Path, plan: dict[str, str], steps: list[int]) -> None:
-    """Both TP ranks of a resumed run build their shards with the checkpoint's `plan`, start the
-    resumed `steps` on it, and run every linear as planned."""
-    for rank in (0, 1):
-        assert te_built(probe, rank) == plan
-        rows = te_rows(probe, rank)
-        assert [r["step"] for r in rows] == steps and rows[0]["plan"] == plan
-        check_linears_follow_the_plan(rows)
-        check_runtime(rows)
-
-
-def resume_saved_plan(tmp_path: Path, ckpt: Path, common: list[str], *, sm: int) -> dict[str, str]:
-    """The plan the run saved at step 4 (the one its last step ran), then a two-process resume from
-    it into probe `q` that starts with it and re-plans at step 6 (measured at 5)."""
-    saved = Plan.from_dict(state_of(ckpt, 4)["plan"])
-    plan = {str(k): p.value for k, p in saved.items()}
-    assert plan == te_rows(tmp_path / "p", 0)[-1]["plan"]
-    out = probed(tmp_path, tmp_path / "q", *common, "--load", str(ckpt), sm=sm, nproc=2)
-    lines = snip_lines(out)
-    assert any(line.endswith(f"plan: checkpoint {saved.counts()}") for line in lines), lines
-    assert any(line.startswith("[snip] step 6: plan") for line in lines), lines
-    return plan
-
-
 def check_linears_follow_the_plan(rows: list[dict], *, fp8: str = "blockwise", fp4_rounding: str = "sr") -> None:
     """After every step, each TE linear of this rank was told its planned precision and ran it:
     FP8 in `fp8` (blockwise with TE's power-of-two scales, its default; or tensorwise), FP4 on TE's
@@ -242,53 +216,6 @@ def test_hopper_one_process_measures_replans_saves_and_resumes(tmp_path):
     check_linears_follow_the_plan(resumed)
     check_runtime(resumed, cache="off")
     assert any(line.startswith("[snip] step 6: plan") for line in lines)  # measured at 5
-
-
-@needs_training
-def test_blackwell_tp2_measures_replans_and_resumes_every_te_linear(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    common = ["--tensor-model-parallel-size", "2", *DATA, "--train-iters", "6", "--save", str(ckpt),
-              "--save-interval", "4", *BLACKWELL_SNIP]
-    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "4", sm=100, nproc=2)
-    lines = snip_lines(out)
-    assert any(line.startswith("[snip] SM100 (Blackwell): FP8 blockwise (e4m3, pow2 scales) on TE kernels via "
-                               "MXFP8 GEMMs; FP4 nvfp4 (stochastic gradient rounding) on TE's NVFP4 kernels")
-               for line in lines), lines
-    assert "[snip] Transformer Engine 2.14.0" in lines
-    for rank in (0, 1):
-        rows = te_rows(tmp_path / "p", rank)
-        assert [r["step"] for r in rows] == [1, 2, 3, 4] and replanned(rows, "fp4")
-        check_linears_follow_the_plan(rows)
-        check_runtime(rows)
-        assert len(rows[-1]["linears"]) == 8  # TP shards every planned linear
-    assert te_rows(tmp_path / "p", 0)[-1]["plan"] == te_rows(tmp_path / "p", 1)[-1]["plan"]
-    plan = resume_saved_plan(tmp_path, ckpt, common, sm=100)
-    check_resumed_ranks(tmp_path / "q", plan, [5, 6])
-
-
-@needs_training
-def test_hopper_pp2_with_virtual_pipelining_replans_both_chunks_and_resumes(tmp_path):
-    """Two forwards before the first backward (1F1B warm-up, interleaved chunks) with fused wgrad
-    accumulation on SM90: every planned weight of both chunks trains and reads its step's weights
-    (issue 31 failure 3: before, Hopper's FP4 ran TE's reference NVFP4 tensor, which the first
-    forward's save-for-backward emptied, so the second forward crashed; and failure 1's dropped dW).
-    The resumed run builds each stage's two chunks with the checkpoint's plan at their layers."""
-    ckpt = tmp_path / "ckpt"
-    common = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-              "1", "--global-batch-size", "8", *DATA, "--train-iters", "6", "--save", str(ckpt),
-              "--save-interval", "4", *HOPPER_SNIP]
-    out = probed(tmp_path, tmp_path / "p", *common, "--exit-interval", "4", sm=90, nproc=2)
-    assert any(line.startswith("[snip] step 3: plan") for line in snip_lines(out))
-    held = check_two_pipeline_stages(tmp_path / "p")
-    assert {rank: sorted({int(k.split(".")[0]) for k in keys}) for rank, keys in held.items()} == \
-        {0: [1, 3], 1: [2, 4]}  # Megatron's interleaved chunks, keyed by global layer
-    plan = resume_saved_plan(tmp_path, ckpt, common, sm=90)
-    for rank in (0, 1):  # at each chunk's layers
-        assert te_built(tmp_path / "q", rank) == {k: plan[k] for k in held[rank]}
-        rows = te_rows(tmp_path / "q", rank)
-        assert [r["step"] for r in rows] == [5, 6] and rows[0]["plan"] == plan
-        check_linears_follow_the_plan(rows)
-        check_runtime(rows)
 
 
 def check_two_pipeline_stages(probe: Path) -> dict[int, list[str]]:

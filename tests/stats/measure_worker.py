@@ -109,6 +109,13 @@ LAYOUTS.update({"moe_ep2_a2a": (1, 1, "global", dict(MOE, ep=2, **A2A), None),
 # EP=2 at TP=1, and at TP=2 with sequence parallelism
 LAYOUTS.update({f"te{name}": (*LAYOUTS[name][:3], dict(LAYOUTS[name][3], te=True), None)
                 for name in ("moe_ep2", "moe_ep2_a2a", "moe_etp2_ep2", "moe_tp2_sp_etp2_ep2")})
+# context parallelism on the TE spec's grouped experts (Megatron's local attention has no CP): CP=2,
+# each rank its tokens of every sequence by Megatron's load-balanced split, against one process on the
+# same weights and micro-batches; both with whole loss masks and Megatron-LM's loss (pretrain_gpt's:
+# the masked sum and the token count, tests/stats/te_cp_stats_worker.py), as the dense CP test has them
+WHOLE = dict(whole_mask=True)
+LAYOUTS.update({"temoe_whole": (1, 1, "global", dict(MOE, te=True, **WHOLE), None),
+                "temoe_cp2": (1, 1, "global", dict(MOE, te=True, cp=2, **WHOLE), None)})
 DP2_STEP = 4
 """Micro-batches in the step of a layout with data-parallel replicas, dealt as Megatron's sampler
 deals them (replica r of D: the step's micro-batches r, r + D, ...)."""
@@ -146,15 +153,17 @@ def cpu_current_device():
         torch.cuda.current_device = saved
 
 
-def build(tp=1, pp=1, seed=1234, reinit=True, ep=1, etp=None, vpp=None, layers=None, te=False, **overrides):
+def build(tp=1, pp=1, seed=1234, reinit=True, ep=1, etp=None, vpp=None, layers=None, te=False, cp=1, **overrides):
     """This rank's model chunks of a layout: Megatron's local spec, or with `te` its TE spec with
     grouped experts (over the TE double)."""
     from snip_megatron.megatron.model import build_model_chunks
 
-    runtime.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep, etp=etp)
+    runtime.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, seed=seed, ep=ep, etp=etp, cp=cp)
     runtime.seed_all(seed)
     if ep > 1 or etp is not None:
         overrides.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp)
+    if cp > 1:
+        overrides.update(context_parallel_size=cp)
     if te:
         from tests.pretrain.pretrain_worker import use_the_doubles_gpu
         from tests.stats.te_moe_stats_worker import build_te_moe
@@ -270,6 +279,15 @@ def main():
     runtime.destroy(process_group=True)
 
 
+def megatron_lm_forward_step():
+    """Megatron-LM's forward step: its loss is (the masked sum, the token count, the report),
+    which Megatron's schedule divides by the count (megatron/core/pipeline_parallel/schedules.py:
+    329-335); a (mean, report) loss it would multiply by CP (schedules.py:337-341)."""
+    from tests.stats.te_cp_stats_worker import forward_step
+
+    return forward_step
+
+
 def measure_layout(name: str):
     """Build the model of layout `name`, measure one step, tear the parallel state down."""
     from megatron.core import parallel_state as ps
@@ -284,6 +302,7 @@ def measure_layout(name: str):
     tp, pp, megatron_init, overrides, k = LAYOUTS[base]
     overrides = dict(overrides)
     stride = overrides.pop("error_stride", None)
+    whole_mask = overrides.pop("whole_mask", False)
     strides = dict(error_token_stride=stride, grad_error_token_stride=stride) if stride else {}
     chunks = build(tp, pp, reinit="global" if megatron_init == "global" else not megatron_init, **overrides)
     data, mbs = (batches(num=1, mbs=4), 4) if lone else (batches(), 2)
@@ -292,13 +311,21 @@ def measure_layout(name: str):
         data = batches(num=DP2_STEP)[ps.get_data_parallel_rank()::replicas]
         if base == "pair":
             data = data[2:]
+    if whole_mask:
+        data = [dict(b, loss_mask=torch.ones_like(b["loss_mask"])) for b in data]
+    if ps.get_context_parallel_world_size() > 1:  # this rank's tokens (Megatron-LM's get_batch)
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        data = [get_batch_on_this_cp_rank(dict(b), is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
+                for b in data]
     try:
         # (a recomputed MoE layer's router asks for the current device inside the backward too)
         backward_device = overrides.get("sequence_parallel") or "ep" in overrides or "etp" in overrides or \
             ("num_moe_experts" in overrides and "recompute_granularity" in overrides)
         config = MeasureConfig(noise_frac=0.05, micro_batches=k, **strides)
         with cpu_current_device() if backward_device else contextlib.nullcontext():
-            return measure_chunks(chunks, make_forward_step(), data, seq_length=SHAPE.seq_length,
+            return measure_chunks(chunks, megatron_lm_forward_step() if whole_mask else make_forward_step(), data,
+                                  seq_length=SHAPE.seq_length,
                                   micro_batch_size=mbs, config=config,
                                   error_fn=padded_blockwise_error_fn() if "num_moe_experts" in overrides
                                   else blockwise_error_fn())

@@ -12,7 +12,8 @@ at TP=1 (ETP=2 on two processes, ETP=2 x EP=2 on four), of Megatron's alltoall d
 run over gloo by the CPU shim), of four processes at TP=2 with SP over two replicas and the experts
 on ETP=2 x EP=2, and of TE's grouped experts (over the TE double) at those layouts; layouts that
 route the same rows in the same order are compared field by field: the alltoall dispatcher against
-the allgather one, TE's grouped experts against SequentialMLP, ETP=2 against EP=2."""
+the allgather one, TE's grouped experts against SequentialMLP, ETP=2 against EP=2. Context
+parallelism (CP=2) on TE's grouped experts equals one process field by field."""
 
 from pathlib import Path
 
@@ -160,3 +161,24 @@ def test_a_measurement_leaves_ep2_training_bit_identical(tmp_path):
         found = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert any("expert_bias" in n for n in found["names"]) and any("local_experts.1" in n for n in found["names"])
         assert found["differ"] == [], (rank, found["differ"])
+
+
+def test_te_grouped_experts_at_cp2_measure_as_one_process(tmp_path):
+    """Context parallelism (CP=2 on two processes, Megatron's load-balanced split of every sequence)
+    on the TE spec's grouped experts (over the TE double; Megatron's local attention has no CP)
+    against one process with the same weights and micro-batches (whole loss masks, Megatron-LM's
+    loss): every field of every row to 1e-5, the experts' token counts (every routed row of the
+    step once) included. Each CP rank's experts run its own tokens only: an expert's rows are
+    gathered over CP in the micro-batch's token order (stats/expert_rows.py), so G_W, the errors
+    along tokens and the noise are one process's; its sums over its own rows add over CP."""
+    env = {"PYTHONPATH": double_pythonpath(apex=True), "TE_DOUBLE_COMPUTE_CAPABILITY": "9.0"}
+    for layout, nproc in (("temoe_whole", 1), ("temoe_cp2", 2)):
+        run_distributed([WORKER, "--layouts", layout, "--out", str(tmp_path)], nproc=nproc, timeout=900, env=env)
+    one, cp2 = (StatsTable.from_array(_keys(n), np.load(tmp_path / f"{n}.npy")) for n in ("temoe_whole", "temoe_cp2"))
+    assert [str(k) for k in cp2.keys][2:4] == ["1.expert_fc1", "1.expert_fc2"]
+    for name in ("expert_fc1", "expert_fc2"):
+        assert cp2.get(gpt.LayerKey(1, name), "n") == 2 * 2 * 32 * 2  # micro-batches x sequences x tokens x top-k
+    assert_same(one, cp2)
+    for f in ("x_sq", "gw_sq", "fwd_z_sq", "bwd_dgw_sq", "ex_w.fp8", "egy_w.fp4"):
+        assert (cp2.column(f)[:-1] > 0).all(), f
+    assert cp2.globals_["dp_size"] == 1

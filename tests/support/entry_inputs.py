@@ -24,8 +24,10 @@ def megatron_lm_input(example: dict) -> "tuple[list[str], dict, str] | None":
             family = value
         elif path == "run.world_size":
             env["WORLD_SIZE"] = str(value)
-        elif path in ("run.cuda", "run.te_installed"):
+        elif path in ("run.cuda", "run.te_installed", "run.te_version"):
             continue  # facts of the machine: the test sets them
+        elif path == "run.te_environ":
+            env.update(dict(value))  # TE's switches: the launch's environment
         elif value is None or value is False:
             continue
         elif path == "run.backend":

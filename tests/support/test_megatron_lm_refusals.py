@@ -41,8 +41,6 @@ def megatron_lm(monkeypatch, capsys):
 
     monkeypatch.setattr(cpu, "prepare_cpu", would_train)
     ok = installed.Availability(True)
-    monkeypatch.setattr(installed, "read_te_support", lambda: installed.TESupport(
-        version="2.14.0", fp8=ok, fp8_block_scaling=ok, mxfp8=ok, nvfp4=ok))
     monkeypatch.setattr(gpu, "current_sm", lambda: 100)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))  # Megatron asks
     # Megatron's validation asks TE's version for --fp4-format and FP8 parameters: a GPU machine's TE
@@ -50,8 +48,11 @@ def megatron_lm(monkeypatch, capsys):
     # and TransformerConfig's checks of TE's version (MoE GroupedTensor weights, experts' wgrad overlap)
     monkeypatch.setattr(transformer_config, "is_te_min_version", lambda version, check_equality=True: True)
 
-    def run(argv, env, family, te_installed=False, prog=None, main=None):
+    def run(argv, env, family, te_installed=False, prog=None, main=None, te_version="2.14.0"):
         monkeypatch.setattr(installed, "te_installed", lambda: te_installed)
+        monkeypatch.setattr(installed, "installed_version", lambda: te_version if te_installed else None)
+        monkeypatch.setattr(installed, "read_te_support", lambda: installed.TESupport(
+            version=te_version, fp8=ok, fp8_block_scaling=ok, mxfp8=ok, nvfp4=ok))
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         if main is None:
@@ -71,8 +72,9 @@ def megatron_lm(monkeypatch, capsys):
 def test_each_rule_is_refused_through_megatron_lms_command_line(megatron_lm, rule):
     argv, env, family = megatron_lm_input(rule.example)
     env.update(ENV.get(rule.name, {}))
-    status, err = megatron_lm(["--snip", *argv, *ARGV.get(rule.name, [])], env, family,
-                              te_installed=rule.example.get("run.te_installed", rule.example.get("run.backend") == "te"))
+    te_installed = rule.example.get("run.te_installed", rule.example.get("run.backend") == "te")
+    status, err = megatron_lm(["--snip", *argv, *ARGV.get(rule.name, [])], env, family, te_installed=te_installed,
+                              te_version=rule.example.get("run.te_version", "2.14.0"))
     s = settings(rule.example, "megatron-lm")
     line = rule.text(s, MegatronLMNames(), rule.holds(s))
     assert status == 2, err
@@ -96,7 +98,8 @@ def test_each_rule_of_snip_analyze_is_refused_through_its_command_line(megatron_
     argv, env, family = megatron_lm_input(rule.example)
     env.update(ENV.get(rule.name, {}))
     status, err = megatron_lm(["--load", str(ckpt), "--out", str(tmp_path / "out"), *argv], env, family,
-                              te_installed=rule.example.get("run.te_installed", False), prog="snip-analyze", main=main)
+                              te_installed=rule.example.get("run.te_installed", False), prog="snip-analyze", main=main,
+                              te_version=rule.example.get("run.te_version", "2.14.0"))
     s = settings(rule.example, "analyze")
     assert status == 2, err
     error = err[err.index("snip-analyze: error: "):]

@@ -48,12 +48,17 @@ VARIANTS = ("megatron_init", "name_init", "plan", "sp_pair")
 
 
 def require_double() -> None:
-    """Fail loudly if `transformer_engine` is anything but this repository's test double."""
+    """Fail loudly if `transformer_engine` is anything but this repository's test double; then give
+    it SNIP's stochastic-rounding draws (snip_vs_double.share_snip_noise), so this process can
+    compare its NVFP4 gradients with SNIP's emulation."""
     import transformer_engine
 
     here = os.path.dirname(os.path.abspath(transformer_engine.__file__))
     if os.path.join("tests", "te_double") not in here:
         raise RuntimeError(f"transformer_engine comes from {here}, not the test double")
+    from tests.te.snip_vs_double import share_snip_noise
+
+    share_snip_noise()
 
 
 def plan():

@@ -23,8 +23,9 @@ FP8_FP4 = (Precision.FP8, Precision.FP4)
 
 def test_local_shapes_of_a_70b_tp8_rank_run_every_recipe():
     gemms = local_gemms(PRESETS["llama_70b"], tp=8, sequence_parallel=True, micro_batch_size=1)
-    assert gemms["linear_qkv"] == LocalGemm(out_features=1280, in_features=8192, tokens=512)  # SP shards it
-    assert gemms["linear_fc1"] == LocalGemm(out_features=7168, in_features=8192, tokens=512)
+    # SP shards their input; their GEMMs run on the gathered 4096 tokens
+    assert gemms["linear_qkv"] == LocalGemm(out_features=1280, in_features=8192, tokens=512, gemm_tokens=4096)
+    assert gemms["linear_fc1"] == LocalGemm(out_features=7168, in_features=8192, tokens=512, gemm_tokens=4096)
     assert gemms["linear_proj"] == LocalGemm(out_features=8192, in_features=1024, tokens=4096)  # whole sequence
     assert gemms["linear_fc2"] == LocalGemm(out_features=8192, in_features=3584, tokens=4096)
     for gemm in gemms.values():
@@ -38,7 +39,7 @@ def test_te_shape_rules_per_recipe():
     assert shape_problem("blockwise", LocalGemm(64, 208, 32)) is None
     assert "by 32" in shape_problem("mxfp8", LocalGemm(64, 208, 32))  # MXFP8 blocks of 32
     assert "input 24x64" in shape_problem("nvfp4", LocalGemm(64, 64, 24))  # NVFP4 blocks of 16
-    assert shape_problem("tensorwise", LocalGemm(64, 64, 24)) is None
+    assert shape_problem("tensorwise", LocalGemm(64, 64, 32)) is None
     excluded = te_exclusions(ODD_FFN, Formats(), FP8_FP4)
     assert set(excluded) == {LayerKey(1, "linear_fc2"), LayerKey(2, "linear_fc2")}
     assert set(excluded[LayerKey(1, "linear_fc2")]) == set(FP8_FP4)
@@ -106,3 +107,26 @@ def test_shapes_follow_the_models_mlp_gating_and_head_width():
     wide = ODD_FFN.with_(ffn_hidden_size=192, kv_channels=24)  # 4 heads of 24 channels on hidden 64
     assert local_gemms(wide)["linear_qkv"].out_features == (4 + 2 * 2) * 24
     assert local_gemms(wide)["linear_proj"] == LocalGemm(out_features=64, in_features=96, tokens=32)
+
+
+def test_fp8_gemms_need_their_inner_dimension_divisible_by_16():
+    """cuBLAS's FP8 GEMMs (TE 2.14 common/gemm/cublaslt_gemm.cu:158-162, 207-214, 250-254, 293-300,
+    'Caller must pad'): wgrad's K is the tokens, dgrad's the local out_features. Both pass TE's
+    Python assert (leading dims % 8) and crash at the first FP8 backward; MXFP8 and NVFP4 have
+    their own blocks."""
+    for recipe in ("tensorwise", "blockwise"):
+        assert shape_problem(recipe, LocalGemm(64, 64, 24)) == (
+            f"cuBLAS's FP8 GEMMs ({recipe}) need the inner dimension divisible by 16 (TE: 'Caller must pad'); "
+            "this rank's wgrad K=24 (dgrad: the local out_features, wgrad: the tokens) are not")
+        assert "dgrad K=40 and wgrad K=24" in shape_problem(recipe, LocalGemm(40, 64, 24))
+        assert shape_problem(recipe, LocalGemm(48, 64, 32)) is None
+    # under SP the local input (8 tokens) is gathered for the GEMMs: K = 16 tokens at TP=2
+    assert shape_problem("blockwise", LocalGemm(64, 64, 8, gemm_tokens=16)) is None
+    assert "wgrad K=24" in shape_problem("blockwise", LocalGemm(64, 64, 8, gemm_tokens=24))
+    # a sequence of 24 tokens: every linear kept out of FP8 (TE's assert alone would let it through)
+    short = te_exclusions(ODD_FFN.with_(ffn_hidden_size=192, seq_length=24), Formats(), (Precision.FP8,))
+    assert set(short) == set(all_keys(2))
+    assert "wgrad K=24" in describe_exclusions(short)[0]
+    # NVFP4 at the same shapes: its own blocks of 16 are the rule
+    assert te_exclusions(ODD_FFN.with_(ffn_hidden_size=192, seq_length=24), Formats(), (Precision.FP4,)) != {}
+    assert shape_problem("nvfp4", LocalGemm(64, 64, 32)) is None

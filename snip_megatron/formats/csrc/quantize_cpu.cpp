@@ -102,14 +102,14 @@ inline float round_stochastic(float y, float u, Grid g) {
 // 2**k for an integer k in [-127, 127], exact (2**-127 is the float32 subnormal 1 << 22).
 inline float pow2(int32_t k) { return float_of(k >= -126 ? static_cast<uint32_t>(k + 127) << 23 : 1u << 22); }
 
-// FP32 (and pow2) scales, TE's compute_scale_from_amax: max / amax as torch computes a Python
-// scalar over a tensor (the reciprocal, then times the scalar), 1 for an all-zero block, capped
-// at the largest float32; pow2 keeps only sign and exponent. Decode 1 / scale (the stored scale).
+// FP32 (and pow2) scales, TE's compute_scale_from_amax: max / amax, correctly rounded as TE
+// divides (__fdiv_rn; not the reciprocal times max), 1 for an all-zero block, capped at the
+// largest float32; pow2 keeps only sign and exponent. Decode 1 / scale (the stored scale).
 void fp32_scales(const float* amax, int64_t n, float elem_max, bool pow2_scales, float* enc,
                  float* dec, float* stored) {
   const uint32_t keep = pow2_scales ? 0xFF800000u : 0xFFFFFFFFu;
   for (int64_t k = 0; k < n; ++k) {
-    float e = (1.0f / amax[k]) * elem_max;
+    float e = elem_max / amax[k];  // TE: __fdiv_rn(max_fp8, amax) (recipe_common.cuh:28-31)
     e = amax[k] == 0.0f ? 1.0f : e;
     e = e > FLT_MAX ? FLT_MAX : e;  // NaN stays NaN
     e = float_of(bits_of(e) & keep);

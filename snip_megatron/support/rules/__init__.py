@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from snip_megatron.support.rules import analyze, features, models, moe, precision
+from snip_megatron.support.rules import analyze, features, models, moe, precision, te
 
-RULES = precision.RULES + features.RULES + models.RULES + moe.RULES + analyze.RULES
+RULES = precision.RULES + te.RULES + features.RULES + models.RULES + moe.RULES + analyze.RULES
 BY_NAME = {rule.name: rule for rule in RULES}
 if len(BY_NAME) != len(RULES):  # a rule's name is its id in docs/support.md and the matrix
     raise ImportError("two support rules share a name")

@@ -37,6 +37,23 @@ def _hybrid_moe(s) -> bool:
     return s.run.family == hybrid.FAMILY and hybrid.MOE in (s.run.hybrid_pattern or "")
 
 
+def _stage_without_experts(s):
+    """{"stage": a pipeline rank} when a hybrid MoE model's pipeline leaves a stage (its virtual chunks
+    together) without an MoE layer."""
+    pattern, pp = s.run.hybrid_pattern, s.num("model.pipeline_model_parallel_size")
+    if not _hybrid_moe(s) or pp <= 1 or _pattern_error(s):
+        return None
+    segments = len(hybrid.parse_pattern(pattern))
+    chunks = [None] if segments == 1 else list(range(segments // pp))
+    try:
+        for rank in range(pp):
+            if not any(hybrid.MOE in hybrid.segment(pattern, rank, pp, v)[1] for v in chunks):
+                return {"stage": rank}
+    except ValueError:  # a pattern Megatron's own allocation refuses, by its message
+        return None
+    return None
+
+
 RULES = (
     Rule("other-model-family", ("run.family",), lambda s: s.run.family not in ("gpt", hybrid.FAMILY),
          "model is a {v[run.family]}: SNIP plans GPT models built by GPTModelProvider (the gpt, llama, qwen ... "
@@ -128,6 +145,15 @@ RULES = (
          "pretrain_hybrid.py with SNIP plans a HybridModel's virtual stages)",
          example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*-*-", "model.pipeline_model_parallel_size": 2,
                   "model.virtual_pipeline_model_parallel_size": 2, "run.world_size": 2}, entries=("bridge",)),
+    Rule("hybrid-moe-stage-without-experts", ("run.hybrid_pattern", "model.pipeline_model_parallel_size"),
+         _stage_without_experts,
+         "{n[run.hybrid_pattern]} {v[run.hybrid_pattern]!r} at {nv[model.pipeline_model_parallel_size]}: pipeline "
+         "stage {x[stage]} holds no MoE (E) layer, and Megatron-LM's MoE logging then all-reduces metrics of other "
+         "sizes across the stages and hangs (megatron/training/training.py training_log: force_initialize sizes "
+         "them by the pattern's MoE layer count, the routers by all its layers)",
+         "cut the pattern with '|' so that every stage, its virtual chunks together, holds an E layer",
+         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*|E|*|E", "model.num_moe_experts": 4,
+                  "model.pipeline_model_parallel_size": 2, "run.world_size": 2}, entries=("megatron-lm",)),
     Rule("mtp-hsm", ("model.mtp_hsm",), lambda s: s.get("model.mtp_hsm"),
          "{n[model.mtp_hsm]} (Megatron main): MTP layers mix their inputs per token with random draws, and SNIP's "
          "lone-micro-batch noise pass would draw on other shapes than its clean pass (two networks compared)",

@@ -1,8 +1,8 @@
 """Rules on mixture-of-experts runs. SNIP plans, measures and re-plans MoE models on Megatron's local
 spec (SequentialMLP experts with SNIP's emulated linears) and on the TE spec with grouped experts
 (TEGroupedMLP), with either the allgather or the alltoall dispatcher, at the layouts docs/support.md
-lists (expert, tensor, expert-tensor, pipeline with virtual stages, data parallelism, recompute;
-docs/moe.md); these rules refuse the rest, each with its reason."""
+lists (expert, tensor, expert-tensor, pipeline with virtual stages, data and context parallelism,
+recompute; docs/moe.md); these rules refuse the rest, each with its reason."""
 
 from __future__ import annotations
 
@@ -32,14 +32,14 @@ def _balancing(s):
     return {"kinds": " ".join(odd)} if odd else None
 
 
-def _grouped_fp4_sizes(s) -> bool:
-    """TE's NVFP4 grouped quantize needs the expert GEMMs' inner dims to be multiples of 128."""
-    if s.run.backend != "te" or not s.get("model.moe_grouped_gemm") or not moe(s):
-        return False
-    if "fp4" not in [str(getattr(p, "value", p)) for p in (s.snip.precisions or [])]:
-        return False
-    ffn = s.get("model.moe_ffn_hidden_size") or s.get("model.ffn_hidden_size")
-    return bool(s.get("model.hidden_size") % 128 or ffn % 128)
+def _cp_wide_experts(s):
+    """Experts under CP fed other ranks' tokens: the first of TP, EP and expert TP above 1."""
+    if not moe(s) or s.num("model.context_parallel_size") <= 1:
+        return None
+    sizes = {"model.tensor_model_parallel_size": s.num("model.tensor_model_parallel_size"),
+             "model.expert_model_parallel_size": s.num("model.expert_model_parallel_size"),
+             "model.expert_tensor_parallel_size": _etp(s)}
+    return next(({"lead": path} for path, size in sizes.items() if size > 1), None)
 
 
 RULES = (
@@ -74,11 +74,18 @@ RULES = (
                            "model.moe_grouped_gemm": True, "model.tensor_model_parallel_size": 2,
                            "model.sequence_parallel": True, "model.expert_tensor_parallel_size": 4,
                            "run.world_size": 4}, entries=("megatron-lm", "bridge")),
-    Rule("moe-cp", ("model.context_parallel_size", "model.num_moe_experts"),
-         lambda s: moe(s) and s.num("model.context_parallel_size") > 1,
-         "{n[model.context_parallel_size]} > 1 with {n[model.num_moe_experts]}: SNIP does not measure experts "
-         "over context parallelism yet (untested)", "run MoE at {set[model.context_parallel_size]:1}",
-         example={**MOE, "model.context_parallel_size": 2, "run.world_size": 2}, entries=("megatron-lm", "bridge")),
+    Rule("moe-cp", ("model.context_parallel_size", "model.tensor_model_parallel_size",
+                    "model.expert_model_parallel_size", "model.expert_tensor_parallel_size", "model.num_moe_experts"),
+         _cp_wide_experts,
+         "{nv[model.context_parallel_size]} with {n[model.num_moe_experts]} and {nx[lead]} > 1: under context "
+         "parallelism SNIP gathers each expert's rows over CP and puts them in the micro-batch's order from each CP "
+         "rank's own routing, which holds where Megatron's token dispatcher moves no token between ranks (TP, EP and "
+         "expert TP 1); experts fed other ranks' tokens under CP are untested",
+         "run the experts at {set[model.tensor_model_parallel_size]:1} {set[model.expert_model_parallel_size]:1} "
+         "{set[model.expert_tensor_parallel_size]:1} under CP, or {set[model.context_parallel_size]:1}",
+         example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
+                  "model.moe_grouped_gemm": True, "model.context_parallel_size": 2,
+                  "model.expert_model_parallel_size": 2, "run.world_size": 2}, entries=("megatron-lm", "bridge")),
     Rule("moe-flex-dispatcher", ("model.moe_token_dispatcher_type",),
          lambda s: moe(s) and s.get("model.moe_token_dispatcher_type") == "flex",
          "{nv[model.moe_token_dispatcher_type]}: Megatron's flex dispatcher moves tokens through DeepEP's or "
@@ -107,14 +114,6 @@ RULES = (
          "megatron/core/transformer/moe/moe_layer.py)", "use {set[model.transformer_impl]:transformer_engine} "
          "{set[model.moe_grouped_gemm]:True}, or {drop[model.moe_latent_size]}",
          example={**MOE, "model.moe_latent_size": 32}, entries=("megatron-lm", "bridge")),
-    Rule("moe-grouped-fp4-sizes", ("model.moe_grouped_gemm", "snip.precisions"), _grouped_fp4_sizes,
-         "{n[model.moe_grouped_gemm]} with FP4 candidates: TE's NVFP4 grouped GEMM needs {n[model.hidden_size]} "
-         "({v[model.hidden_size]}) and {n[model.moe_ffn_hidden_size]} ({v[model.moe_ffn_hidden_size]}) to be multiples of 128 (TE 2.14 csrc/extensions/cast.cpp split_quantize; SNIP pads token splits, "
-         "not features)", "plan BF16/FP8 only ({set[snip.precisions]:bf16,fp8}) or use multiples of 128",
-         example={**MOE, "model.transformer_impl": "transformer_engine", "run.backend": "te",
-                  "model.moe_grouped_gemm": True, "model.moe_ffn_hidden_size": 32,
-                  "snip.precisions": ("bf16", "fp8", "fp4")},
-         entries=("megatron-lm",), after_resolve=True),  # Bridge refuses TE grouped experts (moe-te-bridge)
     Rule("moe-te-bridge", ("model.moe_grouped_gemm",), lambda s: moe(s) and s.get("model.moe_grouped_gemm") and _te(s),
          "{n[model.moe_grouped_gemm]} with {n[model.transformer_impl]} transformer_engine: SNIP pads grouped "
          "experts' token splits in snip-pretrain-gpt only so far",

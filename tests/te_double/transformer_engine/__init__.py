@@ -42,15 +42,20 @@ What it models (the contract Megatron's wrappers rely on):
   precision, state restored on exit), `quantized_model_init` / `fp8_model_init`, and TE's
   per-module recipe bookkeeping (a same-family switch keeps the old quantizers, issue #3157; a
   class change warns);
-- numerics: inside an enabled autocast a linear's three GEMMs (fprop, dgrad, wgrad) run OUR exact
-  emulation of the recipe, `snip_megatron.emulation.quantized_linear` with
-  `snip_megatron.formats.Formats(...).spec(precision)` (Float8BlockScaling -> blockwise, with TE's
-  power-of-two scales by default or FP32 ones under NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, E4M3 or
-  HYBRID; Float8CurrentScaling -> tensorwise, E4M3 or HYBRID; MXFP8BlockScaling -> mxfp8;
-  NVFP4BlockScaling -> nvfp4, stochastic or (NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1) nearest
-  gradient rounding); every run is recorded on the module (`last_run`, with the FormatSpec it ran,
-  and `run_counts`); variants our formats lack (power-of-two current scaling, MXFP8 HYBRID, NVFP4
-  without RHT or 16x16 weights, delayed scaling, amax epsilons, other block dims) are refused with
+- numerics: inside an enabled autocast a linear's three GEMMs (fprop, dgrad, wgrad) run the
+  double's own quantizers and GEMMs (`pytorch/module/_quantize.py`, `_gemm.py`), written from TE
+  2.14's source rule by rule with file:line citations, torch's float8 casts for FP8 elements and
+  torchao's E2M1 cast for FP4 ones; nothing in this package imports snip_megatron (tests hold
+  SNIP's emulation to the double, `tests/te/test_double_is_not_snip.py`). Recipe to quantizers
+  (`pytorch/module/_formats.py`, cited entry by entry): Float8BlockScaling -> 1x128 / 128x128
+  blocks, with TE's power-of-two scales by default or FP32 ones under
+  NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, E4M3 or HYBRID; Float8CurrentScaling -> one scale per
+  tensor, E4M3 or HYBRID; MXFP8BlockScaling -> 1x32 E8M0 blocks; NVFP4BlockScaling -> 1x16 E4M3
+  scales on an FP32 tensor scale, RHT on the column-wise input and gradient, 16x16 weight blocks,
+  stochastic or (NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1) nearest gradient rounding; every run is
+  recorded on the module (`last_run`, with the quantizers it ran, and `run_counts`); variants the
+  double does not model (power-of-two current scaling, MXFP8 HYBRID, NVFP4 without RHT or 16x16
+  weights, delayed scaling, amax epsilons, other block dims) are refused with
   NotImplementedError naming the variant;
 - `CustomRecipe` and TE 2.14's qfactory protocol: a module (re)initialised on a custom recipe calls
   `qfactory(role)` once per te.Linear role ("linear_input", "linear_weight", "linear_output",
@@ -78,9 +83,13 @@ What it models (the contract Megatron's wrappers rely on):
   (FP8 for every recipe, NVFP4 SM100+), the default recipe, `is_*_available(return_reason=...)`
   with TE's reasons, and two kernel checks at a module's forward (NVFP4 kernels need SM100+; on
   SM100+ blockwise FP8 runs through MXFP8 and needs power-of-two scales);
-- the version: `__version__` and the `custom_recipes` layout (quantization_nvfp4 below 2.16,
-  quantization_ref_nvfp4 for 2.16-2.18, reference_nvfp4 after) follow the dist-info first on
-  sys.path; behaviour stays TE 2.14's (a CustomRecipe is refused on >= 2.16);
+- the version: `__version__`, the `custom_recipes` layout (quantization_nvfp4 below 2.16,
+  quantization_ref_nvfp4 for 2.16-2.18, reference_nvfp4 after) and the recipes' environment
+  switches (`common/recipe`: NVTE_BACKWARD_OVERRIDE from 2.15 on every recipe class,
+  NVTE_NVFP4_ROW_SCALED_ACTIVATION from 2.16, NVTE_NVFP4_4OVER6* from 2.17, each cited per version
+  at v2.14, v2.16, v2.18 and main) follow the dist-info first on sys.path; the linears' behaviour
+  stays TE 2.14's (a CustomRecipe is refused on >= 2.16, and so is a recipe whose 2.15+ fields
+  leave TE's default);
 - `CudaRNGStatesTracker` (CPU generator states stand in for CUDA ones).
 
 Deliberate differences from TE: stochastic rounding draws from a CPU generator per module
@@ -105,7 +114,7 @@ context parallelism other than 'p2p' (and the p2p ring, its kernels and per-step
 sequences, sliding windows, TE activation checkpointing, delayed
 wgrad, the op fuser (`pytorch.ops`), single grouped weights (GroupedTensor), fused RoPE / cross entropy / permutation
 kernels, TE's optimizers, the reference quantizer's own arithmetic (its quantizers only carry
-settings) and TE's Hadamard sign vector (our emulation uses its own fixed one), TE >= 2.16's
+settings), TE >= 2.16's
 QuantizerRole qfactory protocol (and any other 2.16+ behaviour), a weight workspace re-quantized
 between a forward and its own backward (TE's dgrad would read the new bits), FP8 GEMMs' BF16 bias
 for FP32 activations (linear.py:285-290), `skip_fp8_weight_update` / CUDA graphs. Those raise

@@ -2,9 +2,10 @@
 
 Read once, at import, from the first `transformer-engine` distribution on sys.path, as
 importlib.metadata finds it: `tests/te_double/transformer_engine-2.14.0.dist-info` unless a test
-puts a folder made by `tests/te/te_versions.py` before `tests/te_double`. Only two things follow
-the version: `transformer_engine.__version__` (what Megatron's `get_te_version()` reads) and the
-layout of `pytorch.custom_recipes` (see its `__init__`); every behaviour is TE 2.14's.
+puts a folder made by `tests/te/te_versions.py` before `tests/te_double`. Three things follow the
+version: `transformer_engine.__version__` (what Megatron's `get_te_version()` reads), the layout of
+`pytorch.custom_recipes` (see its `__init__`) and the recipe fields TE reads from its environment
+(`common/recipe`); the linears behave as TE 2.14's.
 """
 
 from __future__ import annotations

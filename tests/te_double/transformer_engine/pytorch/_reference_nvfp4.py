@@ -8,10 +8,13 @@ copy) and column-wise (the transposed copy the wgrad GEMM reads), with E4M3 scal
 `with_rht=True` applies the 16-point random Hadamard transform to the column-wise copy only; its
 GEMM (`qgemm`) dequantizes and multiplies in FP32.
 
-The double keeps the factories and the quantizers' constructor settings (TE 2.14's), not their
-arithmetic: a double module that runs a CustomRecipe asks the factory for its quantizers (TE 2.14's
-qfactory call protocol) and maps exactly TE 2.14's set to our emulation,
-`Formats(fp4_recipe="nvfp4", fp4_gradient_rounding="nearest")` (see `module/_formats.py`). What
+The double keeps the factories and the quantizers' constructor settings (TE 2.14's), and computes
+with its own NVFP4 quantizer, which follows the same kernel arithmetic (the reference's
+`_quantize_blockwise_reference`, quantization_nvfp4.py:442-532, says it matches "the kernel's
+default path"): a double module that runs a CustomRecipe asks the factory for its quantizers (TE
+2.14's qfactory call protocol) and maps exactly TE 2.14's set to NVFP4 with nearest rounding, RHT
+on the input's and grad output's column-wise copies and 16x16 weight tiles (`module/_formats.py`,
+`module/_quantize.py`). What
 the reference path adds at run time (its tensor emptied when saved for backward, its GEMM's bias
 and shape refusals) is modelled in `module/base.py`.
 """

@@ -1,8 +1,31 @@
-"""Test double of `transformer_engine.common.recipe` (TE 2.14): the recipe classes.
+"""Test double of `transformer_engine.common.recipe`: the recipe classes, laid out per TE version.
 
-Field names, defaults, equality and the environment switches read at import follow TE 2.14's
+Field names, defaults, equality and the environment switches read at import follow TE's
 `transformer_engine/common/recipe/__init__.py`; TE builds them with pydantic dataclasses, the double
 with stdlib ones (same fields, same value equality; no pydantic type coercion).
+
+The switches read at import, by the version the double stands in for
+(`transformer_engine._double.VERSION`; file:line in TE's `common/recipe/__init__.py`):
+
+    NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES  every version   v2.14:242  v2.16:300  v2.18:302  main:302
+    NVTE_FP8_BLOCK_SCALING_FP32_SCALES       every version   v2.14:339  v2.16:417  v2.18:425  main:429
+    NVTE_NVFP4_DISABLE_RHT                   every version   v2.14:441  v2.16:533  v2.18:554  main:558
+    NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING   every version   v2.14:443  v2.16:535  v2.18:556  main:560
+    NVTE_NVFP4_DISABLE_2D_QUANTIZATION       every version   v2.14:445  v2.16:537  v2.18:558  main:562
+    NVTE_BACKWARD_OVERRIDE                   >= 2.15, every recipe class's `backward_override`
+                                             v2.16:259,310,368,431,546,644  v2.18:261,312,370,439,570,680
+                                             main:261,312,372,443,574,692; asserted None or one of
+                                             'high_precision', 'dequantized' (DelayedScaling: None only)
+    NVTE_NVFP4_ROW_SCALED_ACTIVATION         >= 2.16         v2.16:538  v2.18:559  main:563
+    NVTE_NVFP4_4OVER6                        >= 2.17         v2.18:560  main:564  (scope, asserted)
+    NVTE_NVFP4_4OVER6_E4M3_USE_256           >= 2.17         v2.18:561  main:565  (scope, asserted)
+    NVTE_NVFP4_4OVER6_ERR_MODE               >= 2.17         v2.18:562  main:566  (upper-cased, asserted)
+
+The double's linears run only the 2.14 variants: a recipe whose 2.15+ fields leave TE's default
+(`unmodelled_switches`) is refused with NotImplementedError naming the field (as are the 2.14
+variants SNIP's formats lack, `pytorch/module/_formats.py`). The C++ switches TE reads at each
+quantize (NVTE_USE_FAST_MATH, NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH) have no recipe field and are not
+modelled. SNIP's table of the same switches is `snip_megatron/te/environment.py`.
 
 Two TE quirks are kept on purpose, because Megatron and our tests depend on them:
 - `Float8BlockScaling` uses power-of-two block scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1
@@ -17,6 +40,19 @@ import os
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, NamedTuple, Optional
+
+from transformer_engine._double import version_tuple
+
+_VERSION = version_tuple()
+_BACKWARD_OVERRIDE = _VERSION >= (2, 15)
+"""TE >= 2.15: every recipe class has `backward_override`, default NVTE_BACKWARD_OVERRIDE."""
+_ROW_SCALED = _VERSION >= (2, 16)
+"""TE >= 2.16: NVFP4BlockScaling.row_scaled_activation, default NVTE_NVFP4_ROW_SCALED_ACTIVATION."""
+_FOUR_OVER_SIX = _VERSION >= (2, 17)
+"""TE >= 2.17: NVFP4BlockScaling's 4over6 fields, defaults NVTE_NVFP4_4OVER6*."""
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+_NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+_NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
 
 
 class _FormatHelper(NamedTuple):
@@ -90,6 +126,25 @@ def _no_pure_e5m2(recipe) -> None:
         raise AssertionError("Pure E5M2 training is not supported.")  # TE asserts the same
 
 
+def _check_backward_override(recipe) -> None:
+    """TE >= 2.15's assert in every recipe's __post_init__ (v2.18 common/recipe/__init__.py:265-267, 316-318, ...)."""
+    if getattr(recipe, "backward_override", None) not in _BACKWARD_OVERRIDES:
+        raise AssertionError("NVTE_BACKWARD_OVERRIDE must be unset or one of: 'high_precision', 'dequantized'.")
+
+
+def unmodelled_switches(recipe) -> list:
+    """The fields of `recipe` TE >= 2.15 reads from its environment that leave TE's default, as
+    "field=value" (the double's linears refuse them: they run the 2.14 recipes only)."""
+    out = []
+    if getattr(recipe, "backward_override", None) is not None:
+        out.append(f"backward_override={recipe.backward_override!r}")
+    if getattr(recipe, "row_scaled_activation", False):
+        out.append("row_scaled_activation=True")
+    if getattr(recipe, "nvfp4_4over6", "none") != "none":
+        out.append(f"nvfp4_4over6={recipe.nvfp4_4over6!r}")
+    return out
+
+
 @dataclass()
 class DelayedScaling(Recipe):
     """Per-tensor scales from an amax history (the double accepts it; its linears refuse to run it)."""
@@ -102,9 +157,14 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    if _BACKWARD_OVERRIDE:
+        backward_override: Optional[str] = os.getenv("NVTE_BACKWARD_OVERRIDE", None)
 
     def __post_init__(self) -> None:
         _no_pure_e5m2(self)
+        _check_backward_override(self)
+        if getattr(self, "backward_override", None) is not None:
+            raise AssertionError("Delayed scaling only supports backward_override=None.")
 
 
 @dataclass()
@@ -121,9 +181,12 @@ class Float8CurrentScaling(Recipe):
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    if _BACKWARD_OVERRIDE:
+        backward_override: Optional[str] = os.getenv("NVTE_BACKWARD_OVERRIDE", None)
 
     def __post_init__(self) -> None:
         _no_pure_e5m2(self)
+        _check_backward_override(self)
 
 
 @dataclass()
@@ -134,9 +197,12 @@ class MXFP8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    if _BACKWARD_OVERRIDE:
+        backward_override: Optional[str] = os.getenv("NVTE_BACKWARD_OVERRIDE", None)
 
     def __post_init__(self) -> None:
         _no_pure_e5m2(self)
+        _check_backward_override(self)
 
 
 @dataclass()
@@ -160,6 +226,8 @@ class Float8BlockScaling(Recipe):
     fp8_gemm_wgrad: MMParams = MMParams(use_split_accumulator=True)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    if _BACKWARD_OVERRIDE:
+        backward_override: Optional[str] = os.getenv("NVTE_BACKWARD_OVERRIDE", None)
 
     def __post_init__(self) -> None:
         dims = (self.x_block_scaling_dim, self.w_block_scaling_dim, self.grad_block_scaling_dim)
@@ -170,6 +238,7 @@ class Float8BlockScaling(Recipe):
         if self.fp8_dpa or self.fp8_mha:
             raise AssertionError("FP8 attention is not supported for Float8BlockScaling.")
         _no_pure_e5m2(self)
+        _check_backward_override(self)
 
 
 @dataclass()
@@ -184,16 +253,33 @@ class NVFP4BlockScaling(Recipe):
     disable_rht: bool = os.getenv("NVTE_NVFP4_DISABLE_RHT", "0") == "1"
     disable_stochastic_rounding: bool = os.getenv("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING", "0") == "1"
     disable_2d_quantization: bool = os.getenv("NVTE_NVFP4_DISABLE_2D_QUANTIZATION", "0") == "1"
+    if _ROW_SCALED:
+        row_scaled_activation: bool = os.getenv("NVTE_NVFP4_ROW_SCALED_ACTIVATION", "0") == "1"
+    if _FOUR_OVER_SIX:
+        nvfp4_4over6: str = os.getenv("NVTE_NVFP4_4OVER6", "none")
+        nvfp4_4over6_e4m3_use_256: str = os.getenv("NVTE_NVFP4_4OVER6_E4M3_USE_256", "all")
+        nvfp4_4over6_err_mode: str = os.getenv("NVTE_NVFP4_4OVER6_ERR_MODE", "MAE").upper()
     fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    if _BACKWARD_OVERRIDE:
+        backward_override: Optional[str] = os.getenv("NVTE_BACKWARD_OVERRIDE", None)
 
     def __post_init__(self) -> None:
         if self.fp4_format != Format.E2M1:
             raise AssertionError("Only E2M1 is supported for NVFP4 scaling")
         if self.fp8_format != Format.E4M3:
             raise AssertionError("Only E4M3 is supported for NVFP4 scaling")
+        _check_backward_override(self)
+        if _FOUR_OVER_SIX:  # v2.18 common/recipe/__init__.py:578-586
+            if self.nvfp4_4over6 not in _NVFP4_4OVER6_SCOPES:
+                raise AssertionError("NVTE_NVFP4_4OVER6 must be one of: 'none', 'weights', 'activations', 'all'.")
+            if self.nvfp4_4over6_e4m3_use_256 not in _NVFP4_4OVER6_SCOPES:
+                raise AssertionError("NVTE_NVFP4_4OVER6_E4M3_USE_256 must be one of: 'none', 'weights', "
+                                     "'activations', 'all'.")
+            if self.nvfp4_4over6_err_mode not in _NVFP4_4OVER6_ERR_MODES:
+                raise AssertionError("NVTE_NVFP4_4OVER6_ERR_MODE must be one of: 'MAE', 'MSE'.")
         self.fp4_quant_fwd_inp = QParams(random_hadamard_transform=not self.disable_rht)
         self.fp4_quant_fwd_weight = QParams(fp4_2d_quantization=not self.disable_2d_quantization)
         self.fp4_quant_bwd_grad = QParams(random_hadamard_transform=not self.disable_rht,
@@ -211,3 +297,8 @@ class CustomRecipe(Recipe):
     qfactory: Callable[..., Any]
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    if _BACKWARD_OVERRIDE:
+        backward_override: Optional[str] = os.getenv("NVTE_BACKWARD_OVERRIDE", None)
+
+    def __post_init__(self) -> None:
+        _check_backward_override(self)

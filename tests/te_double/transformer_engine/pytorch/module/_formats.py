@@ -1,47 +1,64 @@
-"""Which snip_megatron formats a TE recipe's GEMMs run in, TE's kernel checks, and TE's rules for
-switching recipes.
+"""What a TE recipe's GEMMs compute (the double's own quantizers, `_quantize.TEQuantizer`), TE's
+kernel checks, and TE's rules for switching recipes.
 
-The double invents no numerics: a recipe is run with our exact emulation of it
-(`snip_megatron.formats.Formats(...).spec(precision)`) or refused with NotImplementedError naming
-the TE variant our formats lack:
+Each recipe maps to the quantizers TE 2.14 builds for a te.Linear's input, weight and grad output
+(TE v2.14 `pytorch/quantization.py`, `RecipeState.make_quantizers`; recipe fields from
+`common/recipe/__init__.py`), cited entry by entry in `quantizers_of`:
 
-    Float8BlockScaling   -> blockwise   fp8_format E4M3 or HYBRID; FP32 or power-of-two scales
-                                        (all three operands alike); block dims (1, 2, 1)
-    Float8CurrentScaling -> tensorwise  fp8_format E4M3 or HYBRID; no power-of-two scales
-    MXFP8BlockScaling    -> mxfp8       E4M3 only
-    NVFP4BlockScaling    -> nvfp4       RHT and 16x16 weights on; stochastic rounding on
-                                        (stochastic gradients) or off (nearest)
-    CustomRecipe         -> nvfp4 with nearest gradient rounding, when its qfactory hands out
-                            exactly TE 2.14's reference NVFP4 quantizers
+    Float8BlockScaling   -> float8_block: x 1x128, w 128x128, grad 1x128 tiles; E4M3 forward,
+                            grad E5M2 under HYBRID; power-of-two or FP32 scales (all alike)
+    Float8CurrentScaling -> float8_current: one FP32 scale per tensor; E4M3 forward, grad E5M2
+                            under HYBRID
+    MXFP8BlockScaling    -> mxfp8: 1x32 E8M0 blocks, E4M3
+    NVFP4BlockScaling    -> nvfp4: 1x16 E4M3 scales on an FP32 tensor scale; input and grad RHT
+                            on the column-wise copy, 16x16 weight blocks; stochastic grad
+                            rounding unless NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING=1
+    CustomRecipe         -> nvfp4 with nearest rounding, when its qfactory hands out exactly TE
+                            2.14's reference NVFP4 quantizers
                             (custom_recipes.quantization_nvfp4.nvfp4_ref_rht_2d_quantizer_factory;
                             refused on TE >= 2.16, whose factories take a QuantizerRole)
-    DelayedScaling, any other CustomRecipe: refused
 
-Deliberate difference: the reference quantizer's (and TE's NVFP4 kernels') Hadamard sign vector is
-TE's hard-coded one, our emulation's is its own fixed vector; both are orthogonal transforms of the
-same structure (the error statistics are alike, the bits are not).
+Refused with NotImplementedError ("not modelled by the test double"): DelayedScaling (amax
+history), block dims other than TE's default (1, 2, 1), power-of-two scales on some operands only
+or on current scaling, amax epsilons, MXFP8 HYBRID, NVFP4 with its RHT or 2D weights switched
+off, any other CustomRecipe. (The double's quantizers could compute several of these; it refuses
+them so that every variant it runs is one its tests cover.)
+
+The double's own description, not SNIP's: nothing here imports snip_megatron. Tests compare what
+these quantizers compute with SNIP's emulation of the formats SNIP measures.
 """
 
 from __future__ import annotations
 
 import copy
 
+import torch
+
 from transformer_engine.common.recipe import Format, Recipe
 from transformer_engine._double import VERSION, version_tuple
 from transformer_engine.pytorch._reference_nvfp4 import (NVFP4QuantizerRef,
                                                           nvfp4_ref_rht_2d_quantizer_factory)
+from transformer_engine.pytorch.module._gemm import LinearQuantizers
+from transformer_engine.pytorch.module._quantize import TEQuantizer
 from transformer_engine.pytorch.utils import get_device_compute_capability
 
 FORWARD_ROLES = ("linear_input", "linear_weight", "linear_output")
 BACKWARD_ROLES = ("linear_grad_output", "linear_grad_input")
-"""TE 2.14's CustomRecipeState roles for a te.Linear: qfactory(role) is called once per role."""
+"""TE 2.14's CustomRecipeState roles for a te.Linear: qfactory(role) is called once per role
+(pytorch/quantization.py:1357-1407)."""
 
-_FP8_FORMATS = {Format.E4M3: "e4m3", Format.HYBRID: "hybrid"}
+
+def _fp8_dtype(recipe: Recipe, forward: bool) -> torch.dtype:
+    """pytorch/quantization.py:137-143 (`get_fp8_te_dtype`): E4M3 for E4M3, and for HYBRID's
+    forward tensors; E5M2 for HYBRID's gradients."""
+    if recipe.fp8_format == Format.E4M3 or (recipe.fp8_format == Format.HYBRID and forward):
+        return torch.float8_e4m3fn
+    return torch.float8_e5m2
 
 
 def _refuse(variant: str):
-    raise NotImplementedError(f"transformer_engine test double: {variant} has no emulation in "
-                              f"snip_megatron.formats")
+    raise NotImplementedError(f"transformer_engine test double: {variant} is not modelled by the "
+                              "test double")
 
 
 def _no_amax_epsilon(name: str, *qparams) -> None:
@@ -51,8 +68,9 @@ def _no_amax_epsilon(name: str, *qparams) -> None:
 
 def make_quantizers(recipe: Recipe) -> "dict | None":
     """TE's `CustomRecipeState.make_quantizers` for one GEMM: {role: qfactory(role)} (None for the
-    built-in recipes, whose quantizers the double does not build). TE 2.14's protocol: from 2.16
-    the qfactory gets a QuantizerRole and may not return None, which the double does not model."""
+    built-in recipes, whose quantizers `quantizers_of` describes). TE 2.14's protocol
+    (quantization.py:1383-1407): from 2.16 the qfactory gets a QuantizerRole and may not return
+    None, which the double does not model."""
     if not recipe.custom():
         return None
     if version_tuple() >= (2, 16):
@@ -72,59 +90,79 @@ def _same_quantizer(a, b) -> bool:
             and (a.rowwise_usage, a.columnwise_usage) == (b.rowwise_usage, b.columnwise_usage))
 
 
-def formats_of(recipe: Recipe, quantizers: "dict | None" = None):
-    """(precision, snip_megatron Formats) that `recipe`'s GEMMs run, or NotImplementedError naming
-    the variant we cannot emulate. `quantizers`: a CustomRecipe's, from `make_quantizers`."""
-    from snip_megatron.formats import Formats, Precision
-
+def quantizers_of(recipe: Recipe, quantizers: "dict | None" = None) -> LinearQuantizers:
+    """The quantizers `recipe`'s GEMMs run in a te.Linear, or NotImplementedError naming the
+    variant the double does not model. `quantizers`: a CustomRecipe's, from `make_quantizers`."""
     kind = type(recipe).__name__
     if recipe.float8_block_scaling():
+        # quantization.py:1209-1279: Float8BlockQuantizer per operand, its dtype from
+        # get_fp8_te_dtype, force_pow_2_scales / amax_epsilon from the operand's QParams and
+        # block_scaling_dim from x_ / w_ / grad_block_scaling_dim (recipe/__init__.py:345-347).
         qparams = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
-        pow2 = {q.power_2_scale for q in qparams}
-        if len(pow2) > 1:
+        if len({q.power_2_scale for q in qparams}) > 1:
             _refuse("Float8BlockScaling with power-of-two scales on some operands only")
-        if recipe.fp8_format not in _FP8_FORMATS:
-            _refuse(f"Float8BlockScaling(fp8_format={recipe.fp8_format.name})")
         dims = (recipe.x_block_scaling_dim, recipe.w_block_scaling_dim, recipe.grad_block_scaling_dim)
         if dims != (1, 2, 1):
             _refuse(f"Float8BlockScaling with block dims (x, w, grad) = {dims} (only (1, 2, 1))")
         _no_amax_epsilon(kind, *qparams)
-        return Precision.FP8, Formats(fp8_recipe="blockwise", fp8_format=_FP8_FORMATS[recipe.fp8_format],
-                                      fp8_block_scales="pow2" if pow2 == {True} else "fp32")
+        pow2 = recipe.fp8_quant_fwd_inp.power_2_scale
+        return LinearQuantizers(
+            "blockwise",
+            input=TEQuantizer("float8_block", _fp8_dtype(recipe, True), block_dim=1, pow2=pow2),
+            weight=TEQuantizer("float8_block", _fp8_dtype(recipe, True), block_dim=2, pow2=pow2),
+            grad_output=TEQuantizer("float8_block", _fp8_dtype(recipe, False), block_dim=1, pow2=pow2))
     if recipe.float8_current_scaling():
+        # quantization.py:1130-1138: Float8CurrentScalingQuantizer(get_fp8_te_dtype(recipe, forward));
+        # Linear sets force_pow_2_scales / amax_epsilon per operand from the recipe's QParams
+        # (module/linear.py:1594-1639, `_customize_quantizers_float8_current_scaling`).
         qparams = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
         if any(q.power_2_scale for q in qparams):
             _refuse("Float8CurrentScaling with power-of-two scales (QParams.power_2_scale=True)")
         _no_amax_epsilon(kind, *qparams)
-        return Precision.FP8, Formats(fp8_recipe="tensorwise", fp8_format=_FP8_FORMATS[recipe.fp8_format])
+        return LinearQuantizers(
+            "tensorwise",
+            input=TEQuantizer("float8_current", _fp8_dtype(recipe, True)),
+            weight=TEQuantizer("float8_current", _fp8_dtype(recipe, True)),
+            grad_output=TEQuantizer("float8_current", _fp8_dtype(recipe, False)))
     if recipe.mxfp8():
+        # quantization.py:1169-1173: MXFP8Quantizer(get_fp8_te_dtype(recipe, mode == "forward")).
         if recipe.fp8_format != Format.E4M3:
             _refuse(f"MXFP8BlockScaling(fp8_format={recipe.fp8_format.name}) (E5M2 gradients)")
-        return Precision.FP8, Formats(fp8_recipe="mxfp8")
+        mx = TEQuantizer("mxfp8", torch.float8_e4m3fn)
+        return LinearQuantizers("mxfp8", input=mx, weight=mx, grad_output=mx)
     if recipe.nvfp4():
+        # quantization.py:1309-1354: NVFP4Quantizer per operand with_rht (and its post-RHT amax),
+        # with_2d_quantization and stochastic_rounding from the operand's QParams, which
+        # recipe/__init__.py:454-476 sets from disable_rht / disable_2d_quantization /
+        # disable_stochastic_rounding (the NVTE_NVFP4_DISABLE_* switches, :441-445).
         off = [name for name, flag in (("disable_rht", recipe.disable_rht),
                                        ("disable_2d_quantization", recipe.disable_2d_quantization)) if flag]
         if off:
             _refuse(f"NVFP4BlockScaling({', '.join(f'{n}=True' for n in off)})")
-        rounding = "nearest" if recipe.disable_stochastic_rounding else "stochastic"
-        return Precision.FP4, Formats(fp4_recipe="nvfp4", fp4_gradient_rounding=rounding)
+        return LinearQuantizers("nvfp4", input=_nvfp4(recipe.fp4_quant_fwd_inp),
+                                weight=_nvfp4(recipe.fp4_quant_fwd_weight),
+                                grad_output=_nvfp4(recipe.fp4_quant_bwd_grad))
     if recipe.delayed():
         _refuse("DelayedScaling (per-tensor scales from an amax history)")
     if recipe.custom():
+        # custom_recipes/quantization_nvfp4.py:17-47: RHT 1x16 for the input and grad output, 16x16
+        # tiles for the weight, none for the outputs; NVFP4QuantizerRef has no stochastic rounding
+        # (its cast_to_fp4x2 rounds to nearest, :50-72).
         quantizers = make_quantizers(recipe) if quantizers is None else quantizers
         reference = _reference_quantizers()
         if all(_same_quantizer(quantizers.get(role), reference[role]) for role in reference):
-            return Precision.FP4, Formats(fp4_recipe="nvfp4", fp4_gradient_rounding="nearest")
+            return LinearQuantizers("nvfp4", input=TEQuantizer("nvfp4", torch.uint8, rht=True),
+                                    weight=TEQuantizer("nvfp4", torch.uint8, block_dim=2),
+                                    grad_output=TEQuantizer("nvfp4", torch.uint8, rht=True))
         got = {role: (None if q is None else type(q).__name__) for role, q in quantizers.items()}
         _refuse(f"CustomRecipe with quantizers {got} (only TE's reference NVFP4 factory, "
                 "nvfp4_ref_rht_2d_quantizer_factory, is mapped)")
     _refuse(f"recipe {kind}")
 
 
-def format_spec(recipe: Recipe, quantizers: "dict | None" = None):
-    """The FormatSpec our `quantized_linear` runs for `recipe`'s three GEMMs."""
-    precision, formats = formats_of(recipe, quantizers)
-    return formats.spec(precision)
+def _nvfp4(qparams) -> TEQuantizer:
+    return TEQuantizer("nvfp4", torch.uint8, block_dim=2 if qparams.fp4_2d_quantization else 1,
+                       rht=qparams.random_hadamard_transform, stochastic=qparams.stochastic_rounding)
 
 
 def check_kernels(recipe: Recipe) -> None:
@@ -132,9 +170,14 @@ def check_kernels(recipe: Recipe) -> None:
     capability: NVFP4 needs SM100+; on SM100+ blockwise FP8 is emulated with MXFP8 and needs
     power-of-two scales. RuntimeError as TE's NVTE_CHECK raises."""
     capability = get_device_compute_capability()
+    # NVFP4's cast kernels are compiled for Blackwell only (common/util/ptx.cuh:709-711 and 746-748:
+    # "FP4 cvt PTX instructions are architecture-specific"); autocast_enter asserts it first
+    # (pytorch/quantization.py:598-600).
     if recipe.nvfp4() and capability < (10, 0):
         raise RuntimeError(f"NVFP4 kernels need compute capability 10.0 or higher, this GPU is "
                            f"{capability[0]}.{capability[1]} (transformer_engine test double)")
+    # common/transpose/quantize_transpose_square_blockwise.cu:490-492 and
+    # quantize_transpose_vector_blockwise.cu:533-536: NVTE_CHECK(pow_2_scale, ...) on SM100+.
     if recipe.float8_block_scaling() and capability >= (10, 0) and not recipe.fp8_quant_fwd_inp.power_2_scale:
         raise RuntimeError("On Blackwell and newer, the FP8 block scaling recipe is emulated with MXFP8, "
                            "which requires using power of two scaling factors.")

@@ -12,8 +12,10 @@ Per forward (`_quantization_for_forward`, after TE's `init_fp8_metadata` / `set_
   per te.Linear role (TE's CustomRecipeState protocol), kept in `quantizers`;
 - TE's kernel checks on the double's GPU capability (`_formats.check_kernels`) raise RuntimeError,
   then the shape and bias checks of `_forward_checks` (ValueError / RuntimeError as TE raises);
+- the GEMMs run the recipe's quantizers (`_formats.quantizers_of`, the double's own model of TE's
+  kernels in `_quantize.py` and `_gemm.py`; nothing here imports snip_megatron);
 - what the module ran is recorded in `last_run` and counted in `run_counts` (tests read them);
-  a recipe our formats cannot emulate, or shapes TE refuses, are recorded and then refused.
+  a recipe the double does not model, or shapes TE refuses, are recorded and then refused.
 
 The quantized weight workspace (`_fp8_workspaces`, TE `get_weight_workspace`, base.py:1395-1522;
 linear.py:253-281, layernorm_linear.py:288-312): a quantized forward gets its weight operand from
@@ -59,6 +61,9 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import os
+import pickle
+import re
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -66,8 +71,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from transformer_engine.common.recipe import Recipe
+from transformer_engine._double import VERSION
+from transformer_engine.common.recipe import Recipe, unmodelled_switches
 from transformer_engine.pytorch.module import _formats
+from transformer_engine.pytorch.module._gemm import quantized_linear
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 from transformer_engine.pytorch.utils import assert_dim_for_fp8_exec, is_non_tn_fp8_gemm_supported
 
@@ -95,14 +102,15 @@ class QuantizedRun:
     """The recipe whose settings the module's quantizers carry (differs from `recipe` after a
     same-family switch, TE issue #3157)."""
     formats: Optional[str]
-    """Our recipe name the GEMMs ran ('blockwise', 'tensorwise', 'mxfp8', 'nvfp4'); None in high
-    precision or when refused."""
+    """The double's name for the numerics the GEMMs ran ('blockwise', 'tensorwise', 'mxfp8',
+    'nvfp4'); None in high precision or when refused."""
     refused: Optional[str] = None
-    """The error message when the recipe has no emulation (NotImplementedError), the double's GPU
-    cannot run it (RuntimeError, TE's kernel checks) or TE refuses the shapes or the bias
+    """The error message when the double does not model the recipe (NotImplementedError), the
+    double's GPU cannot run it (RuntimeError, TE's kernel checks) or TE refuses the shapes or the bias
     (ValueError / RuntimeError, `_forward_checks`)."""
     spec: Optional[object] = None
-    """The snip_megatron FormatSpec the GEMMs ran (None in high precision or when refused)."""
+    """The quantizers the GEMMs ran, a `_gemm.LinearQuantizers` (None in high precision or when
+    refused); `spec.short_str()` names each operand's."""
     weight_workspace: str = "none"
     """Where the quantized weight came from: "none" (no cached workspace: quantized from the live
     weight, `is_first_microbatch=None`, or high precision), "created" (quantized from the live
@@ -155,6 +163,23 @@ def _refuse_unmodelled(module: str, **options) -> None:
         raise NotImplementedError(f"transformer_engine test double: {module}({', '.join(on)}) is "
                                   f"not modelled (userbuffers / tp-comm-overlap, delayed wgrad "
                                   f"and symmetric all-reduce are GPU features)")
+
+
+def _ignores_stateless_pickles() -> bool:
+    """TE 2.16.1, 2.17.1 and >= 2.18 skip a checkpoint's pickled stateless recipe (#3123, backported
+    to the 2.16 and 2.17 patch releases: pytorch/_extra_state.py is absent at v2.16 and v2.17)."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", VERSION)
+    major, minor, patch = (int(g or 0) for g in match.groups())
+    return (major, minor) >= (2, 18) or ((major, minor) in ((2, 16), (2, 17)) and patch >= 1)
+
+
+def _refuse_unmodelled_switches(recipe: Recipe) -> None:
+    """The fields TE >= 2.15 reads from NVTE_BACKWARD_OVERRIDE, NVTE_NVFP4_ROW_SCALED_ACTIVATION and
+    NVTE_NVFP4_4OVER6 (common/recipe's `unmodelled_switches`): the double runs TE 2.14's recipes only."""
+    found = unmodelled_switches(recipe)
+    if found:
+        raise NotImplementedError(f"transformer_engine test double: {type(recipe).__name__}({', '.join(found)}) "
+                                  "is not modelled (TE >= 2.15 environment switches; SNIP refuses them at start-up)")
 
 
 def _storage(recipe: Recipe) -> str:
@@ -215,6 +240,31 @@ def _check_reference_qgemm(k: int, n: int, bias=None) -> None:
         raise ValueError(f"K dimension must be divisible by 32, got K={k}")
     if n % 8 != 0:
         raise ValueError(f"N dimension must be divisible by 8, got N={n}")
+
+
+_FP8_GEMM_K_MESSAGE = {
+    "float8": "Leading dimension requirement on A for FP8 GEMM. Caller must pad.",
+    "float8_blockwise": "Leading dimension requirement on NVTE_BLOCK_SCALING GEMM. Caller must pad.",
+}
+"""TE 2.14 common/gemm/cublaslt_gemm.cu: cuBLAS's FP8 GEMMs need every operand's leading dimension
+(the GEMM's inner dim K) divisible by 16: tensor scaling :158-162 (A), :250-254 (B); block scaling
+:207-210 (A), :293-296 (B). MXFP8 / NVFP4 quantizers already need 32 / 16 (`_check_quantizable`)."""
+
+
+def _fp8_backward_checks(storage: str, out_features: int, *, wgrad: bool, dgrad: bool) -> Callable:
+    """The FP8 GEMMs' K % 16 in the backward pass: dgrad's K is the local out_features, wgrad's the
+    tokens of the output gradient (the input's rows as the GEMM sees them, gathered under SP).
+    Forward's K is in_features, which TE's shape assert already holds to 16. Tensor scaling is
+    checked as on Hopper's TN-only GEMMs on every GPU (on SM100 TE's non-TN layouts check outer
+    dims instead, cublaslt_gemm.cu:137-147): as strict as SNIP's shape rule (te/shapes.py)."""
+
+    def checks(grad_output: torch.Tensor) -> None:
+        tokens = math.prod(grad_output.shape[:-1])
+        for needed, k in ((dgrad, out_features), (wgrad, tokens)):
+            if needed and k % 16:
+                raise RuntimeError(f"{_FP8_GEMM_K_MESSAGE[storage]} (K={k}; transformer_engine test double)")
+
+    return checks
 
 
 @dataclass
@@ -332,6 +382,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         self.fp8 = False
         self.fp8_calibration = False
         self.fp8_initialized = False
+        self.fp8_meta_tensors_initialized = False
+        """TE's flag (base.py:653, 748, 810): the module holds quantizers; False makes the next quantized
+        forward build them from that forward's recipe (SNIP sets it after a resume)."""
         self.fp8_meta = {"fp8_checkpoint": False, "fp8_group": None}
         self.tp_group = None
         self.tp_size = 1
@@ -411,7 +464,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
         if not (self.fp8_initialized and current == original):
             self.fp8_meta["recipe"] = current
             self.fp8_meta["fp8_group"] = FP8GlobalStateManager.get_fp8_group()
-            self._held_recipe = _formats.quantizer_recipe(self._held_recipe, current)
+            held = self._held_recipe if self.fp8_meta_tensors_initialized else None  # base.py:748
+            self._held_recipe = _formats.quantizer_recipe(held, current)
+            self.fp8_meta_tensors_initialized = True
             if self._held_recipe is current:
                 self.quantizers = _formats.make_quantizers(current)
             self.fp8_initialized = True
@@ -422,14 +477,60 @@ class TransformerEngineBaseModule(torch.nn.Module):
                 self._fp8_workspaces.clear()  # made with the old recipe's quantizers
         held = self._held_recipe
         try:
+            _refuse_unmodelled_switches(held)
             _formats.check_kernels(held)
-            spec = _formats.format_spec(held, self.quantizers)
+            spec = _formats.quantizers_of(held, self.quantizers)
             if checks is not None:
                 checks(held)
         except (NotImplementedError, RuntimeError, ValueError) as error:
             self._record(QuantizedRun(True, current, held, None, refused=str(error)))
             raise
         return self._record(QuantizedRun(True, current, held, spec.recipe, spec=spec), spec)
+
+    # -- extra state: the checkpointed recipe ----------------------------------------------------
+    def get_extra_state(self) -> torch.Tensor:
+        """TE 2.14 base.py:848-913: an empty uint8 tensor unless the module ran quantized, else the
+        pickled recipe and the simple fp8_meta values (delayed scaling's scales are not modelled)."""
+        if not (self.fp8_meta["fp8_checkpoint"] or self.fp8 or self.fp8_calibration):
+            return torch.empty(0, dtype=torch.uint8)
+        extra = {k: v for k, v in self.fp8_meta.items()
+                 if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str, tuple, list))}
+        state = {"recipe": self.fp8_meta["recipe"], "extra_fp8_variables": extra}
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        """Load a checkpoint's extra state as the double's TE version does.
+
+        TE 2.14-2.16.0 and 2.17.0 (v2.14 base.py:915-948): unpickle, take the recipe into fp8_meta
+        and build quantizers from it (`init_fp8_meta_tensors`); `fp8_initialized` stays False, so
+        the next quantized forward takes the autocast's recipe into fp8_meta, but `set_meta_tensor`
+        returns early while the recipe class matches (base.py:747-763): the module keeps the
+        checkpoint's quantizers, made under the saving process's environment.
+        TE 2.16.1, 2.17.1 and >= 2.18 (#3123; v2.18 base.py:1361-1369, pytorch/_extra_state.py:98-113,
+        121-186): a pickle whose recipe is stateless (every built-in recipe but DelayedScaling) is
+        ignored; a delayed-scaling one is loaded only with NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1,
+        else RuntimeError."""
+        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
+            return
+        if not isinstance(state, torch.Tensor):
+            raise RuntimeError("Unsupported checkpoint format.")
+        data = state.detach().cpu().numpy().tobytes()
+        if _ignores_stateless_pickles():
+            delayed = b"DelayedScaling" in data  # _classify_extra_state_pickle: the recipe's global
+            if not delayed:
+                return
+            if os.getenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "0") != "1":
+                raise RuntimeError(f"Refusing to load pickled Transformer Engine extra state for "
+                                   f"{type(self).__name__}. ... set NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1.")
+        state = pickle.loads(data)
+        self.fp8_meta.update(state.get("extra_fp8_variables", {}))
+        recipe = state["recipe"]
+        self.fp8_meta["recipe"] = recipe
+        held = self._held_recipe if self.fp8_meta_tensors_initialized else None  # init_fp8_meta_tensors
+        self._held_recipe = _formats.quantizer_recipe(held, recipe)
+        if self._held_recipe is recipe:
+            self.quantizers = _formats.make_quantizers(recipe)
+        self.fp8_meta_tensors_initialized = True
 
     def _record(self, run: QuantizedRun, spec=None):
         self.last_run = run
@@ -499,9 +600,9 @@ class TransformerEngineBaseModule(torch.nn.Module):
               is_first_microbatch: Optional[bool], columnwise: bool, overwrite_main_grad: bool,
               requires_dgrad: bool, weight: Optional[torch.nn.Parameter] = None,
               cache_name: str = "weight"):
-        """Y = X W^T (+ b) with this module's weight: inside an enabled autocast our exact emulation
-        of the recipe's three GEMMs (`quantized_linear`) on the weight workspace, else the plain
-        GEMM; the weight gradient routed as TE routes it (fused accumulation or not).
+        """Y = X W^T (+ b) with this module's weight: inside an enabled autocast the recipe's three
+        quantized GEMMs (`_gemm.quantized_linear`, `spec` its quantizers) on the weight workspace,
+        else the plain GEMM; the weight gradient routed as TE routes it (fused accumulation or not).
         `columnwise`: the weight quantizer's column-wise usage (a dgrad GEMM will read it);
         `requires_dgrad`: TE runs the dgrad GEMM (for the reference GEMM's backward checks);
         `weight` / `cache_name`: one GEMM of a GroupedLinear (its `weight<i>`; default `self.weight`)."""
@@ -512,8 +613,6 @@ class TransformerEngineBaseModule(torch.nn.Module):
             if not self.fuse_wgrad_accumulation or not weight.requires_grad:
                 return F.linear(inp, weight, gemm_bias)
             return _HighPrecisionGemm.apply(inp, weight, gemm_bias, route)
-        from snip_megatron.emulation.quantized_linear import QuantRuntime, quantized_linear
-
         recipe = self._held_recipe
         storage = _storage(recipe)
         route.custom = storage == "reference_nvfp4"
@@ -529,8 +628,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
             workspace.values, refill = None, restore_from_saved
         dtype = torch.float32 if self.fuse_wgrad_accumulation else weight.dtype
         x, weight_operand = _GemmOperands.apply(inp, weight, values, dtype, route, refill)
-        out = quantized_linear(x, weight_operand, gemm_bias, spec,
-                               QuantRuntime(generator=self.sr_generator))
+        out = quantized_linear(x, weight_operand, gemm_bias, spec, self.sr_generator)
+        if storage in _FP8_GEMM_K_MESSAGE and torch.is_grad_enabled() and out.requires_grad:
+            out = _BackwardChecks.apply(out, _fp8_backward_checks(storage, weight.shape[0], wgrad=weight.requires_grad,
+                                                                  dgrad=requires_dgrad))
         if storage == "reference_nvfp4" and torch.is_grad_enabled() and out.requires_grad:
             out = _BackwardChecks.apply(out, self._reference_backward_checks(
                 tuple(weight.shape), wgrad=weight.requires_grad, dgrad=requires_dgrad,

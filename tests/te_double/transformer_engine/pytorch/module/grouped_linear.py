@@ -9,8 +9,8 @@ out_features]) or, with `return_bias=True`, `(out, [bias<i>])`.
 
 Inside an enabled autocast the module holds ONE recipe (the module's, as every TE module), and
 each GEMM gets quantizers of its own (`_get_quantizers`, grouped_linear.py:1195-1240): scales per
-expert, format shared. The double runs each split through the same emulated GEMMs as `Linear`
-(`base._gemm`: our exact emulation of the recipe, the weight workspace cached per GEMM under
+expert, format shared. The double runs each split through the same quantized GEMMs as `Linear`
+(`base._gemm`: the recipe's quantizers, `_gemm.py`; the weight workspace cached per GEMM under
 "weight<i>" as `is_first_microbatch` asks, grouped_linear.py:170-183, and the weight gradient
 routed into `weight<i>.main_grad` under `fuse_wgrad_accumulation`, grouped_linear.py:386-520,
 `overwrite_main_grad` read on weight0 as TE does). A split with no rows runs no quantizer (TE's
@@ -23,19 +23,21 @@ TE's refusals of a quantized grouped forward, checked on every split before any 
   `get_fp8_align_size`, megatron/core/fp8_utils.py:318-323);
 - MXFP8: every split's rows and the features a multiple of 32 (TE csrc/quantizer.cpp:1349-1351
   on each split's tensor; TE issue #2966);
-- NVFP4: the inner dim a multiple of 128 (csrc/extensions/cast.cpp:1293-1294, the multi-tensor
-  quantize) and every split a multiple of 32 (the FP4 GEMMs' 16-byte TMA alignment along the
-  token dim of the wgrad GEMM; Megatron's `get_fp4_align_size`, fp4_utils.py:176-205, pads to 128);
+- NVFP4: every split a multiple of 32 (the FP4 GEMMs' 16-byte TMA alignment along the token dim
+  of the wgrad GEMM; Megatron's `get_fp4_align_size`, fp4_utils.py:176-205, pads to 128) and its
+  dims multiples of 16 (each split's quantizer). An inner dim that is not a multiple of 128 is not
+  refused: `tex.split_quantize` then warns once and quantizes each split on its own, through the
+  quantizer a dense linear uses (csrc/extensions/cast.cpp:1425-1437, 1467; the fused kernel's
+  "NVFP4 multi-quantize requires inner dim to be multiple of 128", :1293-1294, is on the fused
+  path only); the double runs every split as one GEMM of its own anyway, and warns as TE does;
 - a CustomRecipe (TE's reference NVFP4 factory): GroupedLinear has no custom-quantizer branch in
   TE 2.14, and `tex.split_quantize` refuses the reference quantizers (csrc/common.cpp:51-64).
 Each raises RuntimeError (TE's NVTE_CHECK / kernel errors are RuntimeErrors), recorded in `last_run`.
 `last_splits` keeps the m_splits of the last forward and `gemm_runs` each GEMM's weight workspace
 ("none" for an empty split), for tests.
 
-Extra state (base.py:848-940): `get_extra_state` returns an empty uint8 tensor unless the module
-ran quantized (then the pickled recipe and its simple fp8_meta values, as TE), which Megatron's
-TEGroupedLinear splits per expert in its sharded state dict; `set_extra_state` takes the recipe
-back. (The double's Linear / LayerNormLinear keep no extra state.)
+Extra state: every module's (base.py `get_extra_state` / `set_extra_state`, per TE version), which
+Megatron's TEGroupedLinear splits per expert in its sharded state dict.
 
 Not modelled: a single grouped weight or bias (`single_grouped_weight` / `single_grouped_bias`,
 TE >= 2.14's GroupedTensor), delayed wgrad (`delay_wgrad_compute` / `backward_dw`), userbuffers,
@@ -45,7 +47,7 @@ TEGroupedLinear hands TE no TP group when experts are split, the dispatcher comm
 
 from __future__ import annotations
 
-import pickle
+import warnings
 from dataclasses import replace
 from typing import Callable, List, Optional
 
@@ -62,6 +64,18 @@ SPLIT_ALIGNMENT = {"float8": 16, "float8_blockwise": 16, "mxfp8": 32, "nvfp4": 3
 (see the module docstring)."""
 
 
+_UNFUSED_NVFP4_WARNED = []
+
+
+def _warn_unfused_nvfp4() -> None:
+    """TE's once-per-process NVTE_WARN (csrc/extensions/cast.cpp:1426-1432, std::call_once)."""
+    if not _UNFUSED_NVFP4_WARNED:
+        _UNFUSED_NVFP4_WARNED.append(True)
+        warnings.warn("Unfused NVFP4 quantization fallback is triggered because the input tensor inner dimension "
+                      "is not a multiple of 128, disabling NVFP4 grouped kernel fusion. NVFP4 might bring "
+                      "performance regressions for this input tensor shape.")
+
+
 def check_splits(recipe: Recipe, inp: torch.Tensor, m_splits: List[int]) -> None:
     """TE's refusals of `m_splits` (and the inner dim) for a grouped forward under `recipe`."""
     storage = _storage(recipe)
@@ -70,7 +84,7 @@ def check_splits(recipe: Recipe, inp: torch.Tensor, m_splits: List[int]) -> None
                            "built-in quantizers only (CustomRecipe quantizers are not supported)")
     features = inp.shape[-1]
     if storage == "nvfp4" and features % 128:
-        raise RuntimeError("NVFP4 multi-quantize requires inner dim to be multiple of 128.")
+        _warn_unfused_nvfp4()
     align = SPLIT_ALIGNMENT[storage]
     for i, rows in enumerate(m_splits):
         if rows % align:
@@ -158,23 +172,6 @@ class GroupedLinear(TransformerEngineBaseModule):
         self.fp8_calibration = FP8GlobalStateManager.is_fp8_calibration()
         self.fp8_meta["fp8_checkpoint"] = self.fp8 or self.fp8_calibration
         self.fp8_meta["num_gemms"] = num_gemms
-
-    def get_extra_state(self) -> torch.Tensor:
-        if not (self.fp8_meta["fp8_checkpoint"] or self.fp8 or self.fp8_calibration):
-            return torch.empty(0, dtype=torch.uint8)
-        extra = {k: v for k, v in self.fp8_meta.items()
-                 if isinstance(v, (bool, int, float, str, tuple, list))}
-        state = {"recipe": self.fp8_meta["recipe"], "extra_fp8_variables": extra}
-        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        if state is None or (isinstance(state, torch.Tensor) and state.numel() == 0):
-            return
-        if not isinstance(state, torch.Tensor):
-            raise RuntimeError("Unsupported checkpoint format.")
-        state = pickle.loads(state.detach().cpu().numpy().tobytes())
-        self.fp8_meta["recipe"] = state["recipe"]
-        self.fp8_meta.update(state.get("extra_fp8_variables", {}))
 
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, inp: torch.Tensor, m_splits: List[int], is_first_microbatch: Optional[bool] = None):
