@@ -179,7 +179,9 @@ TESTED: tuple[Run, ...] = (
     *_runs("bridge", "mla+mtp", "emulated",
            ("one", "tests/bridge/test_enable.py::test_multi_latent_attention_and_multi_token_prediction_replan_through_bridge")),
     *_runs("bridge", "moe_local", "emulated",
-           ("one", "tests/bridge/test_enable.py::test_a_tiny_qwen3_moe_measures_and_replans_through_bridge")),
+           ("one", "tests/bridge/test_enable.py::test_a_tiny_qwen3_moe_measures_and_replans_through_bridge"),
+           ("ep+pp+dp", BRIDGE_LAYOUT + "test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_at_dp2_with_the_"
+                                        "distributed_optimizer")),
     *_runs("bridge", "hybrid", "te_hopper",
            ("one", "tests/bridge/test_enable.py::test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double")),
     *_runs("bridge", "moe_local", "emulated",

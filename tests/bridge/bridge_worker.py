@@ -46,6 +46,7 @@ def parse(argv=None):
     p.add_argument("--te", action="store_true", help="Transformer Engine linears (Bridge's default TE layer spec; "
                    "run over the TE double)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (an MoE model's experts over EP ranks)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism (Bridge's gpt_step splits each "
                    "micro-batch over the CP ranks; TE's attention, over the TE double)")
     p.add_argument("--probe", default=None, help="a folder: every TE linear of each rank recorded after each step "
@@ -78,6 +79,7 @@ def model_config(args):
         m.gradient_accumulation_fusion = True
     m.sequence_parallel = args.sp
     m.context_parallel_size = args.cp
+    m.expert_model_parallel_size = args.ep
     cfg.checkpoint.ckpt_step = args.ckpt_step
     if args.recompute:
         m.recompute_granularity, m.recompute_method, m.recompute_num_layers = "full", "uniform", 1

@@ -53,6 +53,8 @@ TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(process
 EMULATED = [MLA + PP_VPP, MLA_MTP + DISTOPT + RECOMPUTE, ["--mtp", "1", "--tp", "2"]]
 """Two processes each: MLA at PP=2 x VPP=2; MLA with an MTP layer at DP=2 (distributed optimizer, full
 recompute); the GPT with an MTP layer at TP=2."""
+MOE = ["--model", "moe", "--layers", "2"]
+"""The tiny Qwen3-MoE (tests/bridge/tiny.py QWEN3_MOE: 4 SequentialMLP experts, top-2, every layer MoE)."""
 
 
 def generations(links: list) -> list[tuple[int, list, int]]:
@@ -130,3 +132,21 @@ def test_emulated_mla_and_mtp_layouts(tmp_path):
                       for r, argv in enumerate(EMULATED)], env={})
     for r in range(len(EMULATED)):
         check_launch(tmp_path / f"run{r}", 0, 2, sm=None, start=0, resumed=None)
+
+
+def test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_at_dp2_with_the_distributed_optimizer(tmp_path):
+    """The tiny Qwen3-MoE on two processes: EP=2 (each rank two experts of every layer; the dense
+    parameters over DP=2), saved, then resumed at PP=2 (a layer per stage; the model, iteration and
+    SNIP's plan loaded, not the optimizer: at EP > 1 Megatron gives the experts an optimizer of their
+    own, which a PP=2 run's single optimizer cannot load); beside it EP=2 with the distributed
+    optimizer. Each launch measures with routing frozen and re-plans; the ranks' experts together are
+    each layer's routed-expert units."""
+    chain, dp = tmp_path / "chain", tmp_path / "dp"
+    launch(tmp_path, [launch_args(chain, 0, 2, [*MOE, "--ep", "2"], sm=None, start=0, resume=False),
+                      launch_args(chain, 1, 2, [*MOE, "--pp", "2", "--weights-only"], sm=None, start=3, resume=True),
+                      launch_args(dp, 0, 2, [*MOE, "--ep", "2", *DISTOPT], sm=None, start=0, resume=False)], env={})
+    plan = check_launch(chain, 0, 2, sm=None, start=0, resumed=None)
+    assert {k for k in plan if k.endswith(("expert_fc1", "expert_fc2"))} == \
+        {f"{layer}.expert_fc{j}" for layer in (1, 2) for j in (1, 2)}
+    check_launch(chain, 1, 2, sm=None, start=3, resumed=plan)
+    check_launch(dp, 0, 2, sm=None, start=0, resumed=None)

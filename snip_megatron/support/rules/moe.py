@@ -120,11 +120,13 @@ RULES = (
          "{drop[model.moe_grouped_gemm]} with {set[model.transformer_impl]:local} (SequentialMLP experts)",
          example={**MOE, "model.moe_grouped_gemm": True, "model.transformer_impl": "transformer_engine",
                   "run.backend": "te"}, entries=("bridge",)),
-    Rule("moe-bridge-processes", ("run.world_size", "model.num_moe_experts"),
-         lambda s: moe(s) and s.run.world_size > 1,
-         "{n[model.num_moe_experts]} on {v[run.world_size]} processes: SNIP runs MoE through Bridge at one process "
-         "so far (snip-pretrain-gpt runs it at more)", "run one process, or without SNIP",
-         example={**MOE, "run.world_size": 2}, entries=("bridge",)),
+    Rule("moe-bridge-layouts", ("model.expert_tensor_parallel_size", "model.virtual_pipeline_model_parallel_size"),
+         lambda s: moe(s) and (_etp(s) > 1 or s.num("model.virtual_pipeline_model_parallel_size") > 1),
+         "{n[model.num_moe_experts]} with {n[model.expert_tensor_parallel_size]} > 1 or "
+         "{n[model.virtual_pipeline_model_parallel_size]} > 1: SNIP runs MoE through Bridge at EP, PP and DP so far "
+         "(snip-pretrain-gpt runs expert TP and virtual pipelining)",
+         "set them back to 1 (EP, PP and DP are served), or run snip-pretrain-gpt",
+         example={**MOE, "model.expert_tensor_parallel_size": 2, "run.world_size": 2}, entries=("bridge",)),
     Rule("moe-compact-processes", ("run.world_size", "model.num_moe_experts"),
          lambda s: moe(s) and s.run.world_size > 1,
          "MoE on {v[run.world_size]} processes: the compact loop runs MoE at one process",
