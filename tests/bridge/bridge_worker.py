@@ -75,6 +75,8 @@ def model_config(args):
         from megatron.bridge.models.gpt_provider import default_layer_spec
 
         m.transformer_impl, m.transformer_layer_spec = "transformer_engine", default_layer_spec
+        if args.model == "moe":  # on TE, SNIP plans the experts as TE's grouped linears
+            m.moe_grouped_gemm = True
     if args.te or args.hybrid:  # Megatron's GPU default, over the apex double's wgrad kernel
         m.gradient_accumulation_fusion = True
     m.sequence_parallel = args.sp

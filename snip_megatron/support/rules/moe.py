@@ -114,12 +114,19 @@ RULES = (
          "megatron/core/transformer/moe/moe_layer.py)", "use {set[model.transformer_impl]:transformer_engine} "
          "{set[model.moe_grouped_gemm]:True}, or {drop[model.moe_latent_size]}",
          example={**MOE, "model.moe_latent_size": 32}, entries=("megatron-lm", "bridge")),
-    Rule("moe-te-bridge", ("model.moe_grouped_gemm",), lambda s: moe(s) and s.get("model.moe_grouped_gemm") and _te(s),
-         "{n[model.moe_grouped_gemm]} with {n[model.transformer_impl]} transformer_engine: SNIP pads grouped "
-         "experts' token splits in snip-pretrain-gpt only so far",
-         "{drop[model.moe_grouped_gemm]} with {set[model.transformer_impl]:local} (SequentialMLP experts)",
+    Rule("moe-te-bridge-layouts", ("model.moe_grouped_gemm", "model.tensor_model_parallel_size",
+                                   "model.context_parallel_size", "ddp.use_distributed_optimizer",
+                                   "model.recompute_granularity"),
+         lambda s: moe(s) and s.get("model.moe_grouped_gemm") and _te(s) and (
+             s.num("model.tensor_model_parallel_size") > 1 or s.num("model.context_parallel_size") > 1
+             or bool(s.get("ddp.use_distributed_optimizer")) or s.get("model.recompute_granularity") is not None),
+         "{n[model.moe_grouped_gemm]} on Transformer Engine with TP, CP, the distributed optimizer or activation "
+         "recompute: SNIP runs TE grouped experts through Bridge at one process, EP and PP so far "
+         "(snip-pretrain-gpt runs them at every layout)",
+         "run one process, EP or PP through Bridge, or snip-pretrain-gpt",
          example={**MOE, "model.moe_grouped_gemm": True, "model.transformer_impl": "transformer_engine",
-                  "run.backend": "te"}, entries=("bridge",)),
+                  "run.backend": "te", "model.tensor_model_parallel_size": 2, "model.sequence_parallel": True,
+                  "run.world_size": 2}, entries=("bridge",)),
     Rule("moe-bridge-layouts", ("model.expert_tensor_parallel_size", "model.virtual_pipeline_model_parallel_size"),
          lambda s: moe(s) and (_etp(s) > 1 or s.num("model.virtual_pipeline_model_parallel_size") > 1),
          "{n[model.num_moe_experts]} with {n[model.expert_tensor_parallel_size]} > 1 or "
