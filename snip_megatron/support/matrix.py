@@ -183,7 +183,7 @@ TESTED: tuple[Run, ...] = (
            ("ep+pp+dp", BRIDGE_LAYOUT + "test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_at_dp2_with_the_"
                                         "distributed_optimizer")),
     *(run for backend, _ in GENERATIONS for run in _runs(
-        "bridge", "moe_te_grouped", backend,
+        "bridge", "moe_te_grouped+hybrid_moe", backend,
         ("one", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe]"),
         ("ep+pp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe]"))),
     *_runs("bridge", "hybrid", "te_hopper",

@@ -69,6 +69,10 @@ def model_config(args):
     cfg = make(**layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
                distributed_optimizer=args.distopt, save=args.save, load=args.load, save_interval=args.save_interval)
     m = cfg.model
+    if args.hybrid and args.model == "moe":  # the pattern's E layers: the tiny Qwen3-MoE's experts, grouped on TE
+        for name, value in tiny.QWEN3_MOE.items():
+            setattr(m, name, value)
+        m.moe_grouped_gemm = True
     if args.mtp and args.model == "gpt":
         m.mtp_num_layers = args.mtp
     if args.te:

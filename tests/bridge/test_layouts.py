@@ -10,7 +10,8 @@ builds no HybridModel under VPP) with full recompute -> the same on SM100 -> one
 DP=2 x CP=2 (context parallelism: Bridge's gpt_step splits each micro-batch over the CP ranks, TE's
 attention runs over both halves) with the distributed optimizer, SM90 -> SM100 (a
 distributed-optimizer checkpoint and a plain one do not load into each other). The tiny Qwen3-MoE on
-TE's grouped experts (their token splits padded at Bridge's step seam): one process -> EP=2 -> PP=2,
+TE's grouped experts (their token splits padded at Bridge's step seam), as a GPT and as the E layers of
+HybridModelProvider's '*EE*': one process -> EP=2 -> PP=2,
 each link loading the model, iteration and plan (not the optimizer, whose expert part changes with
 EP). Multi-latent
 attention (MLAModelProvider) with an MTP layer, which Bridge runs without pipelining (rule
@@ -47,13 +48,16 @@ TP_SP, PP_VPP, DISTOPT, RECOMPUTE = ["--tp", "2", "--sp"], ["--pp", "2", "--vpp"
 CP = ["--cp", "2"]
 ONE, DP_CP = (1, []), (4, DISTOPT + CP)
 MOE_TE, WEIGHTS = ["--model", "moe", "--layers", "2"], ["--weights-only"]
+HYBRID_MOE = ["--hybrid", "*EE*", "--model", "moe"]
+"""HybridModelProvider's '*EE*' with the tiny Qwen3-MoE's experts (PP=2: '*E' and 'E*', an E layer a stage)."""
 HYBRID, MLA, MLA_MTP = ["--hybrid", "*-*-"], ["--model", "mla"], ["--model", "mla", "--mtp", "1"]
 TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(processes, layout)] run at SM90, then back at SM100)
     "dense": [([], [ONE, (4, TP_SP + PP_VPP + RECOMPUTE)]), ([], [DP_CP])],
     "hybrid": [(HYBRID, [ONE, (4, TP_SP + ["--pp", "2"] + RECOMPUTE)]), (HYBRID, [DP_CP])],
     # TE grouped experts; a link that moves the experts in or out of their own optimizer (EP > 1) loads
     # the model, iteration and plan only (Megatron's ChainedOptimizer cannot load the other structure)
-    "moe": [(MOE_TE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
+    "moe": [(MOE_TE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])]),
+            (HYBRID_MOE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
     "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA, [(2, PP_VPP)])],
 }
 """MLA with an MTP layer covers MLA's and MTP's one process, CP, TP, DP and recompute; MLA alone its pipelining."""
