@@ -31,7 +31,8 @@ def test_fp8_blockwise_equals_manual_reference():
     x = torch.randn(8, 256) * torch.logspace(-4, 4, 256)
     q = quantize(x, SPECS["blockwise"].fprop_input, out_dtype=torch.float32)
     xb = x.view(8, 2, 128)
-    scale = 448.0 / xb.abs().amax(-1, keepdim=True)
+    amax = xb.abs().amax(-1, keepdim=True)
+    scale = torch.full_like(amax, 448.0) / amax  # max / amax correctly rounded, as TE divides (__fdiv_rn)
     ref = (xb * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale.reciprocal()
     assert torch.equal(q, ref.view(8, 256))
 
@@ -39,7 +40,8 @@ def test_fp8_blockwise_equals_manual_reference():
 def test_fp8_tensorwise_one_scale():
     x = torch.randn(16, 48)
     qt = quantize(x, SPECS["tensorwise"].dgrad_grad_output, return_codes=True, out_dtype=torch.float32)
-    scale = 57344.0 / x.abs().amax()
+    amax = x.abs().amax()
+    scale = torch.full_like(amax, 57344.0) / amax  # correctly rounded, as TE divides
     assert qt.codes.dtype == torch.float8_e5m2 and qt.scales.shape == (1, 1)
     assert torch.equal(qt.dequantized, (x * scale).to(torch.float8_e5m2).float() * scale.reciprocal())
 
