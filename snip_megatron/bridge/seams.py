@@ -91,6 +91,7 @@ def step_begin(forward_step_func, data_iterator, model, optimizer, global_state)
     """The step boundary of the active SNIP run (if this pretrain() is it); returns what
     train_step must read this step."""
     from snip_megatron.bridge.run import active
+    from snip_megatron.megatron import grouped_padding
     from snip_megatron.megatron.sr_seed import reseed_stochastic_rounding
 
     run = active(global_state.cfg)
@@ -101,6 +102,8 @@ def step_begin(forward_step_func, data_iterator, model, optimizer, global_state)
                            "its callbacks or its layer spec: call pretrain(cfg, forward_step, "
                            "callbacks=enable_snip(cfg, snip)) and leave cfg.model.transformer_layer_spec as set")
     step = global_state.train_state.step + 1  # Bridge's step counts the steps completed
+    # TE grouped experts: their token splits padded for each module's recipe (megatron/grouped_padding.py)
+    grouped_padding.install(model)
     data_iterator = run.loop.step_begin(step, forward_step_func, model, optimizer, data_iterator)
     # Gradient stochastic rounding: a stream per (layer, step), so a resumed run rounds alike.
     reseed_stochastic_rounding(model, step, global_state.cfg.rng.seed)

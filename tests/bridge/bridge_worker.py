@@ -46,6 +46,7 @@ def parse(argv=None):
     p.add_argument("--te", action="store_true", help="Transformer Engine linears (Bridge's default TE layer spec; "
                    "run over the TE double)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (an MoE model's experts over EP ranks)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism (Bridge's gpt_step splits each "
                    "micro-batch over the CP ranks; TE's attention, over the TE double)")
     p.add_argument("--probe", default=None, help="a folder: every TE linear of each rank recorded after each step "
@@ -68,16 +69,23 @@ def model_config(args):
     cfg = make(**layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
                distributed_optimizer=args.distopt, save=args.save, load=args.load, save_interval=args.save_interval)
     m = cfg.model
+    if args.hybrid and args.model == "moe":  # the pattern's E layers: the tiny Qwen3-MoE's experts, grouped on TE
+        for name, value in tiny.QWEN3_MOE.items():
+            setattr(m, name, value)
+        m.moe_grouped_gemm = True
     if args.mtp and args.model == "gpt":
         m.mtp_num_layers = args.mtp
     if args.te:
         from megatron.bridge.models.gpt_provider import default_layer_spec
 
         m.transformer_impl, m.transformer_layer_spec = "transformer_engine", default_layer_spec
+        if args.model == "moe":  # on TE, SNIP plans the experts as TE's grouped linears
+            m.moe_grouped_gemm = True
     if args.te or args.hybrid:  # Megatron's GPU default, over the apex double's wgrad kernel
         m.gradient_accumulation_fusion = True
     m.sequence_parallel = args.sp
     m.context_parallel_size = args.cp
+    m.expert_model_parallel_size = args.ep
     cfg.checkpoint.ckpt_step = args.ckpt_step
     if args.recompute:
         m.recompute_granularity, m.recompute_method, m.recompute_num_layers = "full", "uniform", 1

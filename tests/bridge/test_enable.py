@@ -167,8 +167,8 @@ def test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double
 
 
 def test_a_hybrid_models_inventory_has_its_moe_layers_experts():
-    """A HybridModelProvider's E layers are planned as the GPT adapter's routed-expert units (Bridge
-    refuses them before a run, rule hybrid-moe-bridge; snip-analyze and the rule read this inventory)."""
+    """A HybridModelProvider's E layers are planned as the GPT adapter's routed-expert units (trained
+    through Bridge in tests/bridge/test_layouts.py; snip-analyze reads this inventory too)."""
     from snip_megatron.bridge.run import planned_inventory
 
     cfg = tiny.tiny_hybrid_config("*E*-")

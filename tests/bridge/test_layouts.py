@@ -9,7 +9,11 @@ HybridModelProvider's '*-*-': one process -> TP=2 with sequence parallelism x PP
 builds no HybridModel under VPP) with full recompute -> the same on SM100 -> one process; beside it
 DP=2 x CP=2 (context parallelism: Bridge's gpt_step splits each micro-batch over the CP ranks, TE's
 attention runs over both halves) with the distributed optimizer, SM90 -> SM100 (a
-distributed-optimizer checkpoint and a plain one do not load into each other). Multi-latent
+distributed-optimizer checkpoint and a plain one do not load into each other). The tiny Qwen3-MoE on
+TE's grouped experts (their token splits padded at Bridge's step seam), as a GPT and as the E layers of
+HybridModelProvider's '*EE*': one process -> EP=2 -> PP=2,
+each link loading the model, iteration and plan (not the optimizer, whose expert part changes with
+EP). Multi-latent
 attention (MLAModelProvider) with an MTP layer, which Bridge runs without pipelining (rule
 mtp-pp-bridge): one process -> CP=2 -> the same on SM100 -> one process; TP=2 with SP x DP=2 with
 the distributed optimizer and full recompute, SM90 -> SM100; MLA alone at PP=2 x VPP=2, SM90 ->
@@ -43,16 +47,25 @@ SNIP = {90: {**SCHEDULE, "fp8_budget": 0.5}, 100: {**SCHEDULE, "fp4_budget": 0.5
 TP_SP, PP_VPP, DISTOPT, RECOMPUTE = ["--tp", "2", "--sp"], ["--pp", "2", "--vpp", "2"], ["--distopt"], ["--recompute"]
 CP = ["--cp", "2"]
 ONE, DP_CP = (1, []), (4, DISTOPT + CP)
+MOE_TE, WEIGHTS = ["--model", "moe", "--layers", "2"], ["--weights-only"]
+HYBRID_MOE = ["--hybrid", "*EE*", "--model", "moe"]
+"""HybridModelProvider's '*EE*' with the tiny Qwen3-MoE's experts (PP=2: '*E' and 'E*', an E layer a stage)."""
 HYBRID, MLA, MLA_MTP = ["--hybrid", "*-*-"], ["--model", "mla"], ["--model", "mla", "--mtp", "1"]
 TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(processes, layout)] run at SM90, then back at SM100)
     "dense": [([], [ONE, (4, TP_SP + PP_VPP + RECOMPUTE)]), ([], [DP_CP])],
     "hybrid": [(HYBRID, [ONE, (4, TP_SP + ["--pp", "2"] + RECOMPUTE)]), (HYBRID, [DP_CP])],
+    # TE grouped experts; a link that moves the experts in or out of their own optimizer (EP > 1) loads
+    # the model, iteration and plan only (Megatron's ChainedOptimizer cannot load the other structure)
+    "moe": [(MOE_TE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])]),
+            (HYBRID_MOE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
     "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA, [(2, PP_VPP)])],
 }
 """MLA with an MTP layer covers MLA's and MTP's one process, CP, TP, DP and recompute; MLA alone its pipelining."""
 EMULATED = [MLA + PP_VPP, MLA_MTP + DISTOPT + RECOMPUTE, ["--mtp", "1", "--tp", "2"]]
 """Two processes each: MLA at PP=2 x VPP=2; MLA with an MTP layer at DP=2 (distributed optimizer, full
 recompute); the GPT with an MTP layer at TP=2."""
+MOE = ["--model", "moe", "--layers", "2"]
+"""The tiny Qwen3-MoE (tests/bridge/tiny.py QWEN3_MOE: 4 SequentialMLP experts, top-2, every layer MoE)."""
 
 
 def generations(links: list) -> list[tuple[int, list, int]]:
@@ -130,3 +143,21 @@ def test_emulated_mla_and_mtp_layouts(tmp_path):
                       for r, argv in enumerate(EMULATED)], env={})
     for r in range(len(EMULATED)):
         check_launch(tmp_path / f"run{r}", 0, 2, sm=None, start=0, resumed=None)
+
+
+def test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_at_dp2_with_the_distributed_optimizer(tmp_path):
+    """The tiny Qwen3-MoE on two processes: EP=2 (each rank two experts of every layer; the dense
+    parameters over DP=2), saved, then resumed at PP=2 (a layer per stage; the model, iteration and
+    SNIP's plan loaded, not the optimizer: at EP > 1 Megatron gives the experts an optimizer of their
+    own, which a PP=2 run's single optimizer cannot load); beside it EP=2 with the distributed
+    optimizer. Each launch measures with routing frozen and re-plans; the ranks' experts together are
+    each layer's routed-expert units."""
+    chain, dp = tmp_path / "chain", tmp_path / "dp"
+    launch(tmp_path, [launch_args(chain, 0, 2, [*MOE, "--ep", "2"], sm=None, start=0, resume=False),
+                      launch_args(chain, 1, 2, [*MOE, "--pp", "2", "--weights-only"], sm=None, start=3, resume=True),
+                      launch_args(dp, 0, 2, [*MOE, "--ep", "2", *DISTOPT], sm=None, start=0, resume=False)], env={})
+    plan = check_launch(chain, 0, 2, sm=None, start=0, resumed=None)
+    assert {k for k in plan if k.endswith(("expert_fc1", "expert_fc2"))} == \
+        {f"{layer}.expert_fc{j}" for layer in (1, 2) for j in (1, 2)}
+    check_launch(chain, 1, 2, sm=None, start=3, resumed=plan)
+    check_launch(dp, 0, 2, sm=None, start=0, resumed=None)

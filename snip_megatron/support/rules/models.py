@@ -132,11 +132,6 @@ RULES = (
          "layers of a HybridModel yet", "{drop[model.mtp_hybrid_override_pattern]}",
          example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*-",
                   "model.mtp_hybrid_override_pattern": "*-"}, entries=("bridge",)),
-    Rule("hybrid-moe-bridge", ("run.hybrid_pattern",), _hybrid_moe,
-         "{n[run.hybrid_pattern]} {v[run.hybrid_pattern]!r}: MoE layers (E) through Bridge: Megatron's hybrid spec "
-         "builds TE grouped experts, whose token splits SNIP pads in snip-pretrain-hybrid only (not through Bridge "
-         "yet)", "run snip-pretrain-hybrid, or use '-' (dense MLP) layers",
-         example={"run.family": hybrid.FAMILY, "run.hybrid_pattern": "*E"}, entries=("bridge",)),
     Rule("hybrid-vpp-bridge", ("model.virtual_pipeline_model_parallel_size",),
          lambda s: s.run.family == hybrid.FAMILY and s.num("model.virtual_pipeline_model_parallel_size") > 1,
          "{nv[model.virtual_pipeline_model_parallel_size]} with a HybridModel: Bridge's HybridModelProvider builds "
