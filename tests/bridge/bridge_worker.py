@@ -69,20 +69,19 @@ def model_config(args):
     cfg = make(**layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
                distributed_optimizer=args.distopt, save=args.save, load=args.load, save_interval=args.save_interval)
     m = cfg.model
-    if args.hybrid and args.model == "moe":  # the pattern's E layers: the tiny Qwen3-MoE's experts, grouped on TE
+    if args.hybrid and args.model == "moe":  # the pattern's E layers: the tiny Qwen3-MoE's experts
         for name, value in tiny.QWEN3_MOE.items():
             setattr(m, name, value)
-        m.moe_grouped_gemm = True
     if args.mtp and args.model == "gpt":
         m.mtp_num_layers = args.mtp
     if args.te:
         from megatron.bridge.models.gpt_provider import default_layer_spec
 
         m.transformer_impl, m.transformer_layer_spec = "transformer_engine", default_layer_spec
-        if args.model == "moe":  # on TE, SNIP plans the experts as TE's grouped linears
-            m.moe_grouped_gemm = True
     if args.te or args.hybrid:  # Megatron's GPU default, over the apex double's wgrad kernel
         m.gradient_accumulation_fusion = True
+        if args.model == "moe":  # on TE, SNIP plans the experts as TE's grouped linears
+            m.moe_grouped_gemm = True
     m.sequence_parallel = args.sp
     m.context_parallel_size = args.cp
     m.expert_model_parallel_size = args.ep

@@ -35,25 +35,24 @@ def _found(*names: str):
 SAYS = ("{x[name]}={x[value]!r}: Transformer Engine {x[version]} (which reads it from {x[since]}) then runs "
         "{x[effect]}, not what SNIP measures")
 FIX = "unset {x[name]} where the run starts"
+FIX_FP4 = FIX + " (or plan without FP4: {set[snip.precisions]:bf16,fp8})"
 
 RULES = (
     Rule("te-backward-override", ("run.te_environ",), _found(env.BACKWARD_OVERRIDE), SAYS, FIX,
          example={**TE_RUN, "run.te_version": "2.18.0",
                   "run.te_environ": ((env.BACKWARD_OVERRIDE, "high_precision"),)},
          entries=("megatron-lm", "bridge"), after_resolve=True),
-    Rule("te-nvfp4-row-scaled", ("run.te_environ",), _found(env.NVFP4_ROW_SCALED), SAYS,
-         FIX + " (or plan without FP4: {set[snip.precisions]:bf16,fp8})",
+    Rule("te-nvfp4-row-scaled", ("run.te_environ",), _found(env.NVFP4_ROW_SCALED), SAYS, FIX_FP4,
          example={**TE_RUN, "run.te_version": "2.16.0", "snip.precisions": ("fp8", "fp4"),
                   "run.te_environ": ((env.NVFP4_ROW_SCALED, "1"),)},
          entries=("megatron-lm", "bridge"), after_resolve=True),
     Rule("te-nvfp4-4over6", ("run.te_environ",),
          _found(env.NVFP4_4OVER6, env.NVFP4_4OVER6_E4M3_256, env.NVFP4_4OVER6_ERR_MODE, env.NVFP4_4OVER6_FAST_MATH),
-         SAYS, FIX + " (or plan without FP4: {set[snip.precisions]:bf16,fp8})",
+         SAYS, FIX_FP4,
          example={**TE_RUN, "run.te_version": "2.18.0", "snip.precisions": ("fp8", "fp4"),
                   "run.te_environ": ((env.NVFP4_4OVER6, "weights"),)},
          entries=("megatron-lm", "bridge"), after_resolve=True),
-    Rule("te-nvfp4-fast-math", ("run.te_environ",), _found(env.FAST_MATH), SAYS,
-         FIX + " (or plan without FP4: {set[snip.precisions]:bf16,fp8})",
+    Rule("te-nvfp4-fast-math", ("run.te_environ",), _found(env.FAST_MATH), SAYS, FIX_FP4,
          example={**TE_RUN, "run.te_version": "2.14.0", "snip.precisions": ("fp8", "fp4"),
                   "run.te_environ": ((env.FAST_MATH, "1"),)},
          entries=("megatron-lm", "bridge"), after_resolve=True),
