@@ -45,14 +45,14 @@ def _load(name: str, file: str):
 
 
 @pytest.mark.parametrize("script", ["te_check", "hybrid_check"])
-def test_pretrain_subprocesses_get_it(script, monkeypatch):
+def test_pretrain_subprocesses_get_it(script, monkeypatch, tmp_path):
     module = _load(f"bench_{script}_launch", f"{script}.py")
     seen = {}
     monkeypatch.setattr(module.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd, **kw))
     if script == "te_check":
         module._pretrain(["--train-iters", "1"])
     else:
-        module.run_worker("/tmp/out", ["--train-iters", "1"])
+        module.run_worker(str(tmp_path / "out"), ["--train-iters", "1"])
     env = seen["env"]
     assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0 and env["WORLD_SIZE"] == "1"
     assert seen["cmd"][0] == sys.executable and "--train-iters" in seen["cmd"]
