@@ -15,8 +15,8 @@ TESTS = ROOT / "tests"
 SUBPROCESS_CALLS = {"run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput"}
 OS_CALLS = {"system", "popen", "execv", "execve", "execvp", "execvpe", "execl", "execlp", "spawnv", "spawnl"}
 MULTIPROCESSING_CALLS = {"Process", "spawn", "start_processes", "Pool"}
-LAUNCHER_NAMES = {"run_distributed"}
-"""Called by name: tests/distributed.py's torchrun launcher."""
+LAUNCHER_NAMES = {"run_distributed", "run_python"}
+"""Called by name: tests/distributed.py's launchers (torchrun's, one process)."""
 
 
 def module_name(path: Path, root: "Path | None" = None) -> str:

@@ -5,12 +5,11 @@ which records the module paths of the model the analysis built)."""
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from snip_megatron.plan import Plan
-from tests.distributed import ROOT
+from tests.distributed import ROOT, run_python
+from tests.forked import MEGATRON_LM
 
 WORKER = Path(__file__).with_name("analyze_worker.py")
 LOWEST = {"fp4_fraction": "fp4", "fp8_fraction": "fp8"}
@@ -28,8 +27,8 @@ def analyze(cwd: Path, record: Path, *argv: str, env: "dict | None" = None, time
     built model's module paths under `record`; the finished process (stdout and stderr apart)."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore",
                 "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-    return subprocess.run([sys.executable, str(WORKER), str(record), *argv], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python([WORKER, record, *argv], cwd=cwd, env=full_env, timeout=timeout, check=False,
+                      preload=MEGATRON_LM)
 
 
 def at_once(*calls) -> list:

@@ -5,14 +5,13 @@ checkpoint of another model is refused before Megatron starts, naming the flag."
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from snip_megatron.plan import Plan
 from tests.analyze.helpers import check_analysis, snapshot, table_rows
-from tests.distributed import ROOT
+from tests.distributed import ROOT, run_python
+from tests.forked import MEGATRON_LM
 from tests.pretrain.test_runs import ENV, MODEL, needs_training, run
 
 pytestmark = pytest.mark.launches
@@ -48,9 +47,8 @@ def test_a_tp2_megatron_lm_checkpoint_is_analyzed_without_writing_into_it(tmp_pa
     # Another model (3 layers): refused from the checkpoint's own arguments, before Megatron starts.
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     model = [a if a != "2" or MODEL[i - 1] != "--num-layers" else "3" for i, a in enumerate(MODEL)]
-    proc = subprocess.run([sys.executable, "-m", "snip_megatron.analyze", *model, *DATA, "--load", str(ckpt),
-                           "--out", str(tmp_path / "other")], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_python(["-m", "snip_megatron.analyze", *model, *DATA, "--load", ckpt, "--out", tmp_path / "other"],
+                      cwd=tmp_path, env=env, timeout=300, check=False, preload=MEGATRON_LM)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"snip-analyze: error: --load {ckpt}: the checkpoint holds another model (--num-layers 2 there, 3 here); "

@@ -1,19 +1,22 @@
-"""Running tests/bridge/bridge_worker.py from tests: one process, torchrun, or a chain of launches
-through tests/bridge/launch.py (one import, ranks forked), and its results."""
+"""Running tests/bridge/bridge_worker.py from tests: one process, N processes as torchrun starts them,
+or a chain of launches, each forked from a process that imported Bridge once (tests/forked.py), and
+its results."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.distributed import ROOT, run_distributed
+from tests.distributed import ROOT, launch_env, run_distributed, run_python
+from tests.forked import MEGATRON_LM, launch as forked_launch
 
 WORKER = str(Path(__file__).with_name("bridge_worker.py"))
-LAUNCHER = str(Path(__file__).with_name("launch.py"))
+BRIDGE = ("tests.bridge.bridge_worker",  # first: installs its lora_layers stand-in before Bridge is imported
+          *MEGATRON_LM, "megatron.bridge.training.gpt_step", "megatron.bridge.training.pretrain",
+          "megatron.bridge.models.hybrid.hybrid_provider", "megatron.bridge.models.mla_provider",
+          "megatron.bridge.recipes.gpt.vanilla_gpt", "snip_megatron.bridge", "snip_megatron.bridge.run",
+          "snip_megatron.support.check", "tests.bridge.cpu", "tests.bridge.tiny", "tests.pretrain.pretrain_worker")
+"""What the worker imports (bridge_worker.main's imports), imported once before its ranks are forked."""
 
 
 def worker(out: Path, *args: str, nproc: int = 1, snip: "dict | None" = None, check: bool = True,
@@ -22,27 +25,9 @@ def worker(out: Path, *args: str, nproc: int = 1, snip: "dict | None" = None, ch
     run that ended without writing)."""
     argv = [WORKER, "--out", str(out), *args] + (["--snip", json.dumps(snip)] if snip is not None else [])
     if nproc > 1:
-        proc = run_distributed(argv, nproc=nproc, timeout=timeout, check=check, env=env)
+        proc = run_distributed(argv, nproc=nproc, timeout=timeout, check=check, env=env, preload=BRIDGE)
     else:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
-        # Output to files and a session of its own: a killed run leaves Bridge's checkpoint writer
-        # process behind, which would hold a pipe open; the session's leftovers are killed after.
-        Path(out).mkdir(parents=True, exist_ok=True)
-        with open(Path(out) / "stdout.txt", "w+") as so, open(Path(out) / "stderr.txt", "w+") as se:
-            child = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=so, stderr=se,
-                                     start_new_session=True)
-            try:
-                child.wait(timeout=timeout)
-            finally:
-                try:
-                    os.killpg(child.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            so.seek(0), se.seek(0)
-            proc = subprocess.CompletedProcess(child.args, child.returncode, so.read(), se.read())
-        if check and proc.returncode != 0:
-            raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        proc = run_python(argv, cwd=ROOT, env=launch_env(env), timeout=timeout, check=check, preload=BRIDGE)
     return {"ranks": results(out), "returncode": proc.returncode, "stdout": proc.stdout}
 
 
@@ -57,16 +42,15 @@ def results(out: Path) -> dict:
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))}
 
 
-def launch(root: Path, launches: list[dict], *, env: dict, timeout: float = 1800) -> str:
+def launch(root: Path, launches: list[dict], *, env: dict, timeout: float = 900) -> str:
     """Run `launches` ({"nproc", "argv", "env"}: worker arguments, each rank's extra environment) one
-    after another through launch.py, in a process with `env` added to its environment; rank r of
-    launch i logs to root/log<i>/rank<r>.log. Returns the first rank's log of each launch, joined."""
-    root.mkdir(parents=True, exist_ok=True)
+    after another, with `env` added to this process's environment; rank r of launch i logs to
+    root/log<i>/rank<r>.log. A failed launch stops the chain. Returns the first rank's log of each
+    launch, joined."""
     for i, item in enumerate(launches):
-        item["logs"] = str(root / f"log{i}")
-    (root / "launches.json").write_text(json.dumps(launches))
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env}
-    proc = subprocess.run([sys.executable, LAUNCHER, str(root / "launches.json")], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{proc.stdout[-8000:]}\n{proc.stderr[-3000:]}"
+        logs = root / f"log{i}"
+        proc = forked_launch([WORKER, *item["argv"]], nproc=item["nproc"], env=launch_env({**env, **item["env"]}),
+                             cwd=ROOT, timeout=timeout, preload=BRIDGE, rank_logs=logs)
+        assert proc.returncode == 0, f"launch {i} {item['argv']} failed:\n" + "\n".join(
+            f"--- rank {r}\n{(logs / f'rank{r}.log').read_text()[-6000:]}" for r in range(item["nproc"]))
     return "\n".join((root / f"log{i}" / "rank0.log").read_text() for i in range(len(launches)))

@@ -27,8 +27,7 @@ local spec's torch norms refuse and MLA needs at TP > 1): MLA at PP=2 x VPP=2, M
 at DP=2 with the distributed optimizer and full recompute (saved: SNIP's TP-duplicated MLA
 down-projections name their DP replicas), the GPT with an MTP layer at TP=2.
 
-The launches of a test run in one process (tests/bridge/launch.py) that imports Bridge once and forks
-each launch's ranks.
+Each launch's ranks are forked from one process that imported Bridge once (tests/forked.py).
 """
 
 import json

@@ -16,6 +16,7 @@ import pytest
 
 from snip_megatron.plan import Plan
 from tests.distributed import run_distributed
+from tests.forked import MEGATRON_LM
 from tests.pretrain import test_mla_runs
 from tests.pretrain.test_moe_layouts import EXPERTS
 from tests.pretrain.test_runs import MODEL, losses, needs_training, snip_lines, state_of
@@ -36,7 +37,7 @@ SCHEDULE = [*DATA, "--train-iters", "6", "--save-interval", "3"]
 def launch(probe, model: str, *argv: str, sm: int) -> str:
     """snip-pretrain-gpt (-hybrid) through the probe worker on two processes over the doubles (SM`sm`)."""
     return run_distributed([str(WORKER), str(probe), *MODELS[model], *TE, *CP, *argv], nproc=2, timeout=900,
-                           env=te_env(sm, **ENV.get(model, {}))).stdout
+                           env=te_env(sm, **ENV.get(model, {})), preload=MEGATRON_LM).stdout
 
 
 def check_trained(out: str, steps: list[int]) -> None:

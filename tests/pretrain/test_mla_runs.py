@@ -15,6 +15,7 @@ import pytest
 
 from snip_megatron.plan import Plan
 from tests.distributed import ROOT, run_distributed
+from tests.forked import MEGATRON_LM
 from tests.pretrain import test_runs
 from tests.pretrain.test_runs import losses, needs_training, snip_lines, state_of
 
@@ -94,7 +95,7 @@ def test_tp2_sp_over_the_te_double_measures_replans_and_resumes(tmp_path):
     common = [*MODEL, *TE, *MLA, *Q_LORA, *DATA, *SNIP[5:], "--tensor-model-parallel-size", "2",
               "--sequence-parallel", "--train-iters", "3", "--save", str(ckpt), "--save-interval", "2"]
     out = run_distributed([str(WORKER), str(tmp_path / "p"), *common, "--exit-interval", "2"],
-                          nproc=2, timeout=600, env=te_env(100)).stdout
+                          nproc=2, timeout=600, env=te_env(100), preload=MEGATRON_LM).stdout
     planned = json.loads((tmp_path / "p" / "rank0.json").read_text())["planned"]
     assert sorted(planned) == sorted(f"{layer}.{n}" for layer in (1, 2) for n in PER_LAYER["q_lora"])
     assert {planned[f"1.{n}"] for n in ("linear_q_down_proj", "linear_kv_down_proj")} == {"TELinear"}
@@ -102,7 +103,7 @@ def test_tp2_sp_over_the_te_double_measures_replans_and_resumes(tmp_path):
     plan = Plan.from_dict(state_of(ckpt, 2)["plan"])
     assert plan.counts()["fp4"] > 0
     out = run_distributed([str(WORKER), str(tmp_path / "q"), *common, "--load", str(ckpt)],
-                          nproc=2, timeout=600, env=te_env(100)).stdout
+                          nproc=2, timeout=600, env=te_env(100), preload=MEGATRON_LM).stdout
     assert any(line.endswith(f"plan: checkpoint {plan.counts()}") for line in snip_lines(out)), snip_lines(out)
     for rank in (0, 1):
         assert te_built(tmp_path / "q", rank) == {str(k): p.value for k, p in plan.items()}

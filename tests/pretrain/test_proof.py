@@ -5,8 +5,6 @@ version; in one process, then in Megatron-LM's own loop with its caller of train
 save_checkpoint) bypassing SNIP's wrapper (prod lane)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -95,13 +93,14 @@ ARGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", 
 def test_megatron_lms_loop_bypassing_a_wrapper_stops_naming_it(tmp_path, bypassed, argv, words):
     pytest.importorskip("megatron.training.training", reason="megatron.training ships only with megatron-core "
                                                               ">= 0.19 (prod lane)")
-    from tests.distributed import ROOT
+    from tests.distributed import ROOT, run_python
+    from tests.forked import MEGATRON_LM
 
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "pretrain" / "bypass_worker.py"), bypassed, *ARGS,
-                           *[a.format(tmp=tmp_path) for a in argv]], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=420)
+    proc = run_python([ROOT / "tests" / "pretrain" / "bypass_worker.py", bypassed, *ARGS,
+                       *[a.format(tmp=tmp_path) for a in argv]], cwd=tmp_path, env=env, timeout=420, check=False,
+                      preload=MEGATRON_LM)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert words in proc.stderr.splitlines()[-1], proc.stderr[-3000:]
     assert "megatron-core 0." in proc.stderr.splitlines()[-1]

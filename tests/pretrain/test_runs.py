@@ -15,7 +15,8 @@ import pytest
 
 from snip_megatron.plan import Plan
 from snip_megatron.pretrain.state import STATE_FILE
-from tests.distributed import ROOT, run_distributed
+from tests.distributed import ROOT, run_distributed, run_python
+from tests.forked import MEGATRON_LM
 
 HAVE_TRAINING = True
 try:
@@ -41,12 +42,9 @@ ENV = {"PYTHONWARNINGS": "ignore"}
 def run(cwd: Path, target: list[str], *argv: str, nproc: int = 1, timeout: float = 420) -> str:
     args = [*target, *MODEL, *argv]
     if nproc > 1:
-        return run_distributed(args, nproc=nproc, timeout=timeout).stdout
+        return run_distributed(args, nproc=nproc, timeout=timeout, preload=MEGATRON_LM).stdout
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    return proc.stdout
+    return run_python(args, cwd=cwd, env=env, timeout=timeout, preload=MEGATRON_LM).stdout
 
 
 def train(cwd: Path, *argv: str, **kw) -> str:
@@ -281,8 +279,8 @@ def test_the_patched_megatron_lm_main_refuses_a_bad_snip_value_as_it_parses(tmp_
     script = tmp_path / "pretrain_gpt.py"
     script.write_text(PATCHED_MAIN)
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), *MODEL, "--mock-data", "--snip", *argv], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python([script, *MODEL, "--mock-data", "--snip", *argv], cwd=tmp_path, env=env, timeout=300,
+                      check=False, preload=MEGATRON_LM)
     assert proc.returncode == 2, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if "pretrain_gpt.py" in line]
     assert len(ours) == 1 and ours[0].startswith(f"pretrain_gpt.py: error: {message}"), proc.stderr[-3000:]

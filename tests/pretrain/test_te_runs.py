@@ -36,7 +36,8 @@ from pathlib import Path
 import pytest
 
 from snip_megatron.plan import Plan
-from tests.distributed import ROOT, run_distributed
+from tests.distributed import ROOT, run_distributed, run_python
+from tests.forked import MEGATRON_LM
 from tests.pretrain.test_runs import MODEL, PATCHED_MAIN, losses, needs_training, snip_lines, state_of
 from tests.te.te_versions import double_pythonpath, te_version_folder
 
@@ -71,10 +72,8 @@ def run_te(cwd: Path, target: list, *argv: str, sm: int, nproc: int = 1, timeout
     args = [*target, *(MODEL if model is None else model), *TE, *argv]
     env = te_env(sm, te_version=te_version, **extra_env)
     if nproc > 1:
-        return run_distributed(args, nproc=nproc, timeout=timeout, env=env).stdout
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    return proc.stdout
+        return run_distributed(args, nproc=nproc, timeout=timeout, env=env, preload=MEGATRON_LM).stdout
+    return run_python(args, cwd=cwd, env=env, timeout=timeout, preload=MEGATRON_LM).stdout
 
 
 def probed(cwd: Path, probe: Path, *argv: str, **kw) -> str:
