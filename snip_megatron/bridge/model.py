@@ -122,15 +122,18 @@ def spec_for_backend(user_spec, backend: str, multi_latent_attention: bool = Fal
 def mla_layer_spec(config):
     """Megatron's multi-latent-attention GPT layer spec for a Bridge model config, as Megatron-LM's
     default spec builds it: Transformer Engine's (transformer_impl='transformer_engine'), else the
-    local one with SNIP's MLA core and TP-duplicated down-projections (snip_megatron/megatron/mla.py)."""
+    local one with SNIP's MLA core and TP-duplicated down-projections (snip_megatron/megatron/mla.py).
+    An MoE model's layers (DeepSeek's) get its experts, as Bridge's own layer specs give them."""
     from snip_megatron.megatron.spec import get_local_layer_spec
 
-    qk_layernorm = bool(getattr(config, "qk_layernorm", False))
+    common = dict(multi_latent_attention=True, qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
+                  num_experts=getattr(config, "num_moe_experts", None),
+                  moe_grouped_gemm=bool(getattr(config, "moe_grouped_gemm", False)))
     if getattr(config, "transformer_impl", None) == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True, qk_layernorm=qk_layernorm)
-    return get_local_layer_spec(config.normalization, multi_latent_attention=True, qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(**common)
+    return get_local_layer_spec(config.normalization, **common)
 
 
 def snip_mtp_block_spec(run, config, vp_stage=None):

@@ -19,13 +19,15 @@ linears (a BF16 reference), Transformer Engine's linears (planned through quant_
 
 
 def get_local_layer_spec(normalization: str = "RMSNorm", multi_latent_attention: bool = False,
-                         qk_layernorm: bool = False):
-    """Megatron's own local (non-TE) GPT layer spec; with multi-latent attention, a core attention
-    that takes MLA's head widths and down-projections duplicated over TP (megatron/mla.py says why)."""
+                         qk_layernorm: bool = False, num_experts: "int | None" = None, moe_grouped_gemm: bool = False):
+    """Megatron's own local (non-TE) GPT layer spec (an MoE layer's with `num_experts`); with
+    multi-latent attention, a core attention that takes MLA's head widths and down-projections
+    duplicated over TP (megatron/mla.py says why)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization=normalization, multi_latent_attention=multi_latent_attention,
-                                    qk_layernorm=qk_layernorm)
+                                    qk_layernorm=qk_layernorm, num_experts=num_experts,
+                                    moe_grouped_gemm=moe_grouped_gemm)
     return with_local_mla(spec) if multi_latent_attention else spec
 
 

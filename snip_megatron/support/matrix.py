@@ -190,6 +190,8 @@ TESTED: tuple[Run, ...] = (
            ("one", "tests/bridge/test_enable.py::test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double")),
     *_runs("bridge", "moe_local", "emulated",
            ("recompute", "tests/bridge/test_enable.py::test_a_tiny_qwen3_moe_under_full_recompute_measures_and_replans")),
+    *_runs("bridge", "mla+mtp+moe_local", "emulated",
+           ("ep+pp", BRIDGE_LAYOUT + "test_emulated_deepseek_style_at_ep2_resumed_at_pp2")),
     *_runs("bridge", "mla", "emulated", ("pp+vpp", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
     *_runs("bridge", "mla+mtp", "emulated", ("dp+recompute", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
     *_runs("bridge", "dense+mtp", "emulated", ("tp", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),

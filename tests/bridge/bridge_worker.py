@@ -40,9 +40,10 @@ def parse(argv=None):
     p.add_argument("--no-snip", action="store_true", help="plain Bridge (no SNIP)")
     p.add_argument("--hybrid", default=None, help="a HybridModel of this layer pattern (HybridModelProvider, "
                    "Transformer Engine linears: run over the TE double) instead of the GPT")
-    p.add_argument("--model", choices=("gpt", "mla", "moe"), default="gpt",
-                   help="the GPT (tiny.tiny_config), MLAModelProvider's (tiny_mla_config) or a Qwen3-MoE (tiny_moe_config)")
-    p.add_argument("--mtp", type=int, default=0, help="multi-token-prediction layers of the GPT or MLA model")
+    p.add_argument("--model", choices=("gpt", "mla", "moe", "deepseek"), default="gpt",
+                   help="the GPT (tiny.tiny_config), MLAModelProvider's (tiny_mla_config), a Qwen3-MoE "
+                   "(tiny_moe_config) or a DeepSeek-V3-style MLA + MoE (tiny_deepseek_config)")
+    p.add_argument("--mtp", type=int, default=0, help="multi-token-prediction layers of the GPT, MLA or DeepSeek model")
     p.add_argument("--te", action="store_true", help="Transformer Engine linears (Bridge's default TE layer spec; "
                    "run over the TE double)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
@@ -64,7 +65,8 @@ def model_config(args):
         make = functools.partial(tiny.tiny_hybrid_config, args.hybrid)
     else:
         make = {"gpt": tiny.tiny_config, "moe": tiny.tiny_moe_config,
-                "mla": functools.partial(tiny.tiny_mla_config, mtp_num_layers=args.mtp or None)}[args.model]
+                "mla": functools.partial(tiny.tiny_mla_config, mtp_num_layers=args.mtp or None),
+                "deepseek": functools.partial(tiny.tiny_deepseek_config, mtp_num_layers=args.mtp or None)}[args.model]
     layers = {} if args.hybrid else {"num_layers": args.layers}
     cfg = make(**layers, iters=args.iters, tp=args.tp, pp=args.pp, vpp=args.vpp,
                distributed_optimizer=args.distopt, save=args.save, load=args.load, save_interval=args.save_interval)
@@ -80,7 +82,7 @@ def model_config(args):
         m.transformer_impl, m.transformer_layer_spec = "transformer_engine", default_layer_spec
     if args.te or args.hybrid:  # Megatron's GPU default, over the apex double's wgrad kernel
         m.gradient_accumulation_fusion = True
-        if args.model == "moe":  # on TE, SNIP plans the experts as TE's grouped linears
+        if args.model in ("moe", "deepseek"):  # on TE, SNIP plans the experts as TE's grouped linears
             m.moe_grouped_gemm = True
     m.sequence_parallel = args.sp
     m.context_parallel_size = args.cp

@@ -160,3 +160,25 @@ def test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_at_dp2_with_the_distribute
         {f"{layer}.expert_fc{j}" for layer in (1, 2) for j in (1, 2)}
     check_launch(chain, 1, 2, sm=None, start=3, resumed=plan)
     check_launch(dp, 0, 2, sm=None, start=0, resumed=None)
+
+
+DEEPSEEK = ["--model", "deepseek", "--layers", "2", "--mtp", "1"]
+"""A tiny DeepSeek-V3-style model (tests/bridge/tiny.py DEEPSEEK_MOE on MLAModelProvider): MLA, MoE
+with a shared expert and a sigmoid router with expert bias, one MTP layer."""
+
+
+def test_emulated_deepseek_style_at_ep2_resumed_at_pp2(tmp_path):
+    """Bridge's DeepSeek provider (MLAModelProvider with DeepSeek-V3's MoE fields and an MTP layer):
+    EP=2 with the all-to-all dispatcher, saved, then resumed at PP=2 (a layer per stage, the MTP layer
+    on the last; the model, iteration and plan loaded, not the optimizer, as for the Qwen3-MoE). Each
+    launch measures with routing frozen and re-plans; the plan holds every layer's routed and shared
+    experts, MLA's projections and the MTP layer's linears, which stay out of FP4."""
+    launch(tmp_path, [launch_args(tmp_path, 0, 2, [*DEEPSEEK, "--ep", "2"], sm=None, start=0, resume=False),
+                      launch_args(tmp_path, 1, 2, [*DEEPSEEK, "--pp", "2", "--weights-only"], sm=None, start=3,
+                                  resume=True)], env={})
+    plan = check_launch(tmp_path, 0, 2, sm=None, start=0, resumed=None)
+    assert {f"{layer}.{name}" for layer in (1, 2) for name in ("expert_fc1", "expert_fc2", "shared_expert_fc1",
+                                                                "shared_expert_fc2", "linear_q_down_proj")} <= set(plan), plan
+    mtp = {k: p for k, p in plan.items() if ".mtp." in k}
+    assert mtp and "fp4" not in mtp.values(), plan
+    check_launch(tmp_path, 1, 2, sm=None, start=3, resumed=plan)

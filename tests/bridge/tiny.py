@@ -94,6 +94,28 @@ def tiny_moe_config(**kwargs):
     return cfg
 
 
+DEEPSEEK_MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+                    moe_router_pre_softmax=True, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                    moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+                    moe_token_dispatcher_type="alltoall", moe_router_dtype="fp32", qk_layernorm=True,
+                    share_embeddings_and_output_weights=False)
+"""The MoE fields Bridge's DeepSeek-V3 bridge sets on its MLAModelProvider (models/deepseek/deepseek_v3_bridge.py:
+sigmoid scores with an expert bias, sequence aux loss, shared experts, the alltoall dispatcher; untied
+embeddings and output layer, which its MTP layer on the last pipeline stage needs), shrunk to
+4 experts, top-2, one shared expert; every layer MoE (DeepSeek-V3's first dense layers need a decoder
+block spec, which Bridge's local spec is not). Its fused kernels (grouped GEMM, permute fusion, shared
+expert overlap on CUDA streams) are CUDA or TE: off here, so the experts are Megatron's SequentialMLP."""
+
+
+def tiny_deepseek_config(*, mtp_num_layers: "int | None" = 1, **kwargs):
+    """tiny_mla_config (MLA with an MTP layer) with DeepSeek-V3's MoE (DEEPSEEK_MOE)."""
+    cfg = tiny_mla_config(mtp_num_layers=mtp_num_layers, **kwargs)
+    for name, value in DEEPSEEK_MOE.items():
+        setattr(cfg.model, name, value)
+    cfg.model.moe_grouped_gemm, cfg.model.moe_permute_fusion = False, False
+    return cfg
+
+
 def tiny_hybrid_config(pattern: str = "*-*-", **kwargs):
     """tiny_config on Bridge's HybridModelProvider: one layer per pattern symbol, over Transformer
     Engine's linears (Megatron's hybrid stack spec is TE-only: on CPU, the TE double)."""

@@ -84,11 +84,27 @@ RULES = (
          "use --tp 1, or snip-pretrain-gpt --multi-latent-attention --sequence-parallel",
          example={"model.multi_latent_attention": True, "model.tensor_model_parallel_size": 2},
          entries=("compact",)),
+    Rule("mtp-pp-tied-embeddings", ("model.share_embeddings_and_output_weights", "model.mtp_num_layers"),
+         lambda s: (s.get("model.mtp_num_layers") and s.num("model.pipeline_model_parallel_size") > 1
+                    and s.get("model.share_embeddings_and_output_weights")),
+         "{n[model.mtp_num_layers]} with {n[model.pipeline_model_parallel_size]} > 1 and "
+         "{n[model.share_embeddings_and_output_weights]}: the last stage's output layer keeps a weight of its "
+         "own (GPTModel skips it on the first stage only), which Megatron's checkpointing asserts it does not "
+         "have beside MTP (tie_embeddings_and_output_weights_state_dict, "
+         "megatron/core/models/common/language_module/language_module.py): the run fails at its first save or load",
+         "set {n[model.share_embeddings_and_output_weights]}=False (DeepSeek-V3 unties them)",
+         example={"model.mtp_num_layers": 1, "model.pipeline_model_parallel_size": 2,
+                  "model.share_embeddings_and_output_weights": True}, entries=("bridge",)),
     Rule("mtp-pp-bridge", ("model.mtp_num_layers", "model.pipeline_model_parallel_size"),
-         lambda s: s.get("model.mtp_num_layers") and s.num("model.pipeline_model_parallel_size") > 1,
+         lambda s: (s.get("model.mtp_num_layers") and s.num("model.pipeline_model_parallel_size") > 1
+                    and (s.num("model.virtual_pipeline_model_parallel_size") > 1
+                         or s.get("model.transformer_impl") == "transformer_engine")),
          "{n[model.mtp_num_layers]} with {n[model.pipeline_model_parallel_size]} > 1: SNIP plans multi-token "
-         "prediction through Bridge at one pipeline stage so far (snip-pretrain-gpt plans it with PP)",
-         "set one of them back", example={"model.mtp_num_layers": 1, "model.pipeline_model_parallel_size": 2},
+         "prediction through Bridge with PP on the emulated backend without virtual pipelining so far "
+         "(snip-pretrain-gpt plans it with PP and VPP on TE)",
+         "set {n[model.virtual_pipeline_model_parallel_size]} back to 1 on model.transformer_impl='local', "
+         "or run snip-pretrain-gpt", example={"model.mtp_num_layers": 1, "model.pipeline_model_parallel_size": 2,
+                                            "model.transformer_impl": "transformer_engine"},
          entries=("bridge",)),
     Rule("gpt-entry-hybrid-pattern", ("run.hybrid_pattern",),
          lambda s: s.run.family == "gpt" and s.run.hybrid_pattern,
