@@ -40,12 +40,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = ("torch", "torch.distributed")
-"""What a server imports before it forks, by default: what every launched target imports. A module the
+"""What a server imports before it forks, at the least: what every launched target imports. A module the
 target would not import could change what it does (megatron.training points the root logger at stdout, say)."""
 MEGATRON_CORE = (*TORCH, "megatron.core", "megatron.core.models.gpt.gpt_layer_specs")
 """For a launch that builds Megatron-Core models (megatron.core sets up nothing global at import)."""
-MEGATRON_LM = (*MEGATRON_CORE, "megatron.training.training", "megatron.training.arguments", "snip_megatron.pretrain.setup", "snip_megatron.controller",
-               "snip_megatron.stats.measure")
+MEGATRON_LM = (*MEGATRON_CORE, "megatron.training.training", "megatron.training.arguments",
+               "snip_megatron.pretrain.setup", "snip_megatron.controller", "snip_megatron.stats.measure")
 """For a launch of Megatron-LM's loop with SNIP (snip-pretrain-gpt, snip-analyze, their test workers),
 where importable (megatron.training ships with megatron-core >= 0.19; the TE double, where PYTHONPATH
 has it, comes in through megatron.core)."""
@@ -232,17 +232,19 @@ LOCK = threading.Lock()
 
 
 def server_key(env: dict, preload: tuple) -> tuple:
+    """(interpreter, preload, the environment a server starts with: `env` without RUN_TIME_VARIABLES)."""
     fixed = sorted((k, v) for k, v in env.items() if not k.startswith(RUN_TIME_VARIABLES))
     return (sys.executable, preload, tuple(fixed))
 
 
-def take_server(key: tuple, env: dict, preload: tuple) -> Server:
-    """An idle server for `key`, or a new one (launches at once, from threads, get one each)."""
+def take_server(key: tuple) -> Server:
+    """An idle server for `key` (server_key's), or a new one (launches at once, from threads, get one each)."""
     with LOCK:
         if IDLE.get(key):
             IDLE.move_to_end(key)
             return IDLE[key].pop()
-    return Server({k: v for k, v in env.items() if not k.startswith(RUN_TIME_VARIABLES)}, preload)
+    _, preload, fixed = key
+    return Server(dict(fixed), preload)
 
 
 def give_back(key: tuple, server: Server) -> None:
@@ -273,7 +275,7 @@ def launch(target: list, *, nproc: int = 1, torchrun: bool = True, env: dict, cw
     Returns its exit status (0, or a failed rank's) and output, or, with `rank_logs`, no
     output: each rank's stdout and stderr together in rank_logs/rank<r>.log."""
     key = server_key(env, preload)
-    server = take_server(key, env, preload)
+    server = take_server(key)
     with tempfile.TemporaryDirectory(prefix="snip-launch-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         if rank_logs is not None:
@@ -288,10 +290,11 @@ def launch(target: list, *, nproc: int = 1, torchrun: bool = True, env: dict, cw
             raise
         give_back(key, server)
         failed = [c for c in codes if c > 0] or [c for c in codes if c != 0]  # a rank's own status before a kill
+        status = failed[0] if failed else 0
         args = ["forked", f"nproc={nproc}", *request["target"]]
         if rank_logs is not None:
-            return subprocess.CompletedProcess(args, failed[0] if failed else 0, "", "")
-        return subprocess.CompletedProcess(args, failed[0] if failed else 0, out.read_text(), err.read_text())
+            return subprocess.CompletedProcess(args, status, "", "")
+        return subprocess.CompletedProcess(args, status, out.read_text(), err.read_text())
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ RULES = (
          "{n[model.mtp_num_layers]} with {n[model.pipeline_model_parallel_size]} > 1: SNIP plans multi-token "
          "prediction through Bridge with PP on the emulated backend without virtual pipelining so far "
          "(snip-pretrain-gpt plans it with PP and VPP on TE)",
-         "set {n[model.virtual_pipeline_model_parallel_size]} back to 1 on model.transformer_impl='local', "
+         "set {n[model.virtual_pipeline_model_parallel_size]} back to 1 on {n[model.transformer_impl]}='local', "
          "or run snip-pretrain-gpt", example={"model.mtp_num_layers": 1, "model.pipeline_model_parallel_size": 2,
                                             "model.transformer_impl": "transformer_engine"},
          entries=("bridge",)),
