@@ -1,7 +1,9 @@
 # snip-megatron: `make demo` runs the quickstart, `make test` runs the suite in every lane.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
-LANES := prod:runs prod:units compat:runs compat:units bridge
+# Longest first, two at a time: the bridge lane (about 12 minutes) beside prod:runs (about 23), then
+# prod:units and compat where bridge ended, so neither core idles at the end.
+LANES := prod:runs bridge prod:units compat:runs compat:units
 PYTEST_ARGS ?=
 
 .PHONY: help demo test test-fast test-prod test-compat test-bridge env env-prod env-compat env-bridge clean
