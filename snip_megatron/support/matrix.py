@@ -192,7 +192,7 @@ TESTED: tuple[Run, ...] = (
            ("recompute", "tests/bridge/test_enable.py::test_a_tiny_qwen3_moe_under_full_recompute_measures_and_replans")),
     *_runs("bridge", "mla+mtp+moe_local", "emulated",
            ("ep+pp", BRIDGE_LAYOUT + "test_emulated_deepseek_style_at_ep2_resumed_at_pp2")),
-    *_runs("bridge", "mla", "emulated", ("pp+vpp", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
+    *_runs("bridge", "mla+mtp", "emulated", ("pp+vpp", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
     *_runs("bridge", "mla+mtp", "emulated", ("dp+recompute", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
     *_runs("bridge", "dense+mtp", "emulated", ("tp", BRIDGE_LAYOUT + "test_emulated_mla_and_mtp_layouts")),
     *(run for backend, _ in GENERATIONS for run in (
@@ -205,7 +205,8 @@ TESTED: tuple[Run, ...] = (
         *_runs("bridge", "mla+mtp", backend,
                ("one", BRIDGE_CHAIN + "[mla_mtp]"), ("cp", BRIDGE_CHAIN + "[mla_mtp]"),
                ("tp+dp+recompute", BRIDGE_CHAIN + "[mla_mtp]")),
-        *_runs("bridge", "mla", backend, ("pp+vpp", BRIDGE_CHAIN + "[mla_mtp]")))),
+        *_runs("bridge", "mla+mtp", backend, ("pp+vpp", BRIDGE_CHAIN + "[mla_mtp]")),
+        *_runs("bridge", "mla+mtp+moe_te_grouped", backend, ("ep+pp", BRIDGE_CHAIN + "[deepseek]")))),
     *_runs("compact", "dense", "emulated",
            ("one", "tests/train/test_main_snip.py::test_compact_loop_with_snip_replans_and_logs"),
            ("dp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2"),

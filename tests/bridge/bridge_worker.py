@@ -44,6 +44,8 @@ def parse(argv=None):
                    help="the GPT (tiny.tiny_config), MLAModelProvider's (tiny_mla_config), a Qwen3-MoE "
                    "(tiny_moe_config) or a DeepSeek-V3-style MLA + MoE (tiny_deepseek_config)")
     p.add_argument("--mtp", type=int, default=0, help="multi-token-prediction layers of the GPT, MLA or DeepSeek model")
+    p.add_argument("--untied", action="store_true", help="untied embeddings and output layer (MTP at PP > 1 needs "
+                   "them: support rule mtp-pp-tied-embeddings)")
     p.add_argument("--te", action="store_true", help="Transformer Engine linears (Bridge's default TE layer spec; "
                    "run over the TE double)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
@@ -76,6 +78,8 @@ def model_config(args):
             setattr(m, name, value)
     if args.mtp and args.model == "gpt":
         m.mtp_num_layers = args.mtp
+    if args.untied:
+        m.share_embeddings_and_output_weights = False
     if args.te:
         from megatron.bridge.models.gpt_provider import default_layer_spec
 

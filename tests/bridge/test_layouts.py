@@ -13,17 +13,18 @@ distributed-optimizer checkpoint and a plain one do not load into each other). T
 TE's grouped experts (their token splits padded at Bridge's step seam), as a GPT and as the E layers of
 HybridModelProvider's '*EE*': one process -> EP=2 -> PP=2,
 each link loading the model, iteration and plan (not the optimizer, whose expert part changes with
-EP). Multi-latent
-attention (MLAModelProvider) with an MTP layer, which Bridge runs without pipelining (rule
-mtp-pp-bridge): one process -> CP=2 -> the same on SM100 -> one process; TP=2 with SP x DP=2 with
-the distributed optimizer and full recompute, SM90 -> SM100; MLA alone at PP=2 x VPP=2, SM90 ->
-SM100. After every step every TE linear of every rank runs the controller's plan, with fused wgrad
+EP); the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer)
+so at EP=2 (all-to-all) -> PP=2. Multi-latent attention (MLAModelProvider) with an MTP layer: one
+process -> CP=2 -> the same on SM100 -> one process; TP=2 with SP x DP=2 with the distributed
+optimizer and full recompute, SM90 -> SM100; PP=2 x VPP=2 (embeddings untied: rule
+mtp-pp-tied-embeddings), SM90 -> SM100. After every step every TE linear of every rank runs the controller's plan, with fused wgrad
 accumulation and the step's weights (tests/pretrain/test_te_runs.py's checks, through its probe on
 Bridge's controller), the ranks' TE linears together are the whole plan, and every core attention
 attended its CP share of the queries against all keys.
 
 On the emulated backend (Bridge's local spec with SNIP's linears; no sequence parallelism, which the
-local spec's torch norms refuse and MLA needs at TP > 1): MLA at PP=2 x VPP=2, MLA with an MTP layer
+local spec's torch norms refuse and MLA needs at TP > 1): MLA with an MTP layer at PP=2 x VPP=2 (the
+MTP layer on the last rank), MLA with an MTP layer
 at DP=2 with the distributed optimizer and full recompute (saved: SNIP's TP-duplicated MLA
 down-projections name their DP replicas), the GPT with an MTP layer at TP=2.
 
@@ -50,6 +51,8 @@ MOE_TE, WEIGHTS = ["--model", "moe", "--layers", "2"], ["--weights-only"]
 HYBRID_MOE = ["--hybrid", "*EE*", "--model", "moe"]
 """HybridModelProvider's '*EE*' with the tiny Qwen3-MoE's experts (PP=2: '*E' and 'E*', an E layer a stage)."""
 HYBRID, MLA, MLA_MTP = ["--hybrid", "*-*-"], ["--model", "mla"], ["--model", "mla", "--mtp", "1"]
+MLA_MTP_PP = [*MLA_MTP, "--untied"]
+"""MLA with an MTP layer at PP > 1: its embeddings untied, as DeepSeek-V3's (rule mtp-pp-tied-embeddings)."""
 TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(processes, layout)] run at SM90, then back at SM100)
     "dense": [([], [ONE, (4, TP_SP + PP_VPP + RECOMPUTE)]), ([], [DP_CP])],
     "hybrid": [(HYBRID, [ONE, (4, TP_SP + ["--pp", "2"] + RECOMPUTE)]), (HYBRID, [DP_CP])],
@@ -57,11 +60,15 @@ TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(process
     # the model, iteration and plan only (Megatron's ChainedOptimizer cannot load the other structure)
     "moe": [(MOE_TE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])]),
             (HYBRID_MOE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
-    "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA, [(2, PP_VPP)])],
+    "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA_MTP_PP, [(2, PP_VPP)])],
+    # the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer):
+    # EP=2 behind the all-to-all dispatcher -> PP=2, the MTP layer on the last stage
+    "deepseek": [(["--model", "deepseek", "--layers", "2", "--mtp", "1"],
+                  [(2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
 }
 """MLA with an MTP layer covers MLA's and MTP's one process, CP, TP, DP and recompute; MLA alone its pipelining."""
-EMULATED = [MLA + PP_VPP, MLA_MTP + DISTOPT + RECOMPUTE, ["--mtp", "1", "--tp", "2"]]
-"""Two processes each: MLA at PP=2 x VPP=2; MLA with an MTP layer at DP=2 (distributed optimizer, full
+EMULATED = [MLA_MTP_PP + PP_VPP, MLA_MTP + DISTOPT + RECOMPUTE, ["--mtp", "1", "--tp", "2"]]
+"""Two processes each: MLA with an MTP layer at PP=2 x VPP=2 (untied embeddings); MLA with an MTP layer at DP=2 (distributed optimizer, full
 recompute); the GPT with an MTP layer at TP=2."""
 MOE = ["--model", "moe", "--layers", "2"]
 """The tiny Qwen3-MoE (tests/bridge/tiny.py QWEN3_MOE: 4 SequentialMLP experts, top-2, every layer MoE)."""
@@ -134,6 +141,9 @@ def test_te_chains_across_layouts_and_generations(tmp_path, test):
     plan = None
     for root, i, n, sm, cp in checks:
         plan = check_launch(root, i, n, sm=sm, start=3 * i, resumed=plan if i else None, cp=cp)
+    if test == "deepseek":  # the last launch (SM100): grouped NVFP4 experts, the MTP layer never FP4
+        assert any(p == "fp4" for k, p in plan.items() if "expert_fc" in k and ".mtp." not in k), plan
+        assert all(p != "fp4" for k, p in plan.items() if ".mtp." in k), plan
 
 
 def test_emulated_mla_and_mtp_layouts(tmp_path):
@@ -141,7 +151,12 @@ def test_emulated_mla_and_mtp_layouts(tmp_path):
     launch(tmp_path, [launch_args(tmp_path / f"run{r}", 0, 2, argv, sm=None, start=0, resume=False)
                       for r, argv in enumerate(EMULATED)], env={})
     for r in range(len(EMULATED)):
-        check_launch(tmp_path / f"run{r}", 0, 2, sm=None, start=0, resumed=None)
+        plan = check_launch(tmp_path / f"run{r}", 0, 2, sm=None, start=0, resumed=None)
+        if r == 0:  # MTP under VPP: its layer on the last rank (its last virtual stage), never FP4
+            local = [set(rank["local_plan"]) for _, rank in sorted(results(tmp_path / "run0" / "o0").items())]
+            mtp = {k for k in plan if ".mtp." in k}
+            assert mtp and mtp <= local[1] and not mtp & local[0], local
+            assert all(plan[k] != "fp4" for k in mtp), plan
 
 
 def test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_at_dp2_with_the_distributed_optimizer(tmp_path):

@@ -95,17 +95,6 @@ RULES = (
          "set {n[model.share_embeddings_and_output_weights]}=False (DeepSeek-V3 unties them)",
          example={"model.mtp_num_layers": 1, "model.pipeline_model_parallel_size": 2,
                   "model.share_embeddings_and_output_weights": True}, entries=("bridge",)),
-    Rule("mtp-pp-bridge", ("model.mtp_num_layers", "model.pipeline_model_parallel_size"),
-         lambda s: (s.get("model.mtp_num_layers") and s.num("model.pipeline_model_parallel_size") > 1
-                    and (s.num("model.virtual_pipeline_model_parallel_size") > 1
-                         or s.get("model.transformer_impl") == "transformer_engine")),
-         "{n[model.mtp_num_layers]} with {n[model.pipeline_model_parallel_size]} > 1: SNIP plans multi-token "
-         "prediction through Bridge with PP on the emulated backend without virtual pipelining so far "
-         "(snip-pretrain-gpt plans it with PP and VPP on TE)",
-         "set {n[model.virtual_pipeline_model_parallel_size]} back to 1 on {n[model.transformer_impl]}='local', "
-         "or run snip-pretrain-gpt", example={"model.mtp_num_layers": 1, "model.pipeline_model_parallel_size": 2,
-                                            "model.transformer_impl": "transformer_engine"},
-         entries=("bridge",)),
     Rule("gpt-entry-hybrid-pattern", ("run.hybrid_pattern",),
          lambda s: s.run.family == "gpt" and s.run.hybrid_pattern,
          "{n[run.hybrid_pattern]} builds a HybridModel, which pretrain_gpt.py does not",
