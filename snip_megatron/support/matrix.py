@@ -82,6 +82,7 @@ DEEPSEEK = PRETRAIN + "test_deepseek_runs.py::"
 GENERATIONS = (("te_hopper", 90), ("te_blackwell", 100))
 BRIDGE_LAYOUT = "tests/bridge/test_layouts.py::"
 BRIDGE_CHAIN = BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations"
+BRIDGE_CLI_MOE = "tests/bridge/test_cli.py::test_moe_recipes_at_ep2_resumed_at_pp2_through_the_command"
 EXPORT_CELL = "tests/test_export_shapes.py::test_every_cell_exports_each_stages_planned_modules_through_megatrons_parser"
 TESTED: tuple[Run, ...] = (
     *_runs("megatron-lm", "dense", "emulated",
@@ -207,6 +208,9 @@ TESTED: tuple[Run, ...] = (
                ("tp+dp+recompute", BRIDGE_CHAIN + "[mla_mtp]")),
         *_runs("bridge", "mla+mtp", backend, ("pp+vpp", BRIDGE_CHAIN + "[mla_mtp]")),
         *_runs("bridge", "mla+mtp+moe_te_grouped", backend, ("ep+pp", BRIDGE_CHAIN + "[deepseek]")))),
+    *_runs("bridge", "moe_local", "emulated", ("ep+pp", BRIDGE_CLI_MOE)),
+    *_runs("bridge", "mla+mtp+moe_te_grouped", "te_hopper", ("ep", BRIDGE_CLI_MOE)),
+    *_runs("bridge", "mla+mtp+moe_te_grouped", "te_blackwell", ("pp", BRIDGE_CLI_MOE)),
     *_runs("compact", "dense", "emulated",
            ("one", "tests/train/test_main_snip.py::test_compact_loop_with_snip_replans_and_logs"),
            ("dp", "tests/train/test_resume_distributed.py::test_resume_matches_uninterrupted_run_with_tp2_and_dp2"),

@@ -80,14 +80,8 @@ def model_config(args):
         m.mtp_num_layers = args.mtp
     if args.untied:
         m.share_embeddings_and_output_weights = False
-    if args.te:
-        from megatron.bridge.models.gpt_provider import default_layer_spec
-
-        m.transformer_impl, m.transformer_layer_spec = "transformer_engine", default_layer_spec
-    if args.te or args.hybrid:  # Megatron's GPU default, over the apex double's wgrad kernel
-        m.gradient_accumulation_fusion = True
-        if args.model in ("moe", "deepseek"):  # on TE, SNIP plans the experts as TE's grouped linears
-            m.moe_grouped_gemm = True
+    if args.te or args.hybrid:
+        tiny.on_te(m, layer_spec=args.te)
     m.sequence_parallel = args.sp
     m.context_parallel_size = args.cp
     m.expert_model_parallel_size = args.ep

@@ -2,10 +2,12 @@
 the overrides (a bad value exits 2 naming the field, no traceback); a short run trains with SNIP."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from snip_megatron.bridge import cli
+from snip_megatron.plan import Plan
 
 RECIPE = "tests.bridge.tiny:tiny_recipe"
 
@@ -92,3 +94,61 @@ def test_a_missing_bridge_is_named(monkeypatch, capsys):
     assert cli.main(["--recipe", RECIPE]) == 2
     assert capsys.readouterr().err == ("snip-bridge-pretrain: error: Megatron-Bridge is not installed here: "
                                        "pip install megatron-bridge (0.6.2 tested)\n")
+
+
+CLI_WORKER = str(Path(__file__).with_name("cli_worker.py"))
+SCHEDULE = ["snip.warmup=2", "snip.interval=3", "snip.lag=1"]
+"""Measure at step 2, plan at 3; resumed at step 3: measure at 5, plan at 6."""
+
+
+def cli_launch(root: Path, recipe: str, *overrides: str, resume: bool, sm: "int | None" = None) -> dict:
+    """Two processes of the command (tests/bridge/cli_worker.py) training `recipe` for three steps
+    after the checkpoint (resumed: its weights and SNIP's plan), saved to root/ckpt."""
+    steps = 6 if resume else 3
+    budget = "snip.fp8_budget=0.5" if sm == 90 else "snip.fp4_budget=0.5"
+    argv = ["--recipe", f"tests.bridge.tiny:{recipe}", *SCHEDULE, budget, f"train.train_iters={steps}",
+            f"checkpoint.save={root / 'ckpt'}", "checkpoint.save_interval=3", *overrides,
+            *([f"checkpoint.load={root / 'ckpt'}", "checkpoint.load_optim=false", "checkpoint.load_rng=false"]
+              if resume else [])]
+    return {"nproc": 2, "argv": argv, "target": CLI_WORKER,
+            "env": {"TE_DOUBLE_COMPUTE_CAPABILITY": f"{sm // 10}.{sm % 10}"} if sm else {}}
+
+
+def check_cli_run(log: str, root: Path, step: int, resumed: "dict | None") -> dict:
+    """The launch re-planned at `step` (from the checkpoint's plan when resumed) and saved SNIP's
+    state there; returns the saved plan."""
+    lines = log.splitlines()
+    counts = {p: list(resumed.values()).count(p) for p in ("bf16", "fp8", "fp4")} if resumed else None
+    source = f"plan: checkpoint {counts}" if resumed else "plan: initial fp8"
+    assert source in lines[0], lines[0]  # the rest of the launch's "[snip] on; ..." line
+    assert any(line.startswith(f"[snip] step {step}: plan") for line in lines), lines
+    state = json.loads((root / "ckpt" / f"iter_{step:07d}" / "snip_state.json").read_text())
+    assert state["iteration"] == step
+    return {str(k): p.value for k, p in Plan.from_dict(state["plan"]).items()}
+
+
+@pytest.mark.launches
+def test_moe_recipes_at_ep2_resumed_at_pp2_through_the_command(tmp_path):
+    """The command (two processes) on the tiny Qwen3-MoE recipe (SNIP's emulated linears) and on the
+    tiny DeepSeek-style one on TE's grouped experts (over the TE double, SM90 then SM100): EP=2,
+    saved, resumed at PP=2 from its weights and plan (not the optimizer: at EP > 1 the experts have
+    an optimizer of their own). Each launch measures and re-plans; the layouts are Bridge overrides."""
+    from tests.bridge.runs import launch
+    from tests.te.te_versions import double_pythonpath
+
+    qwen, deepseek = tmp_path / "qwen3_moe", tmp_path / "deepseek"
+    ep, pp = "model.expert_model_parallel_size=2", "model.pipeline_model_parallel_size=2"
+    logs = [launch(qwen, [cli_launch(qwen, "tiny_qwen3_moe_recipe", ep, resume=False),
+                          cli_launch(qwen, "tiny_qwen3_moe_recipe", pp, resume=True)], env={}),
+            launch(deepseek, [cli_launch(deepseek, "tiny_deepseek_te_recipe", ep, resume=False, sm=90),
+                              cli_launch(deepseek, "tiny_deepseek_te_recipe", pp, resume=True, sm=100)],
+                   env={"PYTHONPATH": double_pythonpath(apex=True)})]
+    for root, log in zip((qwen, deepseek), logs):
+        first, second = log.split("[snip] on;")[1:]  # each launch's rank-0 log
+        plan = check_cli_run(first, root, 3, None)
+        assert {f"{layer}.expert_fc{j}" for layer in (1, 2) for j in (1, 2)} <= set(plan), plan
+        replanned = check_cli_run(second, root, 6, plan)
+        if root == deepseek:  # SM90 then SM100: BF16/FP8, then FP8/FP4 with the MTP layer out of FP4
+            assert "fp4" not in plan.values() and "fp4" in replanned.values(), (plan, replanned)
+            assert any(k.startswith("1.mtp.") for k in replanned), replanned
+            assert all(p != "fp4" for k, p in replanned.items() if ".mtp." in k), replanned

@@ -116,6 +116,19 @@ def tiny_deepseek_config(*, mtp_num_layers: "int | None" = 1, **kwargs):
     return cfg
 
 
+def on_te(model, *, layer_spec: bool = True) -> None:
+    """The provider's linears on Transformer Engine (Bridge's default TE layer spec, or the hybrid
+    stack's own with `layer_spec` False), with Megatron's GPU default of fused wgrad accumulation
+    (over the apex double's kernel) and, for an MoE model, grouped experts, which SNIP plans on TE."""
+    if layer_spec:
+        from megatron.bridge.models.gpt_provider import default_layer_spec
+
+        model.transformer_impl, model.transformer_layer_spec = "transformer_engine", default_layer_spec
+    model.gradient_accumulation_fusion = True
+    if model.num_moe_experts:
+        model.moe_grouped_gemm = True
+
+
 def tiny_hybrid_config(pattern: str = "*-*-", **kwargs):
     """tiny_config on Bridge's HybridModelProvider: one layer per pattern symbol, over Transformer
     Engine's linears (Megatron's hybrid stack spec is TE-only: on CPU, the TE double)."""
@@ -143,6 +156,19 @@ def tiny_hybrid_config(pattern: str = "*-*-", **kwargs):
 def tiny_recipe():
     """tiny_config as a recipe function (snip-bridge-pretrain --recipe tests.bridge.tiny:tiny_recipe)."""
     return tiny_config(iters=4)
+
+
+def tiny_qwen3_moe_recipe():
+    """tiny_moe_config, two layers, as a recipe function (snip-bridge-pretrain's tests)."""
+    return tiny_moe_config(num_layers=2, iters=3)
+
+
+def tiny_deepseek_te_recipe():
+    """tiny_deepseek_config, two layers and an MTP layer, on TE with grouped experts (over the TE
+    double), as a recipe function (snip-bridge-pretrain's tests)."""
+    cfg = tiny_deepseek_config(num_layers=2, iters=3)
+    on_te(cfg.model)
+    return cfg
 
 
 def recorder():

@@ -1,11 +1,13 @@
 """MoE models at the layout classes of the support matrix through Megatron-LM's loop on CPU (prod
 lane): TE grouped experts (over the TE double) in a DeepSeek-style GPT (MLA + MoE + an MoE MTP layer)
-and in a HybridModel ('*EE*'), chained across
+(its TP=2+SP x EP=2 links behind the all-to-all dispatcher) and in a HybridModel ('*EE*'), chained across
 layouts and GPU generations as tests/pretrain/test_layouts.py chains the dense models (SM90: BF16/FP8
 plans; SM100: FP8/FP4 plans, grouped NVFP4 GEMMs at widths in multiples of 128), and DP=2 with the
 distributed optimizer and full recompute on each backend (not resumed: Megatron's distributed
 optimizer cannot load a checkpoint without apex or TE's FusedAdam). Every launch measures and
 re-plans; every TE linear of every rank runs its plan after every step."""
+
+import json
 
 import pytest
 
@@ -37,7 +39,7 @@ optimizer resumes with Megatron's `--no-load-optim` (model, iteration and SNIP's
 BASE = {"deepseek": test_mla_runs.MODEL, "hybrid": None}
 """The models' base flags (MLA's without grouped-query attention; None: tests/pretrain/test_runs.MODEL)."""
 MODELS = {  # name: (flags at one process, at TP=2+SP x EP=2, at PP=2 x VPP=2, the worker's environment)
-    "deepseek": ([*GPT], [*GPT, *TP_EP],
+    "deepseek": ([*GPT], [*GPT, *TP_EP, "--moe-token-dispatcher-type", "alltoall"],
             [*GPT, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], {}),
     # a chunk per layer at PP=2 x VPP=2, each stage with an MoE layer (rule hybrid-moe-stage-without-experts)
     "hybrid": (["--hybrid-layer-pattern", "*EE*"], ["--hybrid-layer-pattern", "*EE*", *TP_EP],
@@ -69,6 +71,10 @@ def test_te_grouped_experts_chain_across_layouts_and_generations(tmp_path, model
                      model=BASE[model], **env)
         check_launch(out, steps, plan)
         rows = check_ranks(tmp_path / f"p{i}", nproc, steps)
+        if model == "deepseek" and layout is tp_ep:  # the dispatcher the flags name
+            for rank in range(nproc):
+                found = json.loads((tmp_path / f"p{i}" / f"rank{rank}.json").read_text())
+                assert found["dispatchers"] == ["MoEAlltoAllTokenDispatcher"], found
         if plan is not None:
             assert rows[0]["plan"] == {str(k): p.value for k, p in plan.items()}
         plan = Plan.from_dict(state_of(ckpt, steps[-1])["plan"])
