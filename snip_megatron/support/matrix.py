@@ -181,12 +181,18 @@ TESTED: tuple[Run, ...] = (
            ("one", "tests/bridge/test_enable.py::test_multi_latent_attention_and_multi_token_prediction_replan_through_bridge")),
     *_runs("bridge", "moe_local", "emulated",
            ("one", "tests/bridge/test_enable.py::test_a_tiny_qwen3_moe_measures_and_replans_through_bridge"),
-           ("ep+pp+dp", BRIDGE_LAYOUT + "test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_at_dp2_with_the_"
-                                        "distributed_optimizer")),
+           ("ep+pp+dp+etp+vpp", BRIDGE_LAYOUT + "test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_etp2_and_at_dp2_"
+                                                "and_pp2_vpp2")),
     *(run for backend, _ in GENERATIONS for run in _runs(
         "bridge", "moe_te_grouped+hybrid_moe", backend,
         ("one", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe]"),
-        ("ep+pp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe]"))),
+        ("ep+pp+tp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe]"))),
+    *(run for backend, _ in GENERATIONS for run in _runs(
+        "bridge", "moe_te_grouped+hybrid_moe", backend,
+        ("dp+cp+recompute+tp+ep+etp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe_wide]"))),
+    *(run for backend, _ in GENERATIONS for run in _runs(
+        "bridge", "moe_te_grouped", backend,
+        ("vpp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe_wide]"))),
     *_runs("bridge", "hybrid", "te_hopper",
            ("one", "tests/bridge/test_enable.py::test_a_hybrid_model_replans_through_hybrid_model_provider_over_the_te_double")),
     *_runs("bridge", "moe_local", "emulated",

@@ -50,6 +50,7 @@ def parse(argv=None):
                    "run over the TE double)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism (an MoE model's experts over EP ranks)")
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallelism (default: Megatron's, the TP size)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism (Bridge's gpt_step splits each "
                    "micro-batch over the CP ranks; TE's attention, over the TE double)")
     p.add_argument("--probe", default=None, help="a folder: every TE linear of each rank recorded after each step "
@@ -85,6 +86,7 @@ def model_config(args):
     m.sequence_parallel = args.sp
     m.context_parallel_size = args.cp
     m.expert_model_parallel_size = args.ep
+    m.expert_tensor_parallel_size = args.etp
     cfg.checkpoint.ckpt_step = args.ckpt_step
     if args.recompute:
         m.recompute_granularity, m.recompute_method, m.recompute_num_layers = "full", "uniform", 1

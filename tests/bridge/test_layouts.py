@@ -11,9 +11,11 @@ DP=2 x CP=2 (context parallelism: Bridge's gpt_step splits each micro-batch over
 attention runs over both halves) with the distributed optimizer, SM90 -> SM100 (a
 distributed-optimizer checkpoint and a plain one do not load into each other). The tiny Qwen3-MoE on
 TE's grouped experts (their token splits padded at Bridge's step seam), as a GPT and as the E layers of
-HybridModelProvider's '*EE*': one process -> EP=2 -> PP=2,
-each link loading the model, iteration and plan (not the optimizer, whose expert part changes with
-EP); the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer)
+HybridModelProvider's '*EE*': one process -> EP=2 -> TP=2 with SP x EP=2 -> PP=2, each link loading
+the model, iteration and plan (not the optimizer, whose expert part changes with EP); the GPT also at
+DP=2 x CP=2 with the distributed optimizer and full recompute, and with four layers at PP=2 x VPP=2 ->
+TP=2 with SP x EP=2 x expert TP=2 (the HybridModel's at DP=2 x CP=2 and TP=2 with SP x EP=2 x expert
+TP=2, Bridge building no HybridModel under VPP); the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer)
 so at EP=2 (all-to-all) -> PP=2. Multi-latent attention (MLAModelProvider) with an MTP layer: one
 process -> CP=2 -> the same on SM100 -> one process; TP=2 with SP x DP=2 with the distributed
 optimizer and full recompute, SM90 -> SM100; PP=2 x VPP=2 (embeddings untied: rule
@@ -46,6 +48,11 @@ SNIP = {90: {**SCHEDULE, "fp8_budget": 0.5}, 100: {**SCHEDULE, "fp4_budget": 0.5
 """Hopper: at least half the linear FLOPs in FP8 (so some linears go to BF16); Blackwell: half in FP4."""
 TP_SP, PP_VPP, DISTOPT, RECOMPUTE = ["--tp", "2", "--sp"], ["--pp", "2", "--vpp", "2"], ["--distopt"], ["--recompute"]
 CP = ["--cp", "2"]
+TP_SP_EP = [*TP_SP, "--ep", "2", "--etp", "1"]
+"""TP=2 with SP x EP=2 on two processes, the experts at expert TP 1 (Megatron's default, the TP size,
+would need four processes)."""
+TP_SP_ETP = [*TP_SP, "--ep", "2", "--etp", "2"]
+"""TP=2 with SP x EP=2 x expert TP=2 on four processes."""
 ONE, DP_CP = (1, []), (4, DISTOPT + CP)
 MOE_TE, WEIGHTS = ["--model", "moe", "--layers", "2"], ["--weights-only"]
 HYBRID_MOE = ["--hybrid", "*EE*", "--model", "moe"]
@@ -58,11 +65,16 @@ TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(process
     "hybrid": [(HYBRID, [ONE, (4, TP_SP + ["--pp", "2"] + RECOMPUTE)]), (HYBRID, [DP_CP])],
     # TE grouped experts; a link that moves the experts in or out of their own optimizer (EP > 1) loads
     # the model, iteration and plan only (Megatron's ChainedOptimizer cannot load the other structure)
-    "moe": [(MOE_TE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])]),
-            (HYBRID_MOE, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
+    "moe": [(moe, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, TP_SP_EP + WEIGHTS), (2, ["--pp", "2", *WEIGHTS])])
+            for moe in (MOE_TE, HYBRID_MOE)],
     "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA_MTP_PP, [(2, PP_VPP)])],
     # the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer):
     # EP=2 behind the all-to-all dispatcher -> PP=2, the MTP layer on the last stage
+    # DP=2 x CP=2 with the distributed optimizer and full recompute; TP=2 with SP x EP=2 x expert TP=2
+    # (four processes, each rank two experts' halves), the GPT's after four layers at PP=2 x VPP=2
+    "moe_wide": [*[(moe, [(4, DISTOPT + CP + RECOMPUTE)]) for moe in (MOE_TE, HYBRID_MOE)],
+                 ([*MOE_TE, "--layers", "4"], [(2, PP_VPP + WEIGHTS), (4, TP_SP_ETP + WEIGHTS)]),
+                 (HYBRID_MOE, [(4, TP_SP_ETP + WEIGHTS)])],
     "deepseek": [(["--model", "deepseek", "--layers", "2", "--mtp", "1"],
                   [(2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
 }
@@ -159,22 +171,29 @@ def test_emulated_mla_and_mtp_layouts(tmp_path):
             assert all(plan[k] != "fp4" for k in mtp), plan
 
 
-def test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_at_dp2_with_the_distributed_optimizer(tmp_path):
+def test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_etp2_and_at_dp2_and_pp2_vpp2(tmp_path):
     """The tiny Qwen3-MoE on two processes: EP=2 (each rank two experts of every layer; the dense
     parameters over DP=2), saved, then resumed at PP=2 (a layer per stage; the model, iteration and
     SNIP's plan loaded, not the optimizer: at EP > 1 Megatron gives the experts an optimizer of their
-    own, which a PP=2 run's single optimizer cannot load); beside it EP=2 with the distributed
-    optimizer. Each launch measures with routing frozen and re-plans; the ranks' experts together are
-    each layer's routed-expert units."""
-    chain, dp = tmp_path / "chain", tmp_path / "dp"
+    own, which a PP=2 run's single optimizer cannot load), then at expert TP=2 (each expert's linears
+    sharded over the two ranks); beside it EP=2 with the distributed optimizer, and four layers at
+    PP=2 x VPP=2. Each launch measures with routing frozen and re-plans; the ranks' experts together
+    are each layer's routed-expert units."""
+    chain, dp, vpp = tmp_path / "chain", tmp_path / "dp", tmp_path / "vpp"
     launch(tmp_path, [launch_args(chain, 0, 2, [*MOE, "--ep", "2"], sm=None, start=0, resume=False),
                       launch_args(chain, 1, 2, [*MOE, "--pp", "2", "--weights-only"], sm=None, start=3, resume=True),
-                      launch_args(dp, 0, 2, [*MOE, "--ep", "2", *DISTOPT], sm=None, start=0, resume=False)], env={})
+                      launch_args(chain, 2, 2, [*MOE, "--etp", "2", "--weights-only"], sm=None, start=6, resume=True),
+                      launch_args(dp, 0, 2, [*MOE, "--ep", "2", *DISTOPT], sm=None, start=0, resume=False),
+                      launch_args(vpp, 0, 2, [*MOE, "--layers", "4", *PP_VPP], sm=None, start=0, resume=False)],
+           env={})
     plan = check_launch(chain, 0, 2, sm=None, start=0, resumed=None)
     assert {k for k in plan if k.endswith(("expert_fc1", "expert_fc2"))} == \
         {f"{layer}.expert_fc{j}" for layer in (1, 2) for j in (1, 2)}
-    check_launch(chain, 1, 2, sm=None, start=3, resumed=plan)
+    plan = check_launch(chain, 1, 2, sm=None, start=3, resumed=plan)
+    check_launch(chain, 2, 2, sm=None, start=6, resumed=plan)
     check_launch(dp, 0, 2, sm=None, start=0, resumed=None)
+    plan = check_launch(vpp, 0, 2, sm=None, start=0, resumed=None)
+    assert {k for k in plan if k.endswith("expert_fc1")} == {f"{layer}.expert_fc1" for layer in range(1, 5)}
 
 
 DEEPSEEK = ["--model", "deepseek", "--layers", "2", "--mtp", "1"]

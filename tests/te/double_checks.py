@@ -842,6 +842,13 @@ def check_grouped_linear_runs_each_split_as_a_linear_and_refuses_unaligned_split
     first = layer.weight1.main_grad.clone()
     _step(layer, x2, gy2, Float8BlockScaling(), m_splits=[16, 48], is_first_microbatch=False)
     assert layer.gemm_runs == ["reused", "reused"] and torch.equal(layer.weight1.main_grad, 2 * first)
+    # an empty split's weight workspace is taken too (TE's forward takes every GEMM's), so it is
+    # cached from the first micro-batch and reused after, as the others are
+    layer = te.GroupedLinear(2, k, m, bias=False)
+    _step(layer, x2, gy2, Float8BlockScaling(), m_splits=[0, 64], is_first_microbatch=True)
+    assert layer.gemm_runs == ["created", "created"] and set(layer._fp8_workspaces) == {"weight0", "weight1"}
+    _step(layer, x2, gy2, Float8BlockScaling(), m_splits=[64, 0], is_first_microbatch=False)
+    assert layer.gemm_runs == ["reused", "reused"] and layer.last_run.weight_workspace == "reused"
     # TE's refusals of unaligned splits (and of a CustomRecipe)
     refusals = {"blockwise": ([8, 56], "not a multiple of 16"), "tensorwise": ([8, 56], "multiple of 16"),
                 "mxfp8": ([16, 48], "not a multiple of 32"), "nvfp4": ([16, 48], "not a multiple of 32")}

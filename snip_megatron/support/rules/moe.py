@@ -114,26 +114,6 @@ RULES = (
          "megatron/core/transformer/moe/moe_layer.py)", "use {set[model.transformer_impl]:transformer_engine} "
          "{set[model.moe_grouped_gemm]:True}, or {drop[model.moe_latent_size]}",
          example={**MOE, "model.moe_latent_size": 32}, entries=("megatron-lm", "bridge")),
-    Rule("moe-te-bridge-layouts", ("model.moe_grouped_gemm", "model.tensor_model_parallel_size",
-                                   "model.context_parallel_size", "ddp.use_distributed_optimizer",
-                                   "model.recompute_granularity"),
-         lambda s: moe(s) and s.get("model.moe_grouped_gemm") and _te(s) and (
-             s.num("model.tensor_model_parallel_size") > 1 or s.num("model.context_parallel_size") > 1
-             or bool(s.get("ddp.use_distributed_optimizer")) or s.get("model.recompute_granularity") is not None),
-         "{n[model.moe_grouped_gemm]} on Transformer Engine with TP, CP, the distributed optimizer or activation "
-         "recompute: SNIP runs TE grouped experts through Bridge at one process, EP and PP so far "
-         "(snip-pretrain-gpt runs them at every layout)",
-         "run one process, EP or PP through Bridge, or snip-pretrain-gpt",
-         example={**MOE, "model.moe_grouped_gemm": True, "model.transformer_impl": "transformer_engine",
-                  "run.backend": "te", "model.tensor_model_parallel_size": 2, "model.sequence_parallel": True,
-                  "run.world_size": 2}, entries=("bridge",)),
-    Rule("moe-bridge-layouts", ("model.expert_tensor_parallel_size", "model.virtual_pipeline_model_parallel_size"),
-         lambda s: moe(s) and (_etp(s) > 1 or s.num("model.virtual_pipeline_model_parallel_size") > 1),
-         "{n[model.num_moe_experts]} with {n[model.expert_tensor_parallel_size]} > 1 or "
-         "{n[model.virtual_pipeline_model_parallel_size]} > 1: SNIP runs MoE through Bridge at EP, PP and DP so far "
-         "(snip-pretrain-gpt runs expert TP and virtual pipelining)",
-         "set them back to 1 (EP, PP and DP are served), or run snip-pretrain-gpt",
-         example={**MOE, "model.expert_tensor_parallel_size": 2, "run.world_size": 2}, entries=("bridge",)),
     Rule("moe-compact-processes", ("run.world_size", "model.num_moe_experts"),
          lambda s: moe(s) and s.run.world_size > 1,
          "MoE on {v[run.world_size]} processes: the compact loop runs MoE at one process",

@@ -34,7 +34,7 @@ TE's refusals of a quantized grouped forward, checked on every split before any 
   TE 2.14, and `tex.split_quantize` refuses the reference quantizers (csrc/common.cpp:51-64).
 Each raises RuntimeError (TE's NVTE_CHECK / kernel errors are RuntimeErrors), recorded in `last_run`.
 `last_splits` keeps the m_splits of the last forward and `gemm_runs` each GEMM's weight workspace
-("none" for an empty split), for tests.
+(an empty split's too: TE takes every GEMM's, whatever its split), for tests.
 
 Extra state: every module's (base.py `get_extra_state` / `set_extra_state`, per TE version), which
 Megatron's TEGroupedLinear splits per expert in its sharded state dict.
@@ -198,7 +198,14 @@ class GroupedLinear(TransformerEngineBaseModule):
                              is_first_microbatch=is_first_microbatch, columnwise=columnwise,
                              overwrite_main_grad=overwrite, requires_dgrad=inp.requires_grad,
                              weight=weights[i], cache_name=f"weight{i}")
-            runs.append(self.last_run.weight_workspace if x.shape[0] and spec is not None else "none")
+            if spec is not None and not x.shape[0]:
+                # TE takes every GEMM's weight workspace, an empty split's too (grouped_linear.py
+                # forward: get_weight_workspace for i in range(num_gemms)), so its cache follows the
+                # micro-batches as the others' do; the zero-row GEMM itself computes nothing
+                _, how = self._weight_workspace(weights[i], _storage(self._held_recipe), is_first_microbatch,
+                                                columnwise, f"weight{i}")
+                self.last_run = replace(self.last_run, weight_workspace=how)
+            runs.append(self.last_run.weight_workspace if spec is not None else "none")
             outs.append(out)
         self.gemm_runs = runs
         if spec is not None:
