@@ -12,6 +12,9 @@ def test_constants_are_the_code_s():
     assert sm.TOKEN_CHUNK == tokens.TOKEN_CHUNK and sm.FIELDS == len(table.field_names())
     for n, stride in ((4096, 4), (1000, 8), (40, 4)):
         assert sm._kept(n, stride) == tokens.sample_rows(n, stride).kept
+    for n in (100, 128, 147, 256):  # the backward-noise hook's sample: at least two chunks
+        assert sm._kept_min(n, 4, 2) == tokens.sample_rows(n, 4, min_chunks=2).kept
+    assert sm._kept_min(100, 4, 2) < 100 and sm._kept_min(64, 4, 2) == 64
     assert sm._block_rows(7168, 8192) == weights.block_rows(7168, 8192)
 
 
@@ -48,7 +51,7 @@ def test_an_moe_layout_counts_its_local_experts_on_their_routed_rows():
                            global_batch=64, recompute="none", distributed_optimizer=True)
     assert lay.local_experts == 2 and lay.expert_tokens == (2048 // 2) * 2 * 4 // 8
     assert len(lay.inventory) == 2 * 4 + 2 * 4  # layers 1, 3 MoE (attention + 2 expert units), 2, 4 dense
-    assert lay.stage_layers() == {"moe": 2, "dense": 2}
+    assert lay.stage_layers() == {"moe": 2, "dense": 2, "mtp": 0}
     copies = lay.copies()
     assert copies["expert_fc1"] == 2 * 2 and copies["linear_fc1"] == 2 and copies["linear_qkv"] == 4
     view = lay.view("expert_fc1")
@@ -62,7 +65,9 @@ def test_an_moe_layout_counts_its_local_experts_on_their_routed_rows():
     edp = 2 * 4 // 4  # tp x dp / (etp x ep)
     assert sm.adam_bytes(lay) == 5 * 8 * (512 * 128 // edp)  # the largest shard: one expert's fc1 over EDP=2
     assert sm.dispatcher_syncs(lay) == sm.measurement_passes(lay) * lay.measured * 2 and sm.dispatcher_syncs(dense_only) == 0
-    assert sm.measurement_passes(lay) == 2  # 8 micro-batches measured in the step: one noise pass
+    # EP=4 is wider than TP=2 (its expert groups span data-parallel replicas): every replica measures
+    # alike, so no noise interleaving; a forward- and a backward-noise pass (measure.py `spans`)
+    assert lay.spans and sm.measurement_passes(lay) == 3
     assert sm.memory(lay)["persistent"] == (len(lay.inventory) + 1) * (sm.FIELDS * 50 + 16)
     with pytest.raises(ValueError, match="ep=3"):
         sm.MeasureLayout(shape=shape, moe=moe, ep=3, tp=1, dp=3, global_batch=3)
