@@ -221,9 +221,9 @@ def agree_on_failure(error: "str | None", what: str) -> None:
     failed = error is not None
     if dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+        flag = torch.full((1,), int(failed), dtype=torch.int64, device=device)  # filled there: no copy
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        failed = bool(int(flag[0]))
+        failed = bool(flag.item())  # the one host sync of an agreement
     if failed:
         raise MeasurementFailed(f"{what}: {error}" if error is not None else f"{what}: failed on another rank")
 
@@ -387,7 +387,9 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                         clean.add(g, GLOBAL_FIELDS.index("loss"), torch.stack(losses).sum() * (dp / k_total))
                     clean.set_host(g, GLOBAL_FIELDS.index("num_microbatches"), float(len(batches)))
                     clean.set_host(g, GLOBAL_FIELDS.index("dp_size"), float(dp))
-                agree_on_failure("; ".join(collector.errors) or None, "the statistics pass")
+                # agreed on with the noise pass's errors, in one flag: every rank runs the passes'
+                # collectives whatever its hooks caught, so a failed rank goes on without hanging the others
+                stats_errors = len(collector.errors)
                 dp_sharded = adam.is_dp_sharded(optimizer) if optimizer is not None else False
                 reduced = finish(clean.tensor(), dp_sharded)
                 collector.set_scales(reduced, config.noise_frac, config.bwd_noise_frac)
@@ -409,7 +411,10 @@ def measure_chunks(model_chunks, forward_step_func, batches: list, *, seq_length
                     if measured:
                         _run_pass(chunks, forward_step_func, measured, zero_loss=True, **run)
                 collector.end()
-                agree_on_failure("; ".join(collector.errors) or None, "the noise pass")
+                errors = collector.errors
+                agree_on_failure("; ".join(errors[:stats_errors] if stats_errors else errors) or None,
+                                 "the statistics pass" if stats_errors else
+                                 "the noise pass" if errors else "the measurement's passes")
         finally:
             collector.remove()
             _rng_restore(snap)

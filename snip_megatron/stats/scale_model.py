@@ -66,20 +66,19 @@ def host_syncs(lay: MeasureLayout) -> dict:
     (Megatron's schedule adds what it adds to a training step; its token dispatcher's syncs are
     `dispatcher_syncs`). Every statistic stays on the device; then:
     - device-to-host: the reduced table, once; with more than one process, the flag each rank
-      all-reduces after setup, the statistics pass and the noise pass (`agree_on_failure`); with
+      all-reduces after setup and after the noise pass (`agree_on_failure`, filled on the device); with
       routed experts, the boolean mask that picks the summed fields of their rows, once per table
       reduced (`reduce_experts_tensor`, clean and noise);
     - blocking host-to-device copies: the TP, CP and summed-field masks, the host part of each
-      pass's table, the rows of the noise scales; with more than one process the three flags;
-      with routed experts their mask, their row index (per table, in `finish` and in
+      pass's table, the rows of the noise scales; with routed experts their mask, their row index (per table, in `finish` and in
       `reduce_experts_tensor`) and, on EP ranks > 0, the replicated fields' columns; with AdamW's
       state sharded over DP (and CP), the list of its columns indexed on the clean table.
     The optimizer's terms are read off the code only; the others are counted on CPU runs by
     bench/measure_scale.py (HostSyncs)."""
     experts = lay.moe is not None
     multi = lay.world > 1
-    d2h = 1 + (3 if multi else 0) + (2 if experts else 0)
-    h2d = 3 + 2 + 1 + (3 if multi else 0)
+    d2h = 1 + (2 if multi else 0) + (2 if experts else 0)
+    h2d = 3 + 2 + 1
     if experts:
         h2d += 1 + 2 * 2 + (2 if lay.ep > 1 else 0)
     if lay.has_optimizer and lay.distributed_optimizer:  # adam_dp_sharded: list indices on the clean table
