@@ -60,6 +60,9 @@ HYBRID_MOE = ["--hybrid", "*EE*", "--model", "moe"]
 HYBRID, MLA, MLA_MTP = ["--hybrid", "*-*-"], ["--model", "mla"], ["--model", "mla", "--mtp", "1"]
 MLA_MTP_PP = [*MLA_MTP, "--untied"]
 """MLA with an MTP layer at PP > 1: its embeddings untied, as DeepSeek-V3's (rule mtp-pp-tied-embeddings)."""
+DEEPSEEK = ["--model", "deepseek", "--layers", "2", "--mtp", "1"]
+"""A tiny DeepSeek-V3-style model (tests/bridge/tiny.py DEEPSEEK_MOE on MLAModelProvider): MLA, MoE
+with a shared expert and a sigmoid router with expert bias, one MTP layer."""
 TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(processes, layout)] run at SM90, then back at SM100)
     "dense": [([], [ONE, (4, TP_SP + PP_VPP + RECOMPUTE)]), ([], [DP_CP])],
     "hybrid": [(HYBRID, [ONE, (4, TP_SP + ["--pp", "2"] + RECOMPUTE)]), (HYBRID, [DP_CP])],
@@ -68,20 +71,19 @@ TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(process
     "moe": [(moe, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, TP_SP_EP + WEIGHTS), (2, ["--pp", "2", *WEIGHTS])])
             for moe in (MOE_TE, HYBRID_MOE)],
     "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA_MTP_PP, [(2, PP_VPP)])],
-    # the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer):
-    # EP=2 behind the all-to-all dispatcher -> PP=2, the MTP layer on the last stage
     # DP=2 x CP=2 with the distributed optimizer and full recompute; TP=2 with SP x EP=2 x expert TP=2
     # (four processes, each rank two experts' halves), the GPT's after four layers at PP=2 x VPP=2
     "moe_wide": [*[(moe, [(4, DISTOPT + CP + RECOMPUTE)]) for moe in (MOE_TE, HYBRID_MOE)],
                  ([*MOE_TE, "--layers", "4"], [(2, PP_VPP + WEIGHTS), (4, TP_SP_ETP + WEIGHTS)]),
                  (HYBRID_MOE, [(4, TP_SP_ETP + WEIGHTS)])],
-    "deepseek": [(["--model", "deepseek", "--layers", "2", "--mtp", "1"],
-                  [(2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
+    # the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer):
+    # EP=2 behind the all-to-all dispatcher -> PP=2, the MTP layer on the last stage
+    "deepseek": [(DEEPSEEK, [(2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
 }
-"""MLA with an MTP layer covers MLA's and MTP's one process, CP, TP, DP and recompute; MLA alone its pipelining."""
+"""MLA with an MTP layer covers MLA's and MTP's one process, CP, TP, DP, recompute and pipelining."""
 EMULATED = [MLA_MTP_PP + PP_VPP, MLA_MTP + DISTOPT + RECOMPUTE, ["--mtp", "1", "--tp", "2"]]
-"""Two processes each: MLA with an MTP layer at PP=2 x VPP=2 (untied embeddings); MLA with an MTP layer at DP=2 (distributed optimizer, full
-recompute); the GPT with an MTP layer at TP=2."""
+"""Two processes each: MLA with an MTP layer at PP=2 x VPP=2 (untied embeddings); MLA with an MTP
+layer at DP=2 (distributed optimizer, full recompute); the GPT with an MTP layer at TP=2."""
 MOE = ["--model", "moe", "--layers", "2"]
 """The tiny Qwen3-MoE (tests/bridge/tiny.py QWEN3_MOE: 4 SequentialMLP experts, top-2, every layer MoE)."""
 
@@ -194,11 +196,6 @@ def test_emulated_qwen3_moe_at_ep2_resumed_at_pp2_and_etp2_and_at_dp2_and_pp2_vp
     check_launch(dp, 0, 2, sm=None, start=0, resumed=None)
     plan = check_launch(vpp, 0, 2, sm=None, start=0, resumed=None)
     assert {k for k in plan if k.endswith("expert_fc1")} == {f"{layer}.expert_fc1" for layer in range(1, 5)}
-
-
-DEEPSEEK = ["--model", "deepseek", "--layers", "2", "--mtp", "1"]
-"""A tiny DeepSeek-V3-style model (tests/bridge/tiny.py DEEPSEEK_MOE on MLAModelProvider): MLA, MoE
-with a shared expert and a sigmoid router with expert bias, one MTP layer."""
 
 
 def test_emulated_deepseek_style_at_ep2_resumed_at_pp2(tmp_path):
