@@ -49,7 +49,6 @@ MLA_LINEARS = (
 q_lora_rank). The TE spec builds the down-projections as TELinear(parallel_mode="duplicated"); the
 local spec as ColumnParallelLinear (SNIP's specs duplicate them as TE does): `module_kind` reads it."""
 MLA_DOWN = tuple(s.name for s in MLA_LINEARS if s.kind is ParallelKind.DUPLICATED)
-
 EXPERT_LINEARS = (
     LinearSlot("expert_fc1", "mlp.experts.linear_fc1", ParallelKind.COLUMN),
     LinearSlot("expert_fc2", "mlp.experts.linear_fc2", ParallelKind.ROW),
@@ -71,6 +70,7 @@ MOE_LINEARS = EXPERT_LINEARS + SHARED_EXPERT_LINEARS + LATENT_LINEARS
 NAMES = ("linear_qkv",) + tuple(s.name for s in MLA_LINEARS) + LINEAR_NAMES[1:] + tuple(
     s.name for s in (LATENT_LINEARS[0], *EXPERT_LINEARS, LATENT_LINEARS[1], *SHARED_EXPERT_LINEARS))
 """Every linear name a GPT layer can have, in forward order (a layer has a dense MLP or an MoE layer)."""
+INPUT_READ_BY_ANOTHER = ("linear_kv_down_proj", "shared_expert_fc1")  # inputs kept anyway: stats/scale_bytes.py
 MTP = "mtp."
 """Multi-token prediction's prefix: key (depth k, "mtp.<name>") names linear <name> of MTP layer k
 (Megatron numbers them 1..D again); MTP keys sort after every decoder key (models.order)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from snip_megatron.models import gpt
 from snip_megatron.models.inventory import ParallelKind
 from snip_megatron.stats.scale_layout import WEIGHT_BLOCK_ELEMS, MeasureLayout, schedule
 
@@ -204,24 +205,21 @@ def noise_add_bytes(lay: MeasureLayout, name: str) -> int:
     return int(_noise_unpack(numel, full) + lay.act_bytes * min(numel, NOISE_CHUNK))
 
 
-NOT_HELD = ("linear_kv_down_proj", "shared_expert_fc1")
-"""Linears whose input the hooks hold at no cost of their own (the measured CPU run counts the
-storage once, tests/bench/test_measure_scale.py): MLA's kv down-projection reads the very tensor
-its query projection (linear_q_down_proj or linear_q_proj) reads, held for that one; a shared
-expert's fc1 reads the MoE layer's input, which Megatron's router saves for its own backward in
-a bare frozen pass too (moe_utils.RouterGatingLinearFunction saves its input unconditionally)."""
-
-
 def held_bytes(lay: MeasureLayout, chunk: "int | None" = None) -> int:
     """Layer inputs the hooks keep per micro-batch in flight on the stage (or one of its chunks;
-    see the module docstring); an expert unit's: every local expert's routed rows."""
+    see the module docstring); an expert unit's: every local expert's routed rows. The inputs of
+    gpt.INPUT_READ_BY_ANOTHER cost nothing of their own (the measured CPU run counts the storage
+    once, tests/bench/test_measure_scale.py): MLA's kv down-projection reads the very tensor its
+    query projection reads, held for that one; a shared expert's fc1 reads the MoE layer's input,
+    which Megatron's router saves for its own backward in a bare frozen pass too
+    (moe_utils.RouterGatingLinearFunction saves its input unconditionally)."""
     if lay.recompute == "full":
         return 0
     sp = lay.sequence_parallel and lay.tp > 1
     total = 0
     lin = lay.linears()
     for name, n in lay.copies(chunk).items():
-        if name.removeprefix("mtp.") in NOT_HELD:
+        if name.removeprefix(gpt.MTP) in gpt.INPUT_READ_BY_ANOTHER:
             continue
         kx = lin[name][2]
         if lay.is_expert(name):

@@ -10,7 +10,7 @@ Memory, per rank, in three parts:
 - held: the layer inputs X the clean and backward-noise hooks keep until their backward. A
   frozen pass would drop them (Megatron's frozen-weight linear saves no input), a training step
   keeps them for its wgrad; so they are extra over a bare frozen pass, not over training (an input
-  two linears share, or that Megatron holds anyway, counts once or not: scale_bytes.NOT_HELD). Under
+  two linears share, or that Megatron holds anyway, counts once or not: models.gpt.INPUT_READ_BY_ANOTHER). Under
   full recompute they live only while a layer is recomputed (not counted; training recomputes the
   same tensors).
 - transient: the largest working set of one hook (the token sample, its errors, one block of
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 # The layout (scale_layout.py) and the byte formulas (scale_bytes.py) live in their own files;
 # their names are this module's too.
 from snip_megatron.stats.scale_bytes import (  # noqa: F401
-    BLOCK_ELEMS, BLOCK_ROWS, CONTRACT_FIRST, FIELDS, FORMAT_BLOCKS, NOISE_CHUNK, NOT_HELD, TOKEN_CHUNK, _block_rows,
+    BLOCK_ELEMS, BLOCK_ROWS, CONTRACT_FIRST, FIELDS, FORMAT_BLOCKS, NOISE_CHUNK, TOKEN_CHUNK, _block_rows,
     _copy, _err_elems, _gathered, _gram_work, _grams, _index, _kept, _kept_min, _noise_unpack, _norm_temp,
     _precisions, _q, _sp, _stage_names, adam_bytes, bwd_noise_hook_bytes, clean_hook_bytes, clean_hook_phases,
     gx_hook_bytes, held_bytes, held_peak, in_flight, memory, noise_add_bytes, persistent_bytes,

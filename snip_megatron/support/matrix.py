@@ -186,10 +186,11 @@ TESTED: tuple[Run, ...] = (
     *(run for backend, _ in GENERATIONS for run in _runs(
         "bridge", "moe_te_grouped+hybrid_moe", backend,
         ("one", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe]"),
-        ("ep+pp+tp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe]"))),
+        ("ep+pp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe]"))),
     *(run for backend, _ in GENERATIONS for run in _runs(
         "bridge", "moe_te_grouped+hybrid_moe", backend,
-        ("dp+cp+recompute+tp+ep+etp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe_wide]"))),
+        ("cp+recompute", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe_wide]"),
+        ("tp+ep+etp+dp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe_wide]"))),
     *(run for backend, _ in GENERATIONS for run in _runs(
         "bridge", "moe_te_grouped", backend,
         ("vpp", BRIDGE_LAYOUT + "test_te_chains_across_layouts_and_generations[moe_wide]"))),

@@ -11,11 +11,10 @@ DP=2 x CP=2 (context parallelism: Bridge's gpt_step splits each micro-batch over
 attention runs over both halves) with the distributed optimizer, SM90 -> SM100 (a
 distributed-optimizer checkpoint and a plain one do not load into each other). The tiny Qwen3-MoE on
 TE's grouped experts (their token splits padded at Bridge's step seam), as a GPT and as the E layers of
-HybridModelProvider's '*EE*': one process -> EP=2 -> TP=2 with SP x EP=2 -> PP=2, each link loading
-the model, iteration and plan (not the optimizer, whose expert part changes with EP); the GPT also at
-DP=2 x CP=2 with the distributed optimizer and full recompute, and with four layers at PP=2 x VPP=2 ->
-TP=2 with SP x EP=2 x expert TP=2 (the HybridModel's at DP=2 x CP=2 and TP=2 with SP x EP=2 x expert
-TP=2, Bridge building no HybridModel under VPP); the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer)
+HybridModelProvider's '*EE*': one process -> EP=2 -> PP=2, each link loading the model, iteration and
+plan (not the optimizer, whose expert part changes with EP); and CP=2 with full recompute -> TP=2
+with SP x EP=2 x expert TP=2 and the distributed optimizer (four processes) -> PP=2 x VPP=2 (the GPT
+only: Bridge builds no HybridModel under VPP); the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer)
 so at EP=2 (all-to-all) -> PP=2. Multi-latent attention (MLAModelProvider) with an MTP layer: one
 process -> CP=2 -> the same on SM100 -> one process; TP=2 with SP x DP=2 with the distributed
 optimizer and full recompute, SM90 -> SM100; PP=2 x VPP=2 (embeddings untied: rule
@@ -48,11 +47,8 @@ SNIP = {90: {**SCHEDULE, "fp8_budget": 0.5}, 100: {**SCHEDULE, "fp4_budget": 0.5
 """Hopper: at least half the linear FLOPs in FP8 (so some linears go to BF16); Blackwell: half in FP4."""
 TP_SP, PP_VPP, DISTOPT, RECOMPUTE = ["--tp", "2", "--sp"], ["--pp", "2", "--vpp", "2"], ["--distopt"], ["--recompute"]
 CP = ["--cp", "2"]
-TP_SP_EP = [*TP_SP, "--ep", "2", "--etp", "1"]
-"""TP=2 with SP x EP=2 on two processes, the experts at expert TP 1 (Megatron's default, the TP size,
-would need four processes)."""
 TP_SP_ETP = [*TP_SP, "--ep", "2", "--etp", "2"]
-"""TP=2 with SP x EP=2 x expert TP=2 on four processes."""
+"""TP=2 with SP x EP=2 x expert TP=2 (four processes: DP=2, each rank two experts' halves)."""
 ONE, DP_CP = (1, []), (4, DISTOPT + CP)
 MOE_TE, WEIGHTS = ["--model", "moe", "--layers", "2"], ["--weights-only"]
 HYBRID_MOE = ["--hybrid", "*EE*", "--model", "moe"]
@@ -68,14 +64,15 @@ TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(process
     "hybrid": [(HYBRID, [ONE, (4, TP_SP + ["--pp", "2"] + RECOMPUTE)]), (HYBRID, [DP_CP])],
     # TE grouped experts; a link that moves the experts in or out of their own optimizer (EP > 1) loads
     # the model, iteration and plan only (Megatron's ChainedOptimizer cannot load the other structure)
-    "moe": [(moe, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, TP_SP_EP + WEIGHTS), (2, ["--pp", "2", *WEIGHTS])])
+    "moe": [(moe, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])
             for moe in (MOE_TE, HYBRID_MOE)],
     "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA_MTP_PP, [(2, PP_VPP)])],
-    # DP=2 x CP=2 with the distributed optimizer and full recompute; TP=2 with SP x EP=2 x expert TP=2
-    # (four processes, each rank two experts' halves), the GPT's after four layers at PP=2 x VPP=2
-    "moe_wide": [*[(moe, [(4, DISTOPT + CP + RECOMPUTE)]) for moe in (MOE_TE, HYBRID_MOE)],
-                 ([*MOE_TE, "--layers", "4"], [(2, PP_VPP + WEIGHTS), (4, TP_SP_ETP + WEIGHTS)]),
-                 (HYBRID_MOE, [(4, TP_SP_ETP + WEIGHTS)])],
+    # CP=2 with full recompute -> TP=2 with SP x EP=2 x expert TP=2 with the distributed optimizer (the
+    # model and plan loaded: a distributed-optimizer checkpoint and a plain one do not load into each
+    # other) -> the GPT with four layers at PP=2 x VPP=2 (Bridge builds no HybridModel under VPP)
+    "moe_wide": [([*MOE_TE, "--layers", "4"], [(2, CP + RECOMPUTE + WEIGHTS), (4, TP_SP_ETP + DISTOPT + WEIGHTS),
+                                                (2, PP_VPP + WEIGHTS)]),
+                 (HYBRID_MOE, [(2, CP + RECOMPUTE + WEIGHTS), (4, TP_SP_ETP + DISTOPT + WEIGHTS)])],
     # the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer):
     # EP=2 behind the all-to-all dispatcher -> PP=2, the MTP layer on the last stage
     "deepseek": [(DEEPSEEK, [(2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])],
