@@ -101,6 +101,24 @@ def exit_as_python_would(code: int) -> None:
     os._exit(code)
 
 
+def start_checkpoint_results_queue() -> None:
+    """Megatron's torch_dist save collects its writes' results through a multiprocessing Manager's
+    queue it starts once per process with the 'spawn' method (dist_checkpointing/strategies/
+    filesystem_async.py, `_results_queue`): a fresh interpreter that imports the rank's `__main__`,
+    over a second of CPU for every rank of every launch that saves. A rank forked from a server that
+    imported Megatron starts that queue here, with 'fork' as Megatron's persistent async checkpoint
+    worker does (training/async_utils.py), while it is still one thread; the queue and the writes
+    through it stay Megatron's."""
+    if "megatron.core" not in sys.modules:
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        import multiprocessing
+
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def rank_main(rank: int, launch: dict, port: int) -> None:
     """The forked rank: the launch's environment, folder and output files, the target; never returns
     (whatever fails, the rank's status says so and the server's loop does not go on in it)."""
@@ -123,6 +141,7 @@ def rank_main(rank: int, launch: dict, port: int) -> None:
                               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         os.chdir(launch["cwd"])
+        start_checkpoint_results_queue()
         code = 0
         run_target(launch["target"])
     except SystemExit as stop:
@@ -176,6 +195,12 @@ def serve(preload: list[str], reply_fd: int) -> None:
             pass
     # Forking is safe only from one thread (a lock held by another would stay held in the ranks).
     assert threading.active_count() == 1, f"a preloaded module started threads: {threading.enumerate()}"
+    # The preloaded objects out of the collector's reach: a rank's collections then leave their pages
+    # alone, so they stay shared with the server instead of being copied into every rank.
+    import gc
+
+    gc.collect()
+    gc.freeze()
     with os.fdopen(reply_fd, "w") as reply:
         reply.write("ready\n")
         reply.flush()
