@@ -102,6 +102,8 @@ def test_megatron_lms_loop_bypassing_a_wrapper_stops_naming_it(tmp_path, bypasse
                        *[a.format(tmp=tmp_path) for a in argv]], cwd=tmp_path, env=env, timeout=420, check=False,
                       preload=MEGATRON_LM)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert words in proc.stderr.splitlines()[-1], proc.stderr[-3000:]
-    assert "megatron-core 0." in proc.stderr.splitlines()[-1]
+    # the stop is the last word but for "[snip] " notices: the step's plan may still be solving in
+    # its thread, which the exit joins (its planner notice can follow)
+    last = [line for line in proc.stderr.splitlines() if not line.startswith("[snip] ")][-1]
+    assert words in last and "megatron-core 0." in last, proc.stderr[-3000:]
     assert " iteration        2/" not in proc.stdout  # stopped before a second step trained
