@@ -247,12 +247,6 @@ def held_peak(lay: MeasureLayout) -> tuple:
     return best, best_n
 
 
-def in_flight(lay: MeasureLayout) -> int:
-    """Forwards of (micro-batch, chunk) whose backward is pending on the modelled rank at the most
-    (without VPP: micro-batches, 1F1B warm-up + 1)."""
-    return held_peak(lay)[1]
-
-
 def adam_bytes(lay: MeasureLayout) -> int:
     """Reading AdamW's state of the largest weight shard: float64 blocks, and a float32 copy of
     each moment when they are stored scaled (FP16/FP8). The distributed optimizer shards a dense
@@ -283,8 +277,8 @@ def persistent_bytes(lay: MeasureLayout) -> int:
 
 
 def memory(lay: MeasureLayout) -> dict:
-    """Bytes per rank: held (per micro-batch in flight, x in_flight), the largest transient, and
-    the extra over training and over a bare frozen pass."""
+    """Bytes per rank: held (the most layer inputs in flight at once, held_peak), the largest
+    transient, and the extra over training and over a bare frozen pass."""
     hooks = {}
     mine = _stage_names(lay)
     for name in (n for n in lay.linears() if n in mine):

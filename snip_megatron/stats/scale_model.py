@@ -33,13 +33,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The layout (scale_layout.py) and the byte formulas (scale_bytes.py) live in their own files;
-# their names are this module's too.
+# The layout (scale_layout.py) and the byte formulas (scale_bytes.py) live in their own files; the
+# names its callers (bench/measure_scale.py, tests/stats/test_scale_model.py) use are this module's too.
 from snip_megatron.stats.scale_bytes import (  # noqa: F401
-    BLOCK_ELEMS, BLOCK_ROWS, CONTRACT_FIRST, FIELDS, FORMAT_BLOCKS, NOISE_CHUNK, TOKEN_CHUNK, _block_rows,
-    _copy, _err_elems, _gathered, _gram_work, _grams, _index, _kept, _kept_min, _noise_unpack, _norm_temp,
-    _precisions, _q, _sp, _stage_names, adam_bytes, bwd_noise_hook_bytes, clean_hook_bytes, clean_hook_phases,
-    gx_hook_bytes, held_bytes, held_peak, in_flight, memory, noise_add_bytes, persistent_bytes,
+    BLOCK_ELEMS, BLOCK_ROWS, FIELDS, NOISE_CHUNK, TOKEN_CHUNK, _block_rows, _gathered, _kept, _kept_min, adam_bytes,
+    bwd_noise_hook_bytes, clean_hook_bytes, clean_hook_phases, gx_hook_bytes, held_bytes, held_peak, memory,
+    persistent_bytes,
 )
 from snip_megatron.stats.scale_layout import (  # noqa: F401
     DEFAULT_QUANT_BYTES, DISPATCHER_SYNCS, WEIGHT_BLOCK_ELEMS, MeasureLayout, schedule,
