@@ -45,12 +45,12 @@ def results(out: Path) -> dict:
 def launch(root: Path, launches: list[dict], *, env: dict, timeout: float = 900) -> str:
     """Run `launches` ({"nproc", "argv", "env"}: worker arguments, each rank's extra environment; a
     "target" script instead of the worker) one after another, with `env` added to this process's
-    environment; rank r of launch i logs to root/log<i>/rank<r>.log. A failed launch stops the chain. Returns the first rank's log of each
-    launch, joined."""
+    environment; rank r of launch i logs to root/log<i>/rank<r>.log. A failed launch stops the
+    chain. Returns the first rank's log of each launch, joined."""
     for i, item in enumerate(launches):
         logs = root / f"log{i}"
-        proc = forked_launch([item.get("target", WORKER), *item["argv"]], nproc=item["nproc"], env=launch_env({**env, **item["env"]}),
-                             cwd=ROOT, timeout=timeout, preload=BRIDGE, rank_logs=logs)
+        proc = forked_launch([item.get("target", WORKER), *item["argv"]], nproc=item["nproc"],
+                             env=launch_env({**env, **item["env"]}), cwd=ROOT, timeout=timeout, preload=BRIDGE, rank_logs=logs)
         assert proc.returncode == 0, f"launch {i} {item['argv']} failed:\n" + "\n".join(
             f"--- rank {r}\n{(logs / f'rank{r}.log').read_text()[-6000:]}" for r in range(item["nproc"]))
     return "\n".join((root / f"log{i}" / "rank0.log").read_text() for i in range(len(launches)))

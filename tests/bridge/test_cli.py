@@ -114,17 +114,18 @@ def cli_launch(root: Path, recipe: str, *overrides: str, resume: bool, sm: "int 
             "env": {"TE_DOUBLE_COMPUTE_CAPABILITY": f"{sm // 10}.{sm % 10}"} if sm else {}}
 
 
-def check_cli_run(log: str, root: Path, step: int, resumed: "dict | None") -> dict:
+def check_cli_run(log: str, root: Path, step: int, resumed: "Plan | None") -> Plan:
     """The launch re-planned at `step` (from the checkpoint's plan when resumed) and saved SNIP's
     state there; returns the saved plan."""
+    from tests.pretrain.test_runs import state_of
+
     lines = log.splitlines()
-    counts = {p: list(resumed.values()).count(p) for p in ("bf16", "fp8", "fp4")} if resumed else None
-    source = f"plan: checkpoint {counts}" if resumed else "plan: initial fp8"
+    source = f"plan: checkpoint {resumed.counts()}" if resumed else "plan: initial fp8"
     assert source in lines[0], lines[0]  # the rest of the launch's "[snip] on; ..." line
     assert any(line.startswith(f"[snip] step {step}: plan") for line in lines), lines
-    state = json.loads((root / "ckpt" / f"iter_{step:07d}" / "snip_state.json").read_text())
+    state = state_of(root / "ckpt", step)
     assert state["iteration"] == step
-    return {str(k): p.value for k, p in Plan.from_dict(state["plan"]).items()}
+    return Plan.from_dict(state["plan"])
 
 
 @pytest.mark.launches
@@ -145,9 +146,10 @@ def test_moe_recipes_at_ep2_resumed_at_pp2_through_the_command(tmp_path):
                    env={"PYTHONPATH": double_pythonpath(apex=True)})]
     for root, log in zip((qwen, deepseek), logs):
         first, second = log.split("[snip] on;")[1:]  # each launch's rank-0 log
-        plan = check_cli_run(first, root, 3, None)
+        saved = check_cli_run(first, root, 3, None)
+        replanned = check_cli_run(second, root, 6, saved)
+        plan, replanned = ({str(k): p.value for k, p in q.items()} for q in (saved, replanned))
         assert {f"{layer}.expert_fc{j}" for layer in (1, 2) for j in (1, 2)} <= set(plan), plan
-        replanned = check_cli_run(second, root, 6, plan)
         if root == deepseek:  # SM90 then SM100: BF16/FP8, then FP8/FP4 with the MTP layer out of FP4
             assert "fp4" not in plan.values() and "fp4" in replanned.values(), (plan, replanned)
             assert any(k.startswith("1.mtp.") for k in replanned), replanned

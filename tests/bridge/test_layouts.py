@@ -14,19 +14,19 @@ TE's grouped experts (their token splits padded at Bridge's step seam), as a GPT
 HybridModelProvider's '*EE*': one process -> EP=2 -> PP=2, each link loading the model, iteration and
 plan (not the optimizer, whose expert part changes with EP); and CP=2 with full recompute -> TP=2
 with SP x EP=2 x expert TP=2 and the distributed optimizer (four processes) -> PP=2 x VPP=2 (the GPT
-only: Bridge builds no HybridModel under VPP); the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer)
-so at EP=2 (all-to-all) -> PP=2. Multi-latent attention (MLAModelProvider) with an MTP layer: one
-process -> CP=2 -> the same on SM100 -> one process; TP=2 with SP x DP=2 with the distributed
-optimizer and full recompute, SM90 -> SM100; PP=2 x VPP=2 (embeddings untied: rule
-mtp-pp-tied-embeddings), SM90 -> SM100. After every step every TE linear of every rank runs the controller's plan, with fused wgrad
+only: Bridge builds no HybridModel under VPP); the tiny DeepSeek-style provider (MLA, grouped
+experts with a shared expert, an MoE MTP layer) so at EP=2 (all-to-all) -> PP=2. Multi-latent
+attention (MLAModelProvider) with an MTP layer: one process -> CP=2 -> the same on SM100 -> one
+process; TP=2 with SP x DP=2 with the distributed optimizer and full recompute, SM90 -> SM100;
+PP=2 x VPP=2 (embeddings untied: rule mtp-pp-tied-embeddings), SM90 -> SM100. After every step
+every TE linear of every rank runs the controller's plan, with fused wgrad
 accumulation and the step's weights (tests/pretrain/test_te_runs.py's checks, through its probe on
 Bridge's controller), the ranks' TE linears together are the whole plan, and every core attention
 attended its CP share of the queries against all keys.
 
 On the emulated backend (Bridge's local spec with SNIP's linears; no sequence parallelism, which the
 local spec's torch norms refuse and MLA needs at TP > 1): MLA with an MTP layer at PP=2 x VPP=2 (the
-MTP layer on the last rank), MLA with an MTP layer
-at DP=2 with the distributed optimizer and full recompute (saved: SNIP's TP-duplicated MLA
+MTP layer on the last rank), MLA with an MTP layer at DP=2 with the distributed optimizer and full recompute (saved: SNIP's TP-duplicated MLA
 down-projections name their DP replicas), the GPT with an MTP layer at TP=2.
 
 Each launch's ranks are forked from one process that imported Bridge once (tests/forked.py).
@@ -50,7 +50,9 @@ CP = ["--cp", "2"]
 TP_SP_ETP = [*TP_SP, "--ep", "2", "--etp", "2"]
 """TP=2 with SP x EP=2 x expert TP=2 (four processes: DP=2, each rank two experts' halves)."""
 ONE, DP_CP = (1, []), (4, DISTOPT + CP)
-MOE_TE, WEIGHTS = ["--model", "moe", "--layers", "2"], ["--weights-only"]
+MOE, WEIGHTS = ["--model", "moe", "--layers", "2"], ["--weights-only"]
+"""The tiny Qwen3-MoE (tests/bridge/tiny.py QWEN3_MOE: 4 experts, top-2, every layer MoE): SequentialMLP
+experts on the emulated linears, TE's grouped experts with --te."""
 HYBRID_MOE = ["--hybrid", "*EE*", "--model", "moe"]
 """HybridModelProvider's '*EE*' with the tiny Qwen3-MoE's experts (PP=2: '*E' and 'E*', an E layer a stage)."""
 HYBRID, MLA, MLA_MTP = ["--hybrid", "*-*-"], ["--model", "mla"], ["--model", "mla", "--mtp", "1"]
@@ -65,12 +67,12 @@ TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(process
     # TE grouped experts; a link that moves the experts in or out of their own optimizer (EP > 1) loads
     # the model, iteration and plan only (Megatron's ChainedOptimizer cannot load the other structure)
     "moe": [(moe, [(1, WEIGHTS), (2, ["--ep", "2", *WEIGHTS]), (2, ["--pp", "2", *WEIGHTS])])
-            for moe in (MOE_TE, HYBRID_MOE)],
+            for moe in (MOE, HYBRID_MOE)],
     "mla_mtp": [(MLA_MTP, [ONE, (2, CP)]), (MLA_MTP, [(4, TP_SP + DISTOPT + RECOMPUTE)]), (MLA_MTP_PP, [(2, PP_VPP)])],
     # CP=2 with full recompute -> TP=2 with SP x EP=2 x expert TP=2 with the distributed optimizer (the
     # model and plan loaded: a distributed-optimizer checkpoint and a plain one do not load into each
     # other) -> the GPT with four layers at PP=2 x VPP=2 (Bridge builds no HybridModel under VPP)
-    "moe_wide": [([*MOE_TE, "--layers", "4"], [(2, CP + RECOMPUTE + WEIGHTS), (4, TP_SP_ETP + DISTOPT + WEIGHTS),
+    "moe_wide": [([*MOE, "--layers", "4"], [(2, CP + RECOMPUTE + WEIGHTS), (4, TP_SP_ETP + DISTOPT + WEIGHTS),
                                                 (2, PP_VPP + WEIGHTS)]),
                  (HYBRID_MOE, [(2, CP + RECOMPUTE + WEIGHTS), (4, TP_SP_ETP + DISTOPT + WEIGHTS)])],
     # the tiny DeepSeek-style provider (MLA, grouped experts with a shared expert, an MoE MTP layer):
@@ -81,8 +83,6 @@ TE_CHAINS = {  # test: its chains, each (the worker's model arguments, [(process
 EMULATED = [MLA_MTP_PP + PP_VPP, MLA_MTP + DISTOPT + RECOMPUTE, ["--mtp", "1", "--tp", "2"]]
 """Two processes each: MLA with an MTP layer at PP=2 x VPP=2 (untied embeddings); MLA with an MTP
 layer at DP=2 (distributed optimizer, full recompute); the GPT with an MTP layer at TP=2."""
-MOE = ["--model", "moe", "--layers", "2"]
-"""The tiny Qwen3-MoE (tests/bridge/tiny.py QWEN3_MOE: 4 SequentialMLP experts, top-2, every layer MoE)."""
 
 
 def generations(links: list) -> list[tuple[int, list, int]]:
