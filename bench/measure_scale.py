@@ -241,9 +241,6 @@ class HostSyncs(TorchDispatchMode):
             self.counts[(who, what)] = self.counts.get((who, what), 0) + 1
             self.sites[(who, what, self.where)] = self.sites.get((who, what, self.where), 0) + 1
 
-    def get(self, who: str, what: str) -> int:
-        return self.counts.get((who, what), 0)
-
     def __enter__(self):
         counter = self
 
@@ -491,8 +488,6 @@ def deepseek_worker(out: str) -> None:
     build = dict(mla=mla, mtp_num_layers=1, **moe.config_fields())
     got = _measure_case(DS_SMALL, r["micro_batch_size"], r["microbatches"], "none", None, False, torch.float32,
                         parallel=dict(tp=1, pp=r["pp"], vpp=r["vpp"]), build=build)
-    from megatron.core import parallel_state as ps  # noqa: F401  (destroyed by _measure_case)
-
     rank = dist.get_rank()
     record = {"rank": rank, "stage": rank, "peak": got["peak"], "bare": got["bare"], "keys": got["keys"],
               "hooks": [[h, n, v, got["rows"].get((h, n), 0)] for (h, n), v in sorted(got["hooks"].items())],
